@@ -1,0 +1,1 @@
+"""Workloads (traces and generators), replay drivers and reports for the benchmarks."""

@@ -1,0 +1,28 @@
+"""The ``kvroute`` command line: one entry point, one module per command group.
+
+Each command group lives in ``kvroute/commands/<group>.py`` and owns its own options; this
+file only assembles them, so adding a command never edits another command's code.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from kvroute.commands import demo as demo_cmd
+from kvroute.commands import hash as hash_cmd
+
+app = typer.Typer(
+    name="kvroute",
+    help="A KV-cache-aware router for LLM inference fleets.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
+app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

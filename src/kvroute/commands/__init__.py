@@ -1,0 +1,1 @@
+"""Command groups of the ``kvroute`` CLI, one module each (assembled in ``kvroute.cli``)."""
