@@ -1,0 +1,245 @@
+"""Replica selection: the policy seam and kvroute's own cost model.
+
+Every policy answers one question: given a request and the candidate replicas of one pool
+(each with its load snapshot and its prefix match from the index), which replica, and in
+which order should the others be tried if it fails? Policies are pure: they take a seeded
+``random.Random`` and read time only from the request (``now_s``).
+
+kvroute's policy (``KvrouteCostPolicy``) scores each replica by the time to first token it
+would give this request, plus a small charge for the prefill work it would cause:
+
+    credit_r    = gpu_r·1.0 + cpu_r·0.75 + storage_r·0.25 + predicted_r·1.0      (blocks)
+    cached_r    = min(credit_r·B, ⌊(n−1)/B⌋·B)        a hit never covers the last token
+    prefill_r   = n − cached_r                        tokens this replica would still compute
+    queue_r     = outstanding prefill tokens already sent to r
+    ttft_r      = (queue_r + prefill_r) / rate_r · (1 + decode_slowdown · decoding_r)
+    cost_r      = ttft_r + work_weight · prefill_r / rate_r
+
+Worked example (B = 16, n = 1,000, every rate 10,000 tok/s, decode_slowdown 0, work_weight 0.5):
+
+    replica  cached  queue   prefill  ttft     cost
+    A        992     9,000   8        0.9008   0.9012      holds the prefix, but deep queue
+    B        0       0       1,000    0.1000   0.1500      cold and idle  ← chosen
+    C        496     2,000   504      0.2504   0.2756      half cached, some queue
+
+Why a cost and not a rule: thresholds ("stick to the cached replica unless the gap exceeds 64
+requests and 1.5×") are what send 48 concurrent requests 48/0/0/0 in SGLang's router and
+vllm-router. Cache affinity expressed in seconds trades off against queueing automatically:
+a hot replica loses as soon as its queue costs more than the prefill another would redo, a
+fresh replica wins as soon as it is faster, and prompts with no shared prefix reduce to
+least-outstanding-work balancing.
+
+Why the ``work_weight`` term: when the time to first token ties (sibling requests sent in one
+burst: waiting behind the first sibling's prefill on A costs as much as computing it anew on
+idle B), the replica that reuses the cache should win, because it saves the fleet's compute
+for everyone else. At 0.5 a request accepts waiting behind up to half the prefill it saves:
+a burst of about ten siblings of one prompt stays together, while distinct suffixes behind a
+shared system prompt spread as soon as their own queue builds up.
+
+Ties are broken by least-recently-chosen, then randomly; never by list order (list order is
+how peers send every cold request at low load to the first worker).
+
+The peers' policies live in ``core/peer_policies.py`` and implement the same ``Policy`` seam.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvroute.core.index import PrefixMatch
+from kvroute.core.load import ReplicaLoad
+from kvroute.core.types import ReplicaId, WireHash
+
+GPU_CREDIT = 1.0
+CPU_CREDIT = 0.75
+STORAGE_CREDIT = 0.25
+# Relative tolerance within which two costs count as a tie.
+TIE_TOLERANCE = 1e-9
+
+
+NO_MATCH = PrefixMatch()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInput:
+    """What a policy may know about the request being routed.
+
+    Attributes:
+        request_id: unique id of the request.
+        num_prompt_tokens: exact or estimated prompt length in tokens.
+        block_size: the pool's engine block size (tokens per hashed block).
+        block_hashes: the prompt's full-block hashes in the engines' wire form (may be empty
+            in approximate mode).
+        expected_output_tokens: the output budget the request asked for (or a default).
+        now_s: the router clock at decision time.
+        session_id: the session the request belongs to, if any.
+        routing_text: the prompt as text, for text-matching peer policies (``needs_text``).
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    block_size: int
+    block_hashes: Sequence[WireHash] = ()
+    expected_output_tokens: int = 256
+    now_s: float = 0.0
+    session_id: str | None = None
+    routing_text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One replica a policy may choose, with what is known about it."""
+
+    replica: ReplicaId
+    load: ReplicaLoad
+    match: PrefixMatch = NO_MATCH
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """A policy's answer.
+
+    Attributes:
+        ranking: every candidate, best first; ``ranking[0]`` is the choice and the rest are
+            the order in which a failed attempt is retried.
+        expected_cached_tokens: prefix tokens the policy expects the chosen replica to serve
+            from cache (``x-kvroute-cached-tokens``), per replica.
+        scores: the score each replica got (cost or score, policy-specific), for logs.
+        reason: a short word for metrics and logs (``cost``, ``cache``, ``balance``...).
+    """
+
+    ranking: tuple[ReplicaId, ...]
+    expected_cached_tokens: dict[ReplicaId, int] = field(default_factory=dict)
+    scores: dict[ReplicaId, float] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def replica(self) -> ReplicaId:
+        return self.ranking[0]
+
+
+class Policy(Protocol):
+    """A replica-selection policy (kvroute's or a peer's)."""
+
+    name: str
+    needs_text: bool
+    """True when ``PolicyInput.routing_text`` must be filled in (text-matching peers)."""
+    uses_predicted: bool
+    """True when the router should record predicted index entries for this policy."""
+
+    def select(self, request: PolicyInput, candidates: Sequence[Candidate]) -> Selection:
+        """Rank ``candidates`` (non-empty) for ``request``."""
+        ...
+
+    def forget_replica(self, replica: ReplicaId) -> None:
+        """Drop any per-replica state (the replica left the pool)."""
+        ...
+
+
+def cached_tokens_for(match: PrefixMatch, num_prompt_tokens: int, block_size: int,
+                      *, predicted_credit: float = 1.0) -> float:
+    """Prefix tokens a replica is expected to serve from cache, in credit-weighted tokens.
+
+    Caps at the largest whole-block count below the prompt's last token, as vLLM does
+    (``max_cache_hit_length = num_tokens - 1``).
+    """
+    credit = (
+        match.num_gpu_blocks * GPU_CREDIT
+        + match.num_cpu_blocks * CPU_CREDIT
+        + match.num_storage_blocks * STORAGE_CREDIT
+        + match.num_predicted_blocks * predicted_credit
+    )
+    cap = ((num_prompt_tokens - 1) // block_size) * block_size if num_prompt_tokens > 0 else 0
+    return min(credit * block_size, float(cap))
+
+
+def rank_by_cost(
+    costs: dict[ReplicaId, float],
+    candidates: Sequence[Candidate],
+    rng: random.Random,
+    *,
+    lower_is_better: bool = True,
+) -> tuple[ReplicaId, ...]:
+    """Order replicas by cost; ties go to the least recently chosen, then at random.
+
+    The random key is drawn for every candidate so that the order never depends on the
+    candidates' list order.
+    """
+    sign = 1.0 if lower_is_better else -1.0
+    keyed = []
+    for cand in candidates:
+        cost = sign * costs[cand.replica]
+        keyed.append((cost, cand.load.last_chosen_s, rng.random(), cand.replica))
+    keyed.sort(key=lambda item: (item[0], item[1], item[2]))
+    # Collapse float noise: costs equal within the tolerance compare as equal.
+    ordered: list[tuple[float, float, float, ReplicaId]] = []
+    for item in keyed:
+        if ordered:
+            prev = ordered[-1][0]
+            if abs(item[0] - prev) <= TIE_TOLERANCE * max(1.0, abs(prev)):
+                item = (prev, item[1], item[2], item[3])
+        ordered.append(item)
+    ordered.sort(key=lambda item: (item[0], item[1], item[2]))
+    return tuple(item[3] for item in ordered)
+
+
+class KvrouteCostPolicy:
+    """kvroute's policy: predicted time to first token plus a small work charge.
+
+    See the module docstring for the formula and a worked example.
+    """
+
+    name = "kvroute"
+    needs_text = False
+    uses_predicted = True
+
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        work_weight: float = 0.5,
+        decode_slowdown: float = 0.0,
+        predicted_credit: float = 1.0,
+    ) -> None:
+        if work_weight < 0 or decode_slowdown < 0 or predicted_credit < 0:
+            raise ValueError(
+                "kvroute policy weights must be >= 0 (work_weight="
+                f"{work_weight}, decode_slowdown={decode_slowdown}, "
+                f"predicted_credit={predicted_credit})"
+            )
+        self._rng = rng
+        self.work_weight = work_weight
+        self.decode_slowdown = decode_slowdown
+        self.predicted_credit = predicted_credit
+
+    def predicted_ttft_s(self, request: PolicyInput, cand: Candidate) -> tuple[float, float]:
+        """Return ``(ttft_s, prefill_tokens)`` this replica would give the request."""
+        n = request.num_prompt_tokens
+        cached = cached_tokens_for(
+            cand.match, n, request.block_size, predicted_credit=self.predicted_credit
+        )
+        prefill = max(float(n) - cached, 1.0)
+        load = cand.load
+        rate = max(load.prefill_rate_tps, 1e-9)
+        slowdown = 1.0 + self.decode_slowdown * load.num_decoding
+        ttft = (load.outstanding_prefill_tokens + prefill) / rate * slowdown
+        return ttft, prefill
+
+    def select(self, request: PolicyInput, candidates: Sequence[Candidate]) -> Selection:
+        costs: dict[ReplicaId, float] = {}
+        cached_tokens: dict[ReplicaId, int] = {}
+        for cand in candidates:
+            ttft, prefill = self.predicted_ttft_s(request, cand)
+            rate = max(cand.load.prefill_rate_tps, 1e-9)
+            costs[cand.replica] = ttft + self.work_weight * prefill / rate
+            cached_tokens[cand.replica] = int(max(0.0, request.num_prompt_tokens - prefill))
+        ranking = rank_by_cost(costs, candidates, self._rng)
+        return Selection(
+            ranking=ranking, expected_cached_tokens=cached_tokens, scores=costs, reason="cost"
+        )
+
+    def forget_replica(self, replica: ReplicaId) -> None:
+        """Stateless across requests: nothing to forget."""

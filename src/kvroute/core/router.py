@@ -1,0 +1,362 @@
+"""RouterCore: the request walk as pure decisions (inputs in, decisions out).
+
+The live server (``shell``) and the virtual-time simulator (``sim.fleet``) drive the same
+``RouterCore``: the shell feeds it parsed requests, KV-event batches, health and engine
+metrics from real sockets; the simulator feeds it the same from engine models on a virtual
+clock. Nothing here waits, sends or reads a clock of its own.
+
+One owner: the prefix index, the load tracker and the per-pool policies change only through
+``RouterCore`` methods, and the shell calls them from one task, so no locks are needed.
+
+What ``route`` does, for a request already assigned to a pool (tier choice is
+``core/tiers.py``'s job, before this):
+
+1. hash the prompt's full blocks exactly as the pool's engines do (block size, algorithm,
+   seed and ``cache_salt`` read from the engines, never assumed) — or, in the pool's declared
+   *approximate* mode (no exact tokens available), hash chained text chunks instead, which
+   only predicted entries can match;
+2. ask the index, in the tenant's scope, how many leading blocks each healthy replica holds;
+3. let the pool's policy rank the replicas with their load snapshots;
+4. record the choice: the request's prefill as outstanding load on the chosen replica, and
+   (for policies that use them) its blocks as *predicted* index entries so that siblings sent
+   before the engine's ``BlockStored`` arrives co-locate.
+
+``reroute`` moves a request that failed before its first byte to the next replica of the same
+ranking, moving its accounting with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import xxhash
+
+from kvroute.core.clock import Clock
+from kvroute.core.errors import ConfigError, NoEligibleReplica
+from kvroute.core.events import EventBatch
+from kvroute.core.hashing import BlockHasher, LoraKey
+from kvroute.core.index import LookupScope, PrefixIndex
+from kvroute.core.load import LoadTracker
+from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
+from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
+
+APPROX_CHUNK_CHARS = 64
+"""Text chunk per pseudo-block in approximate mode (about 16 tokens of English)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """A replica as the router core needs it: its name and its configured prefill speed."""
+
+    name: ReplicaId
+    prefill_rate_tps: float = 10_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool of interchangeable replicas (same model, same window, same block hashing).
+
+    Attributes:
+        name: the pool's name.
+        replicas: its replicas.
+        block_size: tokens per hashed block, as the engines report it.
+        hash_algo: the engines' ``prefix_caching_hash_algo``.
+        hash_seed: the engines' ``PYTHONHASHSEED`` if they run with one.
+        approximate: no exact tokenization is available for this pool; route on text
+            chunks and predicted entries (declared, visible, never silent).
+    """
+
+    name: PoolName
+    replicas: tuple[ReplicaSpec, ...]
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    approximate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """A request ready to be placed in a pool.
+
+    Attributes:
+        request_id: unique id.
+        pool: the pool chosen for it (by the tier logic or the route's only pool).
+        scope: the tenant's lookup scope (required: index lookups fail closed).
+        num_prompt_tokens: exact or estimated prompt length.
+        prompt_token_ids: the exact prompt tokens as the engines will see them, if known.
+        routing_text: the prompt as text (approximate mode and text-matching peers).
+        cache_salt: the salt the engines will hash into block 0.
+        lora: the LoRA adapter, if the request targets one.
+        session_id: the session id, if any.
+        expected_output_tokens: the output budget (for load accounting).
+        exclude: replicas not to use (already failed for this request).
+    """
+
+    request_id: RequestId
+    pool: PoolName
+    scope: LookupScope
+    num_prompt_tokens: int
+    prompt_token_ids: Sequence[int] | None = None
+    routing_text: str = ""
+    cache_salt: str | None = None
+    lora: LoraKey | None = None
+    session_id: str | None = None
+    expected_output_tokens: int = 256
+    exclude: frozenset[ReplicaId] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """Where a request goes and why.
+
+    Attributes:
+        replica: the chosen replica.
+        ranking: every eligible replica, best first (retry order).
+        expected_cached_tokens: prefix tokens expected to be served from cache there.
+        block_hashes: the request's block hashes (wire form) used for the decision.
+        approximate: the decision used text chunks, not exact block hashes.
+        reason: the policy's reason word.
+        scores: per-replica scores, for logs.
+    """
+
+    request: RouteRequest
+    replica: ReplicaId
+    ranking: tuple[ReplicaId, ...]
+    expected_cached_tokens: int
+    block_hashes: tuple[WireHash, ...]
+    approximate: bool
+    reason: str
+    policy: str
+    scores: dict[ReplicaId, float] = field(default_factory=dict)
+    cached_by_replica: dict[ReplicaId, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Pool:
+    spec: PoolSpec
+    hasher: BlockHasher
+    policy: Policy
+    healthy: set[ReplicaId]
+
+
+def text_chunk_hashes(text: str, chunk_chars: int = APPROX_CHUNK_CHARS) -> list[WireHash]:
+    """Chained 64-bit hashes of the full ``chunk_chars`` chunks of ``text`` (approximate mode)."""
+    out: list[WireHash] = []
+    prev = 0
+    data = text.encode("utf-8")
+    for start in range(0, len(data) - chunk_chars + 1, chunk_chars):
+        prev = xxhash.xxh64_intdigest(data[start : start + chunk_chars], seed=prev)
+        out.append(WireHash(prev))
+    return out
+
+
+class RouterCore:
+    """The router's decisions and the state they rest on (index, load, per-pool policies)."""
+
+    def __init__(
+        self,
+        pools: Sequence[PoolSpec],
+        policy_factory: Callable[[], Policy],
+        *,
+        clock: Clock,
+        index: PrefixIndex | None = None,
+        predicted_ttl_s: float = 2.0,
+        approx_predicted_ttl_s: float = 120.0,
+    ) -> None:
+        if not pools:
+            raise ConfigError("the router needs at least one pool; add one under 'pools:'")
+        self._clock = clock
+        self.index = index or PrefixIndex(clock=clock, predicted_ttl_s=predicted_ttl_s)
+        # Approximate pools have no engine events to confirm predictions, so they live longer
+        # in an index of their own (Dynamo's approximate mode uses 120 s).
+        self.approx_index = PrefixIndex(clock=clock, predicted_ttl_s=approx_predicted_ttl_s)
+        self.load = LoadTracker()
+        self._pools: dict[PoolName, _Pool] = {}
+        self._pool_of: dict[ReplicaId, PoolName] = {}
+        for spec in pools:
+            if spec.name in self._pools:
+                raise ConfigError(f"pool {spec.name!r} is defined twice; pool names must be unique")
+            if not spec.replicas:
+                raise ConfigError(f"pool {spec.name!r} has no replicas; list at least one")
+            for rep in spec.replicas:
+                if rep.name in self._pool_of:
+                    raise ConfigError(
+                        f"replica {rep.name!r} appears in pools {self._pool_of[rep.name]!r} and "
+                        f"{spec.name!r}; replica names must be unique across pools"
+                    )
+                self._pool_of[rep.name] = spec.name
+                self.load.add_replica(rep.name, prefill_rate_tps=rep.prefill_rate_tps)
+            self._pools[spec.name] = _Pool(
+                spec=spec,
+                hasher=BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed),
+                policy=policy_factory(),
+                healthy={rep.name for rep in spec.replicas},
+            )
+
+    # -- configuration learned at run time --------------------------------------------------
+
+    def pool(self, name: PoolName) -> PoolSpec:
+        return self._pool(name).spec
+
+    def pool_names(self) -> list[PoolName]:
+        return list(self._pools)
+
+    def pool_of(self, replica: ReplicaId) -> PoolName:
+        return self._pool_of[replica]
+
+    def set_pool_hashing(
+        self, pool: PoolName, *, block_size: int, hash_algo: str, hash_seed: str | None = None,
+        approximate: bool | None = None,
+    ) -> None:
+        """Adopt the block size and hash algorithm the engines reported (discovery)."""
+        entry = self._pool(pool)
+        spec = entry.spec
+        new = PoolSpec(spec.name, spec.replicas, block_size, hash_algo, hash_seed,
+                       spec.approximate if approximate is None else approximate)
+        if new != spec:
+            entry.hasher = BlockHasher(hash_algo, block_size, hash_seed)
+            entry.spec = new
+
+    # -- health and events --------------------------------------------------------------------
+
+    def set_healthy(self, replica: ReplicaId, healthy: bool) -> None:
+        """Take a replica out of routing and out of the index, or bring it back."""
+        entry = self._pool(self._pool_of[replica])
+        if healthy:
+            entry.healthy.add(replica)
+            return
+        entry.healthy.discard(replica)
+        self.index.clear_replica(replica)
+        self.approx_index.clear_replica(replica)
+        self.load.reset_replica(replica)
+
+    def is_healthy(self, replica: ReplicaId) -> bool:
+        return replica in self._pool(self._pool_of[replica]).healthy
+
+    def apply_events(self, replica: ReplicaId, batch: EventBatch) -> None:
+        """Apply one KV-event batch from ``replica``'s engine, in sequence order."""
+        self.index.apply_batch(replica, batch)
+
+    def reset_replica_index(self, replica: ReplicaId) -> None:
+        """Forget what ``replica`` caches (event gap not recoverable, or engine restarted)."""
+        self.index.clear_replica(replica)
+
+    def on_engine_metrics(self, replica: ReplicaId, *, running: int | None,
+                          waiting: int | None, kv_usage: float | None) -> None:
+        self.load.on_engine_metrics(replica, running=running, waiting=waiting, kv_usage=kv_usage)
+
+    # -- routing --------------------------------------------------------------------------
+
+    def block_hashes(self, request: RouteRequest) -> tuple[tuple[WireHash, ...], bool]:
+        """The request's block hashes and whether they are approximate (text chunks)."""
+        entry = self._pool(request.pool)
+        if entry.spec.approximate or request.prompt_token_ids is None:
+            return tuple(text_chunk_hashes(request.routing_text)), True
+        hashes = entry.hasher.wire_hashes(
+            request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora
+        )
+        return tuple(hashes), False
+
+    def route(self, request: RouteRequest) -> RoutingDecision:
+        """Choose a replica for ``request`` and record the choice (load, predictions).
+
+        Raises:
+            NoEligibleReplica: every replica of the pool is unhealthy or excluded.
+            ScopeError: the request carries no valid tenant scope.
+        """
+        entry = self._pool(request.pool)
+        hashes, approximate = self.block_hashes(request)
+        index = self.approx_index if approximate else self.index
+        matches = index.match(hashes, request.scope)
+        candidates = [
+            Candidate(replica, self.load.snapshot(replica), matches.get(replica, NO_MATCH))
+            for replica in (rep.name for rep in entry.spec.replicas)
+            if replica in entry.healthy and replica not in request.exclude
+        ]
+        if not candidates:
+            raise NoEligibleReplica(
+                f"no healthy replica in pool {request.pool!r} for request {request.request_id} "
+                f"(excluded: {sorted(request.exclude)}); check the engines' /health"
+            )
+        policy_input = PolicyInput(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_size=APPROX_CHUNK_CHARS // 4 if approximate else entry.spec.block_size,
+            block_hashes=hashes,
+            expected_output_tokens=request.expected_output_tokens,
+            now_s=self._clock.now(),
+            session_id=request.session_id,
+            routing_text=request.routing_text if entry.policy.needs_text else "",
+        )
+        selection = entry.policy.select(policy_input, candidates)
+        decision = RoutingDecision(
+            request=request,
+            replica=selection.replica,
+            ranking=selection.ranking,
+            expected_cached_tokens=selection.expected_cached_tokens.get(selection.replica, 0),
+            block_hashes=hashes,
+            approximate=approximate,
+            reason=selection.reason,
+            policy=entry.policy.name,
+            scores=selection.scores,
+            cached_by_replica=selection.expected_cached_tokens,
+        )
+        self._commit(decision, entry)
+        return decision
+
+    def reroute(self, decision: RoutingDecision, failed: ReplicaId) -> RoutingDecision | None:
+        """Move a request that failed on ``failed`` before its first byte to the next replica.
+
+        Returns ``None`` when the ranking has no other healthy replica left.
+        """
+        self.load.on_complete(failed, decision.request.request_id)
+        entry = self._pool(decision.request.pool)
+        tried = decision.request.exclude | {failed}
+        for replica in decision.ranking:
+            if replica in tried or replica not in entry.healthy:
+                continue
+            request = replace(decision.request, exclude=tried)
+            moved = RoutingDecision(
+                request=request,
+                replica=replica,
+                ranking=decision.ranking,
+                expected_cached_tokens=decision.cached_by_replica.get(replica, 0),
+                block_hashes=decision.block_hashes,
+                approximate=decision.approximate,
+                reason="retry",
+                policy=decision.policy,
+                scores=decision.scores,
+                cached_by_replica=decision.cached_by_replica,
+            )
+            self._commit(moved, entry)
+            return moved
+        return None
+
+    def on_first_token(self, replica: ReplicaId, request_id: RequestId) -> None:
+        self.load.on_first_token(replica, request_id, now_s=self._clock.now())
+
+    def on_complete(self, replica: ReplicaId, request_id: RequestId) -> None:
+        self.load.on_complete(replica, request_id)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _commit(self, decision: RoutingDecision, entry: _Pool) -> None:
+        request = decision.request
+        self.load.on_dispatch(
+            decision.replica,
+            request.request_id,
+            prefill_tokens=max(1, request.num_prompt_tokens - decision.expected_cached_tokens),
+            prompt_tokens=request.num_prompt_tokens,
+            expected_output_tokens=request.expected_output_tokens,
+            now_s=self._clock.now(),
+        )
+        if decision.block_hashes and (entry.policy.uses_predicted or decision.approximate):
+            index = self.approx_index if decision.approximate else self.index
+            index.add_predicted(decision.replica, decision.block_hashes, request.scope)
+
+    def _pool(self, name: PoolName) -> _Pool:
+        entry = self._pools.get(name)
+        if entry is None:
+            raise ConfigError(f"unknown pool {name!r}; known pools: {sorted(self._pools)}")
+        return entry

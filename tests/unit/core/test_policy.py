@@ -1,0 +1,91 @@
+"""kvroute's cost model and the tie-breaking rules shared by every policy."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvroute.core.load import ReplicaLoad
+from kvroute.core.index import PrefixMatch
+from kvroute.core.policy import (
+    Candidate,
+    KvrouteCostPolicy,
+    PolicyInput,
+    cached_tokens_for,
+    rank_by_cost,
+)
+from kvroute.core.types import ReplicaId
+
+
+def cand(name: str, *, queue: int = 0, gpu: int = 0, predicted: int = 0, rate: float = 10_000.0,
+         in_flight: int = 0, last: float = float("-inf")) -> Candidate:
+    return Candidate(
+        ReplicaId(name),
+        ReplicaLoad(outstanding_prefill_tokens=queue, prefill_rate_tps=rate,
+                    num_in_flight=in_flight, last_chosen_s=last),
+        PrefixMatch(num_gpu_blocks=gpu, num_predicted_blocks=predicted),
+    )
+
+
+def test_worked_example_from_the_docstring() -> None:
+    policy = KvrouteCostPolicy(random.Random(0), work_weight=0.5)
+    req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
+    sel = policy.select(req, [cand("A", queue=9000, gpu=62), cand("B"), cand("C", queue=2000, gpu=31)])
+    assert sel.ranking == ("B", "C", "A")
+    assert sel.scores["A"] == pytest.approx(0.9012)
+    assert sel.scores["B"] == pytest.approx(0.15)
+    assert sel.scores["C"] == pytest.approx(0.2756)
+    assert sel.expected_cached_tokens == {"A": 992, "B": 0, "C": 496}
+
+
+def test_hit_never_covers_the_last_token() -> None:
+    # 64 tokens fully cached in 4 blocks of 16: vLLM recomputes the last block.
+    assert cached_tokens_for(PrefixMatch(num_gpu_blocks=4), 64, 16) == 48
+    assert cached_tokens_for(PrefixMatch(num_gpu_blocks=4), 65, 16) == 64
+    assert cached_tokens_for(PrefixMatch(num_cpu_blocks=4), 65, 16) == 48  # 0.75 credit
+
+
+def test_sibling_with_predicted_prefix_colocates() -> None:
+    """A burst sibling prefers the replica already computing the same prompt."""
+    policy = KvrouteCostPolicy(random.Random(0))
+    req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
+    sel = policy.select(req, [cand("B"), cand("A", queue=1000, predicted=62)])
+    assert sel.replica == "A"
+
+
+def test_hot_replica_loses_once_its_queue_costs_more_than_a_recompute() -> None:
+    policy = KvrouteCostPolicy(random.Random(0))
+    req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
+    assert policy.select(req, [cand("hot", queue=500, gpu=62), cand("cold")]).replica == "hot"
+    assert policy.select(req, [cand("hot", queue=5000, gpu=62), cand("cold")]).replica == "cold"
+
+
+def test_faster_replica_wins_on_learned_rate() -> None:
+    policy = KvrouteCostPolicy(random.Random(0))
+    req = PolicyInput("r", num_prompt_tokens=4000, block_size=16)
+    sel = policy.select(req, [cand("slow", rate=2000.0), cand("fast", rate=8000.0)])
+    assert sel.replica == "fast"
+
+
+def test_ties_are_not_broken_by_list_order() -> None:
+    policy = KvrouteCostPolicy(random.Random(7))
+    req = PolicyInput("r", num_prompt_tokens=100, block_size=16)
+    firsts = Counter(
+        policy.select(req, [cand("a"), cand("b"), cand("c"), cand("d")]).replica
+        for _ in range(400)
+    )
+    assert set(firsts) == {"a", "b", "c", "d"}
+    assert min(firsts.values()) > 60
+
+
+def test_ties_prefer_the_least_recently_chosen() -> None:
+    costs = {ReplicaId("a"): 1.0, ReplicaId("b"): 1.0}
+    order = rank_by_cost(costs, [cand("a", last=5.0), cand("b", last=1.0)], random.Random(0))
+    assert order == ("b", "a")
+
+
+def test_negative_weights_are_refused() -> None:
+    with pytest.raises(ValueError, match="work_weight"):
+        KvrouteCostPolicy(random.Random(0), work_weight=-1)

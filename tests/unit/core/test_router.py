@@ -1,0 +1,178 @@
+"""RouterCore: the request walk as pure decisions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvroute.core.clock import ManualClock
+from kvroute.core.errors import ConfigError, NoEligibleReplica, ScopeError
+from kvroute.core.events import BlockStored, EventBatch
+from kvroute.core.hashing import BlockHasher
+from kvroute.core.index import TenantScope
+from kvroute.core.peer_policies import make_policy
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouteRequest, RouterCore, text_chunk_hashes
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, to_wire_hash
+
+POOL = PoolName("p")
+ACME = TenantScope(TenantName("acme"))
+REPLICAS = tuple(ReplicaSpec(ReplicaId(f"r{i}"), prefill_rate_tps=10_000.0) for i in range(4))
+
+
+def core(policy: str = "kvroute", *, approximate: bool = False) -> tuple[RouterCore, ManualClock]:
+    clock = ManualClock()
+    rng = random.Random(0)
+    rc = RouterCore([PoolSpec(POOL, REPLICAS, block_size=16, approximate=approximate)],
+                    lambda: make_policy(policy, rng), clock=clock)
+    return rc, clock
+
+
+def request(rid: str, tokens: list[int], *, scope: TenantScope = ACME, salt: str | None = None,
+            text: str = "") -> RouteRequest:
+    return RouteRequest(RequestId(rid), POOL, scope,
+                        num_prompt_tokens=len(tokens) if tokens else len(text) // 4,
+                        prompt_token_ids=tokens, cache_salt=salt, routing_text=text,
+                        expected_output_tokens=16)
+
+
+def stored(tokens: list[int], salt: str | None = None) -> EventBatch:
+    hashes = BlockHasher("sha256", 16).hash_blocks(tokens, cache_salt=salt)
+    return EventBatch(seq=0, ts=0.0, events=(BlockStored(
+        block_hashes=tuple(to_wire_hash(h) for h in hashes), parent_block_hash=None,
+        token_ids=tuple(tokens[: 16 * len(hashes)]), block_size=16),))
+
+
+PROMPT = list(range(100, 420))  # 320 tokens = 20 blocks
+
+
+def test_request_lands_where_the_engine_reports_its_prefix() -> None:
+    rc, _ = core()
+    rc.apply_events(ReplicaId("r2"), stored(PROMPT))
+    decision = rc.route(request("a", PROMPT + [7, 8, 9]))
+    assert decision.replica == "r2"
+    assert decision.expected_cached_tokens == 320
+    assert not decision.approximate
+    assert len(decision.block_hashes) == 20
+
+
+def test_salted_prefix_is_not_matched_without_the_salt() -> None:
+    rc, _ = core()
+    rc.apply_events(ReplicaId("r2"), stored(PROMPT, salt="acme-salt"))
+    assert rc.route(request("a", PROMPT + [1])).expected_cached_tokens == 0
+    rc2, _ = core()
+    rc2.apply_events(ReplicaId("r2"), stored(PROMPT, salt="acme-salt"))
+    assert rc2.route(request("b", PROMPT + [1], salt="acme-salt")).replica == "r2"
+
+
+def test_sibling_burst_colocates_through_predicted_entries() -> None:
+    rc, _ = core()
+    first = rc.route(request("a", PROMPT))
+    siblings = {rc.route(request(f"s{i}", PROMPT)).replica for i in range(7)}
+    assert siblings == {first.replica}
+
+
+def test_predictions_expire_and_do_not_cross_tenants() -> None:
+    rc, clock = core()
+    first = rc.route(request("a", PROMPT))
+    other = rc.route(request("b", PROMPT, scope=TenantScope(TenantName("globex"))))
+    assert other.expected_cached_tokens == 0
+    rc.on_complete(first.replica, RequestId("a"))
+    rc.on_complete(other.replica, RequestId("b"))
+    clock.advance(10.0)
+    assert rc.route(request("c", PROMPT)).expected_cached_tokens == 0
+
+
+def test_load_accounting_follows_the_lifecycle() -> None:
+    rc, clock = core()
+    d = rc.route(request("a", PROMPT))
+    assert rc.load.snapshot(d.replica).outstanding_prefill_tokens == 320
+    clock.advance(0.05)
+    rc.on_first_token(d.replica, RequestId("a"))
+    assert rc.load.snapshot(d.replica).num_decoding == 1
+    rc.on_complete(d.replica, RequestId("a"))
+    assert rc.load.snapshot(d.replica).num_in_flight == 0
+
+
+def test_unhealthy_replica_is_skipped_and_forgotten() -> None:
+    rc, _ = core()
+    rc.apply_events(ReplicaId("r2"), stored(PROMPT))
+    rc.set_healthy(ReplicaId("r2"), False)
+    d = rc.route(request("a", PROMPT + [1]))
+    assert d.replica != "r2" and "r2" not in d.ranking
+    rc.set_healthy(ReplicaId("r2"), True)
+    assert rc.is_healthy(ReplicaId("r2"))
+    # its index entries were dropped when it failed
+    assert rc.index.match(d.block_hashes, ACME).get(ReplicaId("r2")) is None
+
+
+def test_reroute_moves_accounting_and_exhausts() -> None:
+    rc, _ = core()
+    d = rc.route(request("a", PROMPT))
+    seen = [d.replica]
+    while True:
+        nxt = rc.reroute(d, d.replica)
+        if nxt is None:
+            break
+        assert nxt.replica not in seen
+        assert rc.load.snapshot(d.replica).num_in_flight == 0
+        seen.append(nxt.replica)
+        d = nxt
+    assert sorted(seen) == ["r0", "r1", "r2", "r3"]
+
+
+def test_no_eligible_replica() -> None:
+    rc, _ = core()
+    for rep in REPLICAS:
+        rc.set_healthy(rep.name, False)
+    with pytest.raises(NoEligibleReplica, match="no healthy replica in pool 'p'"):
+        rc.route(request("a", PROMPT))
+
+
+def test_scope_is_required() -> None:
+    rc, _ = core()
+    bad = RouteRequest(RequestId("a"), POOL, None, num_prompt_tokens=3,  # type: ignore[arg-type]
+                       prompt_token_ids=[1, 2, 3])
+    with pytest.raises(ScopeError):
+        rc.route(bad)
+
+
+def test_approximate_mode_matches_text_through_predictions_only() -> None:
+    rc, _ = core(approximate=True)
+    text = "system prompt text " * 40
+    first = rc.route(request("a", [], text=text + "question one"))
+    assert first.approximate
+    again = rc.route(request("b", [], text=text + "question two"))
+    assert again.replica == first.replica
+    assert again.expected_cached_tokens > 0
+
+
+def test_engine_reported_hashing_is_adopted() -> None:
+    rc, _ = core()
+    rc.set_pool_hashing(POOL, block_size=32, hash_algo="sha256_cbor")
+    d = rc.route(request("a", PROMPT))
+    assert len(d.block_hashes) == 10
+    expected = BlockHasher("sha256_cbor", 32).wire_hashes(PROMPT)
+    assert list(d.block_hashes) == expected
+
+
+def test_configuration_errors() -> None:
+    clock = ManualClock()
+    factory = lambda: make_policy("random", random.Random(0))  # noqa: E731
+    with pytest.raises(ConfigError, match="at least one pool"):
+        RouterCore([], factory, clock=clock)
+    with pytest.raises(ConfigError, match="no replicas"):
+        RouterCore([PoolSpec(POOL, ())], factory, clock=clock)
+    with pytest.raises(ConfigError, match="unique across pools"):
+        RouterCore([PoolSpec(POOL, REPLICAS), PoolSpec(PoolName("q"), REPLICAS[:1])], factory,
+                   clock=clock)
+    rc, _ = core()
+    with pytest.raises(ConfigError, match="unknown pool"):
+        rc.pool(PoolName("nope"))
+
+
+def test_text_chunk_hashes_chain() -> None:
+    a = text_chunk_hashes("x" * 130)
+    b = text_chunk_hashes("x" * 128 + "yy")
+    assert len(a) == 2 and a == b
+    assert text_chunk_hashes("y" * 64 + "x" * 64)[1] != a[1]
