@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import typer
 
+from kvroute.commands import bench as bench_cmd
 from kvroute.commands import demo as demo_cmd
+from kvroute.commands import events as events_cmd
 from kvroute.commands import hash as hash_cmd
 
 app = typer.Typer(
@@ -21,6 +23,8 @@ app = typer.Typer(
 
 app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
 app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
+app.add_typer(bench_cmd.bench_app, name="bench")
+app.add_typer(events_cmd.events_app, name="events")
 
 
 def main() -> None:

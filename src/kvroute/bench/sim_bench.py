@@ -1,0 +1,270 @@
+"""``kvroute bench sim``: every policy side by side on the same workload, in virtual time.
+
+For each arrival-rate scale and each seed, the same request stream is replayed through a
+fresh simulated fleet once per policy (``sim.fleet``). Prompt digests are computed once and
+shared by all runs. Results are aggregated per policy over seeds (mean, with min and max as
+the spread) and written as JSON shaped::
+
+    {"policies": {NAME: {"ttft_mean_s": ..., "ttft_p50_s": ..., "ttft_p99_s": ...,
+                         "itl_p50_s": ..., "itl_p99_s": ..., "token_hit_rate": ...,
+                         "goodput_rps": ..., "preemptions": ..., "requests": ...,
+                         "spread": {metric: [min, max]}, "by_rate": {scale: {...}}}},
+     "config": {...}, "runs": [...]}
+
+``policies`` holds the figures at the first (or only) rate scale; ``by_rate`` every scale.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvroute.bench.workloads import WORKLOADS, WorkloadRequest, mooncake
+from kvroute.core.errors import ConfigError
+from kvroute.core.hashing import BlockHasher
+from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.sim.fleet import DigestCache, FleetConfig, FleetResult, FleetSimulation
+from kvroute.sim.profiles import get_profile
+
+HEADLINE_METRICS = (
+    "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_mean_s", "itl_p50_s",
+    "itl_p90_s", "itl_p99_s", "e2e_mean_s", "e2e_p99_s", "token_hit_rate",
+    "router_expected_hit_rate", "goodput_rps", "throughput_rps", "output_tokens_per_s",
+    "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SimBenchSpec:
+    """What to run.
+
+    Attributes:
+        workload: a generated workload name (``WORKLOADS``) or ``trace`` for a trace replay.
+        trace: trace name or path (when ``workload == "trace"``).
+        block_tokens: tokens per trace hash id (512 for Mooncake).
+        replicas: engines in the fleet.
+        profile: timing profile name.
+        rate_scales: arrival-rate multipliers (one run per scale).
+        policies: policy names.
+        seeds: seeds (each changes the policies' random choices and generated workloads).
+        limit: the first N requests of the workload.
+        ttft_slo_s: the goodput objective.
+        workload_params: extra keyword arguments for a generated workload.
+    """
+
+    workload: str = "trace"
+    trace: str = "mooncake_conversation"
+    block_tokens: int = 512
+    replicas: int = 8
+    profile: str = "llama-3.1-8b-h100"
+    rate_scales: tuple[float, ...] = (1.0,)
+    policies: tuple[str, ...] = ("kvroute", "round_robin", "least_loaded")
+    seeds: tuple[int, ...] = (0,)
+    limit: int | None = None
+    ttft_slo_s: float = 2.0
+    workload_params: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        unknown = [p for p in self.policies if p not in POLICY_NAMES]
+        if unknown:
+            raise ConfigError(
+                f"unknown policies {unknown}; choose from: {', '.join(POLICY_NAMES)}"
+            )
+        if self.workload != "trace" and self.workload not in WORKLOADS:
+            raise ConfigError(
+                f"unknown workload {self.workload!r}; choose 'trace' or one of: "
+                f"{', '.join(sorted(WORKLOADS))}"
+            )
+        if not self.policies or not self.seeds or not self.rate_scales:
+            raise ConfigError("give at least one policy, one seed and one rate scale")
+        if any(scale <= 0 for scale in self.rate_scales):
+            raise ConfigError(f"rate scales must be > 0, got {self.rate_scales}")
+        get_profile(self.profile)
+
+
+def build_workload(spec: SimBenchSpec, *, rate_scale: float, seed: int) -> list[WorkloadRequest]:
+    """The request stream for one (rate, seed) cell."""
+    if spec.workload == "trace":
+        return mooncake(spec.trace, limit=spec.limit, rate_scale=rate_scale,
+                        block_tokens=spec.block_tokens, seed=seed)
+    params = dict(spec.workload_params)
+    params.setdefault("seed", seed)
+    requests = WORKLOADS[spec.workload](**params)
+    if spec.limit is not None:
+        requests = requests[: spec.limit]
+    if rate_scale != 1.0:
+        requests = [_rescaled(r, rate_scale) for r in requests]
+    return requests
+
+
+def _rescaled(request: WorkloadRequest, rate_scale: float) -> WorkloadRequest:
+    from dataclasses import replace
+
+    return replace(request, arrival_s=request.arrival_s / rate_scale)
+
+
+def run_sim_bench(
+    spec: SimBenchSpec,
+    *,
+    on_run_start: Callable[[str, float, int, int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, Any], dict[tuple[str, float, int], FleetResult]]:
+    """Run every (rate, seed, policy) cell; return the JSON report and the raw results."""
+    spec.validate()
+    profile = get_profile(spec.profile)
+    results: dict[tuple[str, float, int], FleetResult] = {}
+    runs: list[dict[str, Any]] = []
+    for rate in spec.rate_scales:
+        for seed in spec.seeds:
+            workload = build_workload(spec, rate_scale=rate, seed=seed)
+            digests = DigestCache(BlockHasher("sha256", profile.block_size))
+            for policy in spec.policies:
+                if on_run_start is not None:
+                    on_run_start(policy, rate, seed, len(workload))
+                config = FleetConfig(num_replicas=spec.replicas, profile=profile, policy=policy,
+                                     seed=seed, ttft_slo_s=spec.ttft_slo_s)
+                started = time.perf_counter()
+                result = FleetSimulation(config, workload, digests=digests,
+                                         progress=on_progress).run()
+                wall = time.perf_counter() - started
+                results[(policy, rate, seed)] = result
+                summary = result.summary()
+                runs.append({"policy": policy, "rate_scale": rate, "seed": seed,
+                             "wall_s": round(wall, 3), **summary})
+    report = {
+        "policies": _aggregate(runs, spec.rate_scales),
+        "config": _config_block(spec, profile_source=profile.source),
+        "runs": runs,
+    }
+    return report, results
+
+
+def _aggregate(runs: Sequence[dict[str, Any]], scales: Sequence[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    for policy in policies:
+        by_rate: dict[str, Any] = {}
+        for scale in scales:
+            cell = [r for r in runs if r["policy"] == policy and r["rate_scale"] == scale]
+            agg: dict[str, Any] = {}
+            spread: dict[str, list[float]] = {}
+            for metric in HEADLINE_METRICS:
+                values = [float(r[metric]) for r in cell]
+                agg[metric] = sum(values) / len(values)
+                spread[metric] = [min(values), max(values)]
+            agg["requests"] = int(agg["requests"])
+            agg["preemptions"] = int(round(agg["preemptions"]))
+            agg["spread"] = spread
+            agg["seeds"] = [r["seed"] for r in cell]
+            agg["requests_per_replica"] = cell[0]["requests_per_replica"]
+            by_rate[f"{scale:g}"] = agg
+        first = dict(by_rate[f"{scales[0]:g}"])
+        first["by_rate"] = by_rate
+        out[policy] = first
+    return out
+
+
+def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=False).stdout.strip() or None
+    except OSError:
+        sha = None
+    return {
+        "workload": spec.workload, "trace": spec.trace if spec.workload == "trace" else None,
+        "block_tokens": spec.block_tokens, "replicas": spec.replicas, "profile": spec.profile,
+        "profile_source": profile_source, "rate_scales": list(spec.rate_scales),
+        "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
+        "ttft_slo_s": spec.ttft_slo_s, "workload_params": spec.workload_params,
+        "git_sha": sha, "python": sys.version.split()[0], "machine": platform.machine(),
+    }
+
+
+def format_table(report: dict[str, Any]) -> list[list[str]]:
+    """Rows of the printed table: one per policy at the first rate scale."""
+    rows = [["policy", "hit rate", "TTFT mean", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+             "goodput/s", "preempt", "done", "per replica"]]
+    for name, m in report["policies"].items():
+        per = m["requests_per_replica"]
+        rows.append([
+            name, f"{m['token_hit_rate']:.3f}", f"{m['ttft_mean_s']:.3f}s",
+            f"{m['ttft_p50_s']:.3f}s", f"{m['ttft_p99_s']:.3f}s", f"{m['itl_p50_s'] * 1e3:.1f}ms",
+            f"{m['itl_p99_s'] * 1e3:.1f}ms", f"{m['goodput_rps']:.2f}", str(m["preemptions"]),
+            f"{m['completed']:.0f}/{m['requests']}", "/".join(str(v) for v in per.values()),
+        ])
+    return rows
+
+
+def write_plots(report: dict[str, Any], results: dict[tuple[str, float, int], FleetResult],
+                out_dir: Path) -> list[Path]:
+    """TTFT CDF per policy, hit rate and p99 TTFT against rate, per-replica load over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    scales = report["config"]["rate_scales"]
+    seed0 = report["config"]["seeds"][0]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in report["policies"]:
+        res = results[(policy, scales[0], seed0)]
+        ttfts = sorted(r.ttft_s for r in res.records if r.ttft_s is not None)
+        if ttfts:
+            ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF (rate x{scales[0]:g}, seed {seed0})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    path = out_dir / "ttft_cdf.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, m in report["policies"].items():
+        xs = [float(s) for s in m["by_rate"]]
+        ax1.plot(xs, [m["by_rate"][s]["token_hit_rate"] for s in m["by_rate"]], "o-", label=policy)
+        ax2.plot(xs, [m["by_rate"][s]["ttft_p99_s"] for s in m["by_rate"]], "o-", label=policy)
+    ax1.set_xlabel("arrival rate scale")
+    ax1.set_ylabel("token hit rate")
+    ax2.set_xlabel("arrival rate scale")
+    ax2.set_ylabel("TTFT p99 (s)")
+    ax2.set_yscale("log")
+    ax1.legend(fontsize=8)
+    for a in (ax1, ax2):
+        a.grid(alpha=0.3)
+    path = out_dir / "vs_rate.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    policies = list(report["policies"])
+    fig, axes = plt.subplots(len(policies), 1, figsize=(9, 1.8 * len(policies)), sharex=True,
+                             squeeze=False)
+    for ax, policy in zip(axes[:, 0], policies):
+        res = results[(policy, scales[0], seed0)]
+        if res.load_samples:
+            times = [t for t, _ in res.load_samples]
+            for i, name in enumerate(res.replica_names):
+                ax.plot(times, [loads[i] for _, loads in res.load_samples], lw=0.8, label=name)
+        ax.set_ylabel(policy, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("virtual time (s): running + waiting requests per replica")
+    path = out_dir / "load_over_time.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written

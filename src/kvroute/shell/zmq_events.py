@@ -1,0 +1,307 @@
+"""KV-event subscriber: one per replica, SUB + on-demand replay, batches delivered in order.
+
+Owns the sockets that read one engine's event stream and the sequence bookkeeping for it.
+It does not own the index: it hands each batch to ``on_batch(replica, batch)`` and tells the
+owner to forget the replica with ``on_reset(replica, reason)`` when the stream can no longer
+be trusted. Both callbacks run on the subscriber's task, one at a time, so the owner can
+feed a single-owner actor (``RouterCore``) without locks. An exception from a callback ends
+the subscriber (it propagates out of ``run``): an owner bug must be loud, not retried.
+
+Theory of operation
+-------------------
+
+``expected`` is the next sequence number the owner has not yet seen. For each live message
+with sequence ``s``:
+
+* first message ever: if ``s > 0`` and a replay endpoint is known, catch up by replaying
+  ``[0, s)`` and delivering whatever contiguous run ending at ``s - 1`` the engine still
+  buffers (no reset: the owner's view of this replica starts empty), then deliver ``s``;
+* ``s == expected``: deliver;
+* ``s > expected`` (a gap: the SUB socket dropped messages, or they were malformed): ask the
+  replay ROUTER (a fresh DEALER per request, bounded by ``replay_timeout``) for
+  ``[expected, s)``; if all of it arrives, deliver it in order, then ``s``. Otherwise (no
+  replay endpoint, the buffer no longer reaches back that far, timeout, malformed reply)
+  call ``on_reset`` and deliver the contiguous tail ending at ``s - 1`` that did arrive,
+  then ``s``: events after a reset are fresh truth, and removals of blocks the owner never
+  saw are no-ops for a reference-counting index;
+* ``s < expected``: the publisher restarted (vLLM counts from 0 per process): ``on_reset``,
+  then deliver ``s``. Replayed batches never overlap the live stream (only ``[expected, s)``
+  is taken from a replay), so a lower number can only mean a new publisher.
+
+NOTE: a restart is invisible if the new process publishes past ``expected`` before the
+subscriber reads its first message (vLLM has no publisher epoch); the gap logic then replays
+from the new process and the index keeps stale entries until they are evicted. The
+discovery loop's health checks (engine restart) are the backstop for that case.
+
+Malformed live messages are counted and logged; the loop keeps going, and the lost sequence
+number is recovered (or reset) by the gap logic when the next good message arrives. Events
+of unknown types are skipped by the codec and counted in ``unknown_events``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvroute.core.errors import MalformedEventError
+from kvroute.core.events import EventBatch
+from kvroute.core.types import ReplicaId
+from kvroute.wire.vllm_events import (
+    ReplayEnd,
+    decode_message,
+    decode_replay_reply,
+    encode_replay_request,
+)
+
+__all__ = ["EventSubscriber", "OnBatch", "OnReset", "SubscriberStats"]
+
+log = logging.getLogger(__name__)
+
+OnBatch = Callable[[ReplicaId, EventBatch], None]
+OnReset = Callable[[ReplicaId, str], None]
+
+
+@dataclasses.dataclass(slots=True)
+class SubscriberStats:
+    """Counters of one subscriber; ``EventSubscriber.stats`` returns a copy."""
+
+    batches: int = 0
+    """Batches delivered to ``on_batch`` (live and replayed)."""
+    events: int = 0
+    """Events delivered to ``on_batch``."""
+    gaps: int = 0
+    """Times a live sequence number jumped ahead of the expected one."""
+    replays: int = 0
+    """Replay requests sent (gap recovery and the first-message catch-up)."""
+    replayed_batches: int = 0
+    """Batches delivered that came from a replay."""
+    resets: int = 0
+    """Calls to ``on_reset``."""
+    malformed: int = 0
+    """Live messages or replay replies that could not be decoded."""
+    unknown_events: int = 0
+    """Events of an unknown type, skipped by the codec."""
+    last_seq: int | None = None
+    """Sequence number of the last delivered batch."""
+
+
+class _ReplayResult:
+    __slots__ = ("batches", "problem")
+
+    def __init__(self, batches: dict[int, EventBatch], problem: str | None) -> None:
+        self.batches = batches
+        self.problem = problem
+
+
+class EventSubscriber:
+    """Subscribes to one replica's KV events and delivers them in sequence order.
+
+    Args:
+        replica: the replica these events describe (passed back to the callbacks).
+        endpoint: the engine's PUB endpoint (``tcp://host:5557``), connected to.
+        on_batch: receives each batch, in sequence order, exactly once.
+        on_reset: told to forget everything about the replica, with a human-readable reason.
+        replay_endpoint: the engine's replay ROUTER endpoint; None disables recovery.
+        topic: SUB prefix filter (vLLM's default topic is ``""``, which matches everything).
+        replay_timeout: seconds allowed for one whole replay exchange.
+        catch_up: replay the engine's buffer when the first message is not seq 0.
+        hwm: receive high-water mark of the SUB socket (vLLM's PUB default is 100 000).
+        context: a ``zmq.asyncio.Context``; the process-wide instance when None.
+    """
+
+    def __init__(
+        self,
+        replica: ReplicaId,
+        endpoint: str,
+        *,
+        on_batch: OnBatch,
+        on_reset: OnReset,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout: float = 2.0,
+        catch_up: bool = True,
+        hwm: int = 100_000,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if replay_timeout <= 0:
+            raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
+        self.replica = replica
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self._on_batch = on_batch
+        self._on_reset = on_reset
+        self._replay_timeout = replay_timeout
+        self._catch_up = catch_up
+        self._hwm = hwm
+        self._ctx = context if context is not None else zmq.asyncio.Context.instance()
+        self._stats = SubscriberStats()
+        self._expected: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+
+    @property
+    def stats(self) -> SubscriberStats:
+        """A snapshot of the counters."""
+        return dataclasses.replace(self._stats)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the subscriber on a new task of the running loop and return the task."""
+        if self._task is not None:
+            raise RuntimeError(f"subscriber for {self.replica} already started")
+        self._task = asyncio.get_running_loop().create_task(
+            self.run(), name=f"kv-events-{self.replica}"
+        )
+        return self._task
+
+    async def wait_connected(self) -> None:
+        """Return once the SUB socket is connected (the subscription may still be in flight)."""
+        await self._connected.wait()
+
+    async def stop(self) -> None:
+        """End the subscriber promptly and close its sockets. Idempotent.
+
+        Raises:
+            Exception: whatever ended the task before it was stopped (a callback's error).
+        """
+        task = self._task
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def run(self) -> None:
+        """Receive until cancelled. Use ``start``/``stop``, or own the task yourself."""
+        sub = self._ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
+            sub.connect(self.endpoint)
+            self._connected.set()
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    batch = decode_message(frames, on_unknown=self._count_unknown)
+                except MalformedEventError as exc:
+                    self._stats.malformed += 1
+                    log.warning(
+                        "replica %s: dropped a malformed KV-event message: %s", self.replica, exc
+                    )
+                    continue
+                await self._accept(batch)
+        finally:
+            sub.close(linger=0)
+
+    # ------------------------------------------------------------------ sequencing
+
+    def _count_unknown(self, tag: str) -> None:
+        self._stats.unknown_events += 1
+        log.debug("replica %s: skipped an event of unknown type %r", self.replica, tag)
+
+    def _deliver(self, batch: EventBatch) -> None:
+        self._expected = batch.seq + 1
+        self._stats.batches += 1
+        self._stats.events += len(batch.events)
+        self._stats.last_seq = batch.seq
+        self._on_batch(self.replica, batch)
+
+    def _reset(self, reason: str) -> None:
+        self._stats.resets += 1
+        log.warning("replica %s: KV index reset: %s", self.replica, reason)
+        self._on_reset(self.replica, reason)
+
+    def _deliver_tail(self, got: dict[int, EventBatch], stop: int) -> None:
+        """Deliver the contiguous run of replayed batches that ends at ``stop - 1``."""
+        first = stop
+        while first - 1 in got:
+            first -= 1
+        for seq in range(first, stop):
+            self._stats.replayed_batches += 1
+            self._deliver(got[seq])
+
+    async def _accept(self, batch: EventBatch) -> None:
+        seq = batch.seq
+        expected = self._expected
+        if expected is None:
+            if seq > 0 and self._catch_up and self.replay_endpoint is not None:
+                result = await self._replay(0, seq)
+                self._deliver_tail(result.batches, seq)
+            self._deliver(batch)
+            return
+        if seq == expected:
+            self._deliver(batch)
+            return
+        if seq < expected:
+            self._reset(
+                f"sequence went back from {expected - 1} to {seq}: the engine's publisher "
+                "restarted, so everything known about this replica is stale"
+            )
+            self._deliver(batch)
+            return
+        self._stats.gaps += 1
+        if self.replay_endpoint is None:
+            self._reset(
+                f"missed batches {expected}..{seq - 1} and no replay endpoint is configured "
+                "(set the engine's kv-events replay_endpoint to recover gaps)"
+            )
+            self._deliver(batch)
+            return
+        result = await self._replay(expected, seq)
+        if result.problem is None:
+            for missing in range(expected, seq):
+                self._stats.replayed_batches += 1
+                self._deliver(result.batches[missing])
+        else:
+            self._reset(f"could not recover batches {expected}..{seq - 1}: {result.problem}")
+            self._deliver_tail(result.batches, seq)
+        self._deliver(batch)
+
+    async def _replay(self, start: int, stop: int) -> _ReplayResult:
+        """Ask the replay ROUTER for ``[start, stop)``; never raises for a bad peer."""
+        assert self.replay_endpoint is not None
+        self._stats.replays += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_timeout
+        got: dict[int, EventBatch] = {}
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart(encode_replay_request(start))
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await dealer.poll(remaining * 1000):
+                    return _ReplayResult(
+                        got, f"replay did not finish within {self._replay_timeout}s"
+                    )
+                frames = await dealer.recv_multipart()
+                try:
+                    reply = decode_replay_reply(frames, on_unknown=self._count_unknown)
+                except MalformedEventError as exc:
+                    self._stats.malformed += 1
+                    return _ReplayResult(got, f"malformed replay reply ({exc})")
+                if isinstance(reply, ReplayEnd):
+                    break
+                replayed = reply.batch.seq
+                if start <= replayed < stop:
+                    got[replayed] = reply.batch
+                    if len(got) == stop - start:
+                        return _ReplayResult(got, None)
+        finally:
+            dealer.close(linger=0)
+        missing = next(s for s in range(start, stop) if s not in got)
+        oldest = f"the oldest it returned was {min(got)}" if got else "it returned none of them"
+        return _ReplayResult(
+            got, f"the engine's replay buffer no longer holds batch {missing} ({oldest})"
+        )

@@ -1,0 +1,511 @@
+"""KVEventPublisher → EventSubscriber over real ZMQ on loopback.
+
+Gaps are made deterministically with ``publish(..., skip_send=True)`` (buffered for replay,
+never sent), restarts by closing a publisher and binding a new one on the same ports, and
+malformed traffic with a bare PUB socket. The slow-joiner window of PUB/SUB is closed by
+probing until the subscriber has received something, bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
+from kvroute.core.types import ReplicaId, WireHash
+from kvroute.shell.kv_publisher import KVEventPublisher
+from kvroute.shell.zmq_events import EventSubscriber
+from kvroute.wire.vllm_events import (
+    ReplayBatch,
+    decode_replay_reply,
+    encode_payload,
+    encode_replay_end,
+    encode_replay_request,
+    encode_seq,
+)
+
+pytestmark = pytest.mark.integration
+
+R = ReplicaId("r0")
+TEST_SECONDS = 5.0
+
+
+def events_for(i: int) -> tuple[KVEvent, ...]:
+    stored = BlockStored(
+        (WireHash(i * 2 + 1), WireHash(i * 2 + 2)), None, tuple(range(32)), 16, group_idx=0
+    )
+    return (stored, BlockRemoved((WireHash(i * 2 + 1),), group_idx=0))
+
+
+class Sink:
+    """Records what the subscriber delivers, as the index owner would see it."""
+
+    def __init__(self) -> None:
+        self.batches: list[EventBatch] = []
+        self.resets: list[str] = []
+        self.log: list[tuple[str, int | str]] = []
+
+    def on_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
+        assert replica == R
+        self.batches.append(batch)
+        self.log.append(("batch", batch.seq))
+
+    def on_reset(self, replica: ReplicaId, reason: str) -> None:
+        assert replica == R
+        self.resets.append(reason)
+        self.log.append(("reset", reason))
+
+    @property
+    def seqs(self) -> list[int]:
+        return [b.seq for b in self.batches]
+
+
+def run(test: Callable[[zmq.asyncio.Context], Coroutine[Any, Any, None]]) -> None:
+    ctx = zmq.asyncio.Context()
+    try:
+        asyncio.run(asyncio.wait_for(test(ctx), TEST_SECONDS))
+    finally:
+        ctx.term()
+
+
+async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 3.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+async def probe(publish: Callable[[], Any], done: Callable[[], bool], limit: int = 200) -> Any:
+    """Publish until the subscriber has something (PUB drops until SUB has subscribed).
+
+    Returns what the last ``publish()`` returned (the last probe's seq for a publisher):
+    earlier probes may still be in flight when ``done()`` first holds.
+    """
+    for _ in range(limit):
+        last = publish()
+        for _ in range(4):
+            await asyncio.sleep(0.005)
+            if done():
+                return last
+    raise AssertionError(f"subscriber received nothing after {limit} probes")
+
+
+def make_sub(
+    ctx: zmq.asyncio.Context, pub: KVEventPublisher | str, sink: Sink, **kw: Any
+) -> EventSubscriber:
+    if isinstance(pub, KVEventPublisher):
+        kw.setdefault("replay_endpoint", pub.replay_endpoint)
+        endpoint = pub.endpoint
+    else:
+        endpoint = pub
+    return EventSubscriber(
+        R, endpoint, on_batch=sink.on_batch, on_reset=sink.on_reset, context=ctx, topic="kv", **kw
+    )
+
+
+async def with_sub(sub: EventSubscriber, body: Callable[[], Awaitable[None]]) -> None:
+    sub.start()
+    await sub.wait_connected()
+    try:
+        await body()
+    finally:
+        await sub.stop()
+
+
+def test_round_trip_in_order() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        published: dict[int, tuple[KVEvent, ...]] = {}
+        with KVEventPublisher() as pub:
+
+            def send(i: int) -> None:
+                seq = pub.publish(events_for(i), ts=1000.0 + i)
+                published[seq] = events_for(i)
+
+            sub = make_sub(ctx, pub, sink)
+
+            async def body() -> None:
+                await probe(lambda: send(len(published)), lambda: bool(sink.batches))
+                for _ in range(50):
+                    send(len(published))
+                last = len(published) - 1
+                await wait_until(lambda: sub.stats.last_seq == last, "the last batch")
+
+            await with_sub(sub, body)
+        assert sink.seqs == list(range(len(published)))
+        assert sink.batches == [
+            EventBatch(seq, 1000.0 + seq, published[seq], 0) for seq in sorted(published)
+        ]
+        stats = sub.stats
+        assert (stats.gaps, stats.resets, stats.malformed) == (0, 0, 0)
+        assert stats.batches == len(published)
+        assert stats.events == 2 * len(published)
+
+    run(test)
+
+
+def test_late_joiner_catches_up_from_replay() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher() as pub:
+            for i in range(5):  # nobody is listening yet
+                pub.publish(events_for(i), ts=float(i))
+            pub.wait_sent()
+            sub = make_sub(ctx, pub, sink)
+
+            async def body() -> None:
+                await probe(lambda: pub.publish(events_for(9), ts=9.0), lambda: bool(sink.batches))
+                await wait_until(lambda: len(sink.batches) >= 6, "catch-up")
+
+            await with_sub(sub, body)
+        assert sink.seqs == list(range(len(sink.seqs)))
+        assert sink.batches[0] == EventBatch(0, 0.0, events_for(0), 0)
+        assert sink.resets == []
+        assert sub.stats.replays == 1
+        assert sub.stats.replayed_batches >= 5
+
+    run(test)
+
+
+def test_dropped_messages_recovered_through_replay() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher() as pub:
+            sub = make_sub(ctx, pub, sink, catch_up=False)
+
+            async def body() -> None:
+                first = await probe(
+                    lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
+                )
+                await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+                before = sub.stats
+                for i in range(5):
+                    pub.publish(events_for(i), ts=1.0, skip_send=True)
+                last = pub.publish(events_for(99), ts=2.0)
+                await wait_until(lambda: sub.stats.last_seq == last, "the batch after the gap")
+                after = sub.stats
+                assert after.gaps - before.gaps == 1
+                assert after.replays - before.replays == 1
+                assert after.replayed_batches - before.replayed_batches == 5
+                assert sink.seqs[sink.seqs.index(first) :] == list(range(first, last + 1))
+
+            await with_sub(sub, body)
+        assert sink.resets == []
+        assert sink.seqs == sorted(set(sink.seqs))
+
+    run(test)
+
+
+def test_gap_beyond_replay_buffer_resets_then_applies_the_tail() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher(buffer_steps=3) as pub:
+            sub = make_sub(ctx, pub, sink, catch_up=False)
+
+            async def body() -> None:
+                k = await probe(lambda: pub.publish(events_for(0)), lambda: bool(sink.batches))
+                await wait_until(lambda: sub.stats.last_seq == k, "the probes")
+                for i in range(6):
+                    pub.publish(events_for(i), skip_send=True)
+                last = pub.publish(events_for(7))
+                assert last == k + 7
+                await wait_until(lambda: sub.stats.last_seq == last, "the batch after the gap")
+
+            await with_sub(sub, body)
+        assert len(sink.resets) == 1
+        assert "no longer holds batch" in sink.resets[0]
+        reset_at = sink.log.index(("reset", sink.resets[0]))
+        # Buffer of 3 held k+5, k+6 (and k+7, sent live): the tail is applied after the reset.
+        after = [entry[1] for entry in sink.log[reset_at + 1 :]]
+        k = sink.seqs[-1] - 7
+        assert after == [k + 5, k + 6, k + 7]
+        assert sink.seqs == sorted(set(sink.seqs))
+        assert sub.stats.resets == 1
+
+    run(test)
+
+
+def test_gap_without_replay_endpoint_resets() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher(replay_endpoint=None) as pub:
+            assert pub.replay_endpoint is None
+            sub = make_sub(ctx, pub, sink)
+
+            async def body() -> None:
+                await probe(lambda: pub.publish(events_for(0)), lambda: bool(sink.batches))
+                pub.publish(events_for(1), skip_send=True)
+                last = pub.publish(events_for(2))
+                await wait_until(lambda: sub.stats.last_seq == last, "the batch after the gap")
+
+            await with_sub(sub, body)
+        assert len(sink.resets) == 1 and "no replay endpoint" in sink.resets[0]
+        assert sub.stats.gaps == 1 and sub.stats.replays == 0
+
+    run(test)
+
+
+def test_publisher_restart_resets() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        first = KVEventPublisher()
+        first.start()
+        endpoint, replay = first.endpoint, first.replay_endpoint
+        sub = make_sub(ctx, first, sink)
+
+        async def body() -> None:
+            await probe(lambda: first.publish(events_for(0)), lambda: bool(sink.batches))
+            for i in range(300):
+                last = first.publish(events_for(i))
+            await wait_until(lambda: sub.stats.last_seq == last, "first publisher")
+            first.close()
+            second = KVEventPublisher(endpoint, replay_endpoint=replay)
+            second.start()
+            try:
+                await probe(lambda: second.publish(events_for(1)), lambda: bool(sink.resets))
+            finally:
+                second.close()
+
+        await with_sub(sub, body)
+        assert len(sink.resets) == 1
+        assert "restarted" in sink.resets[0]
+        reset_at = sink.log.index(("reset", sink.resets[0]))
+        restarted_seq = sink.log[reset_at + 1][1]
+        assert isinstance(restarted_seq, int) and restarted_seq < 300
+
+    run(test)
+
+
+def test_malformed_frames_are_counted_and_skipped() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        raw = ctx.socket(zmq.PUB)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.bind("tcp://127.0.0.1:0")
+        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+        sub = make_sub(ctx, endpoint, sink)
+
+        def good(seq: int) -> list[bytes]:
+            return [
+                b"kv",
+                encode_seq(seq),
+                encode_payload(EventBatch(seq, 1.0, events_for(seq), 0)),
+            ]
+
+        async def body() -> None:
+            await probe(
+                lambda: raw.send_multipart([b"kv", b"short", b""]), lambda: sub.stats.malformed > 0
+            )
+            await raw.send_multipart(good(0))
+            await wait_until(lambda: sub.stats.last_seq == 0, "the first good batch")
+            m0 = sub.stats.malformed
+            await raw.send_multipart(good(1))
+            await raw.send_multipart([b"kv", encode_seq(2)])  # two frames
+            await raw.send_multipart([b"kv", encode_seq(2), b"\xc1"])  # bad msgpack
+            await raw.send_multipart(
+                [b"kv", encode_seq(2), b"\x92\xcb" + b"\x00" * 8 + b"\x91\x05"]
+            )
+            await raw.send_multipart([b"kv", encode_seq(2), good(2)[2], b"extra"])
+            await raw.send_multipart(good(2))
+            await wait_until(lambda: sub.stats.last_seq == 2, "the good batch after the bad ones")
+            assert sub.stats.malformed - m0 == 4
+
+        try:
+            await with_sub(sub, body)
+        finally:
+            raw.close(linger=0)
+        assert sink.seqs == [0, 1, 2]
+        assert sink.batches[2] == EventBatch(2, 1.0, events_for(2), 0)
+        assert sink.resets == []
+
+    run(test)
+
+
+def test_replay_timeout_resets_and_stop_is_prompt() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        raw = ctx.socket(zmq.PUB)
+        silent = ctx.socket(zmq.ROUTER)  # accepts replay requests, never answers
+        for sock in (raw, silent):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:0")
+        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+        replay = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        def good(seq: int) -> list[bytes]:
+            return [b"kv", encode_seq(seq), encode_payload(EventBatch(seq, 1.0, (), 0))]
+
+        counter = [-1]
+
+        def send_next() -> int:
+            counter[0] += 1
+            raw.send_multipart(good(counter[0]))
+            return counter[0]
+
+        try:
+            sub = make_sub(ctx, endpoint, sink, replay_endpoint=replay, replay_timeout=0.3)
+
+            async def body() -> None:
+                start = await probe(send_next, lambda: bool(sink.batches))
+                await wait_until(lambda: sub.stats.last_seq == start, "the probes")
+                await raw.send_multipart(good(start + 3))
+                await wait_until(lambda: bool(sink.resets), "the reset after the timeout")
+                assert "did not finish within 0.3s" in sink.resets[0]
+                assert sink.seqs[-1] == start + 3
+
+            await with_sub(sub, body)
+
+            # A subscriber stuck in a long replay stops promptly.
+            sink2 = Sink()
+            stuck = make_sub(ctx, endpoint, sink2, replay_endpoint=replay, replay_timeout=30)
+            stuck.start()
+            await stuck.wait_connected()
+            # Its first message is not seq 0, so it starts a catch-up replay that cannot end.
+            await probe(send_next, lambda: stuck.stats.replays == 1)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await stuck.stop()
+            assert loop.time() - began < 0.5
+            await stuck.stop()  # idempotent
+        finally:
+            raw.close(linger=0)
+            silent.close(linger=0)
+
+    run(test)
+
+
+def test_callback_errors_propagate_out_of_the_subscriber() -> None:
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        with KVEventPublisher() as pub:
+
+            def explode(replica: ReplicaId, batch: EventBatch) -> None:
+                raise ValueError("owner bug")
+
+            sub = EventSubscriber(
+                R, pub.endpoint, on_batch=explode, on_reset=Sink().on_reset, context=ctx
+            )
+            task = sub.start()
+            await sub.wait_connected()
+            await probe(lambda: pub.publish(events_for(0)), task.done)
+            with pytest.raises(ValueError, match="owner bug"):
+                await sub.stop()
+
+    run(test)
+
+
+def test_publisher_replay_socket_speaks_vllms_protocol() -> None:
+    """Frames at a DEALER are exactly vLLM's; a malformed request gets no answer."""
+    with KVEventPublisher(topic="kv@test", buffer_steps=4) as pub:
+        batches = [
+            EventBatch(i, float(i), events_for(i) + (AllBlocksCleared(),), 0) for i in range(6)
+        ]
+        for b in batches:
+            assert pub.publish(b.events, ts=b.ts, skip_send=b.seq % 2 == 0) == b.seq
+        pub.wait_sent()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVTIMEO, 2000)
+            assert pub.replay_endpoint is not None
+            dealer.connect(pub.replay_endpoint)
+            dealer.send_multipart([b"", encode_seq(1), b"extra"])  # 4 frames at the ROUTER
+            dealer.send_multipart(encode_replay_request(3))
+            replies = [dealer.recv_multipart() for _ in range(4)]
+            assert dealer.poll(100) == 0
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+        assert replies[:3] == [
+            [b"", b"kv@test", encode_seq(i), encode_payload(batches[i])] for i in (3, 4, 5)
+        ]
+        assert replies[3] == encode_replay_end()
+        replayed = decode_replay_reply(replies[0])
+        assert isinstance(replayed, ReplayBatch) and replayed.batch == batches[3]
+        assert pub.invalid_replay_requests == 1
+
+
+def test_events_tail_cli_prints_json_lines() -> None:
+    import json
+    import threading
+
+    from typer.testing import CliRunner
+
+    from kvroute.commands.events import events_app
+
+    with KVEventPublisher(topic="kv") as pub:
+        stop = threading.Event()
+
+        def publish_until_stopped() -> None:
+            for i in range(250):  # bounded: 250 batches, 20 ms apart
+                if stop.wait(0.02):
+                    return
+                pub.publish(events_for(i) + (AllBlocksCleared(),), ts=float(i))
+
+        feeder = threading.Thread(target=publish_until_stopped, daemon=True)
+        feeder.start()
+        try:
+            result = CliRunner().invoke(
+                events_app,
+                ["tail", pub.endpoint, "--topic", "kv", "--count", "4", "--timeout", "4"],
+            )
+        finally:
+            stop.set()
+            feeder.join(2)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(lines) == 4
+    first = lines[0]
+    i = first["seq"]
+    assert first == {
+        "seq": i,
+        "ts": float(i),
+        "type": "BlockStored",
+        "block_hashes": [i * 2 + 1, i * 2 + 2],
+        "parent_block_hash": None,
+        "block_size": 16,
+        "medium": "GPU",
+        "group_idx": 0,
+        "num_tokens": 32,
+        "data_parallel_rank": 0,
+    }
+    assert lines[1] == {
+        "seq": i,
+        "ts": float(i),
+        "type": "BlockRemoved",
+        "block_hashes": [i * 2 + 1],
+        "medium": "GPU",
+        "group_idx": 0,
+        "data_parallel_rank": 0,
+    }
+    assert lines[2] == {
+        "seq": i,
+        "ts": float(i),
+        "type": "AllBlocksCleared",
+        "data_parallel_rank": 0,
+    }
+    assert lines[3]["seq"] == i + 1 and lines[3]["type"] == "BlockStored"
+
+
+def test_events_tail_cli_times_out_and_rejects_bad_endpoints() -> None:
+    from typer.testing import CliRunner
+
+    from kvroute.commands.events import events_app
+
+    with KVEventPublisher() as pub:
+        result = CliRunner().invoke(
+            events_app, ["tail", pub.endpoint, "--count", "1", "--timeout", "0.2"]
+        )
+    assert result.exit_code == 0
+    assert result.stdout == ""
+    assert "timed out after 0.2s with 0 of 1 events" in result.stderr
+    bad = CliRunner().invoke(events_app, ["tail", "nonsense", "--timeout", "0.1"])
+    assert bad.exit_code == 2
+    assert "cannot connect to 'nonsense'" in bad.output
