@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from importlib import resources
 from importlib.resources.abc import Traversable
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Annotated, Final, Literal, overload
 
@@ -214,15 +215,15 @@ class BlockTokens(Sequence[int]):
         return tuple(out)
 
     def __iter__(self) -> Iterator[int]:
-        remaining = self._length
+        # Built from C-level iterators: list(tokens) of a 100k-token prompt must not run a
+        # Python-level loop per token (the simulator copies every prompt once).
         size = self._block_tokens
-        for token in self._blocks:
-            if remaining <= 0:
-                return
-            take = min(size, remaining)
-            for _ in range(take):
-                yield token
-            remaining -= take
+        full, rest = divmod(self._length, size)
+        blocks = self._blocks
+        runs: Iterator[int] = chain.from_iterable(map(repeat, blocks[:full], repeat(size, full)))
+        if rest:
+            runs = chain(runs, repeat(blocks[full], rest))
+        return runs
 
     def chunks(self, size: int) -> Iterator[tuple[int, ...]]:
         """Consecutive ``size``-token chunks; the last may be shorter. Faster than slicing."""

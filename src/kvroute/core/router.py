@@ -39,7 +39,7 @@ from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.index import LookupScope, PrefixIndex
 from kvroute.core.load import LoadTracker
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
-from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, WireHash, to_wire_hash
+from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
 
 APPROX_CHUNK_CHARS = 64
 """Text chunk per pseudo-block in approximate mode (about 16 tokens of English)."""
@@ -85,8 +85,9 @@ class RouteRequest:
         scope: the tenant's lookup scope (required: index lookups fail closed).
         num_prompt_tokens: exact or estimated prompt length.
         prompt_token_ids: the exact prompt tokens as the engines will see them, if known.
-        prompt_block_hashes: their block digests, when the caller already computed them with
-            the pool's hashing (the simulator shares one hashing between router and engine).
+        block_hashes: their block hashes in wire form, when the caller already computed them
+            with the pool's hashing (the simulator hashes each prompt once for router and
+            engine alike).
         routing_text: the prompt as text (approximate mode and text-matching peers).
         cache_salt: the salt the engines will hash into block 0.
         lora: the LoRA adapter, if the request targets one.
@@ -100,7 +101,7 @@ class RouteRequest:
     scope: LookupScope
     num_prompt_tokens: int
     prompt_token_ids: Sequence[int] | None = None
-    prompt_block_hashes: Sequence[BlockHash] | None = None
+    block_hashes: Sequence[WireHash] | None = None
     routing_text: str = ""
     cache_salt: str | None = None
     lora: LoraKey | None = None
@@ -256,8 +257,8 @@ class RouterCore:
         entry = self._pool(request.pool)
         if entry.spec.approximate or request.prompt_token_ids is None:
             return tuple(text_chunk_hashes(request.routing_text)), True
-        if request.prompt_block_hashes is not None:
-            return tuple(to_wire_hash(h) for h in request.prompt_block_hashes), False
+        if request.block_hashes is not None:
+            return tuple(request.block_hashes), False
         hashes = entry.hasher.wire_hashes(
             request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora
         )

@@ -51,7 +51,7 @@ from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouteRequest, RouterCore
-from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName
+from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.sim.profiles import TimingProfile
 
 POOL = PoolName("sim")
@@ -75,18 +75,27 @@ def tokens_as_text(tokens: Sequence[int]) -> str:
 
 
 class DigestCache:
-    """Prompt block digests per (request id, salt), computed once and shared across runs."""
+    """Prompt block hashes per (request id, salt), computed once and shared across runs.
+
+    Holds both forms: the raw digests the engine keys its cache by, and the 64-bit wire form
+    the router's index is keyed by.
+    """
 
     def __init__(self, hasher: BlockHasher) -> None:
         self.hasher = hasher
-        self._digests: dict[tuple[str, str | None], list[BlockHash]] = {}
+        self._hashes: dict[tuple[str, str | None], tuple[list[BlockHash], tuple[WireHash, ...]]] = {}
 
-    def get(self, request: WorkloadRequest, salt: str | None) -> list[BlockHash]:
+    def get(
+        self, request: WorkloadRequest, salt: str | None
+    ) -> tuple[list[BlockHash], tuple[WireHash, ...]]:
         key = (request.request_id, salt)
-        found = self._digests.get(key)
+        found = self._hashes.get(key)
         if found is None:
-            found = self.hasher.hash_blocks(request.prompt_token_ids, cache_salt=salt)
-            self._digests[key] = found
+            digests = self.hasher.hash_blocks(request.prompt_token_ids, cache_salt=salt)
+            from_bytes = int.from_bytes
+            wire = tuple([WireHash(from_bytes(d[-8:], "big")) for d in digests])
+            found = (digests, wire)
+            self._hashes[key] = found
         return found
 
 
@@ -102,6 +111,8 @@ class FleetConfig:
         event_latency_s: delay between an engine step's end and its events reaching the index.
         ttft_slo_s: the TTFT objective for goodput.
         sample_interval_s: period of the per-replica load samples.
+        metrics_interval_s: how often the router scrapes each engine's metrics (running,
+            waiting, KV usage): at most once per interval, at the end of a step.
         hash_algo: the engines' prefix-caching hash algorithm.
         salt_tenants: give each tenant its own ``cache_salt`` (tenant isolation on).
         max_virtual_s: stop the run at this virtual time (requests still open are counted
@@ -116,6 +127,7 @@ class FleetConfig:
     event_latency_s: float = 0.005
     ttft_slo_s: float = 2.0
     sample_interval_s: float = 1.0
+    metrics_interval_s: float = 0.05
     hash_algo: str = "sha256"
     salt_tenants: bool = False
     max_virtual_s: float = 7 * 24 * 3600.0
@@ -275,6 +287,7 @@ class FleetSimulation:
         self._counter = 0
         self._busy: set[ReplicaId] = set()
         self._event_seq: dict[ReplicaId, int] = defaultdict(int)
+        self._scraped_at: dict[ReplicaId, float] = {}
         self._records: dict[str, RequestRecord] = {}
         self._where: dict[str, ReplicaId] = {}
         self._dependents: dict[str, list[WorkloadRequest]] = defaultdict(list)
@@ -337,7 +350,7 @@ class FleetSimulation:
         now = self.clock.now()
         tenant = TenantName(request.tenant) if request.tenant else DEFAULT_TENANT
         salt = f"salt-{tenant}" if self.config.salt_tenants and request.tenant else None
-        digests = self.digests.get(request, salt)
+        digests, wire = self.digests.get(request, salt)
         tokens = request.prompt_token_ids
         record = RequestRecord(request.request_id, now, num_prompt_tokens=len(tokens))
         self._records[request.request_id] = record
@@ -347,7 +360,7 @@ class FleetSimulation:
             scope=TenantScope(tenant),
             num_prompt_tokens=len(tokens),
             prompt_token_ids=tokens,
-            prompt_block_hashes=digests,
+            block_hashes=wire,
             routing_text=tokens_as_text(tokens) if self._needs_text else "",
             cache_salt=salt,
             session_id=request.session_id,
@@ -411,11 +424,13 @@ class FleetSimulation:
             self._event_seq[replica] = seq + 1
             batch = EventBatch(seq=seq, ts=now, events=tuple(result.events), data_parallel_rank=0)
             self._push(now + self.config.event_latency_s, _EVENTS, (replica, batch))
-        metrics = self.engines[replica].metrics()
-        self.router.on_engine_metrics(
-            replica, running=metrics.num_requests_running, waiting=metrics.num_requests_waiting,
-            kv_usage=metrics.kv_cache_usage_perc,
-        )
+        if now - self._scraped_at.get(replica, -1e18) >= self.config.metrics_interval_s:
+            self._scraped_at[replica] = now
+            metrics = self.engines[replica].metrics()
+            self.router.on_engine_metrics(
+                replica, running=metrics.num_requests_running,
+                waiting=metrics.num_requests_waiting, kv_usage=metrics.kv_cache_usage_perc,
+            )
         self._start_step(replica)
         return finished
 
