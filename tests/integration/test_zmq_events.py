@@ -509,3 +509,34 @@ def test_events_tail_cli_times_out_and_rejects_bad_endpoints() -> None:
     bad = CliRunner().invoke(events_app, ["tail", "nonsense", "--timeout", "0.1"])
     assert bad.exit_code == 2
     assert "cannot connect to 'nonsense'" in bad.output
+
+
+def test_subscriber_binds_for_an_engine_that_connects() -> None:
+    """vLLM given ``tcp://127.0.0.1:PORT`` connects its PUB socket: the router binds."""
+    asyncio.run(asyncio.wait_for(_bind_mode(), 10.0))
+
+
+async def _bind_mode() -> None:
+    import socket as _socket
+
+    from kvroute.shell.kv_publisher import KVEventPublisher, vllm_pub_binds
+
+    assert vllm_pub_binds("tcp://*:5557") and vllm_pub_binds("ipc:///tmp/x")
+    assert not vllm_pub_binds("tcp://127.0.0.1:5601")
+    with _socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    got: list[int] = []
+    sub = EventSubscriber(ReplicaId("r"), endpoint, on_batch=lambda r, b: got.append(b.seq),
+                          on_reset=lambda r, why: None, topic="kv", bind=True)
+    sub.start()
+    await sub.wait_connected()
+    with KVEventPublisher(endpoint, replay_endpoint=None, socket_mode="vllm") as pub:
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not got and asyncio.get_running_loop().time() < deadline:
+            pub.publish([AllBlocksCleared()])
+            await asyncio.sleep(0.05)
+    await sub.stop()
+    # The first sends may precede the subscription (ZMQ's slow joiner); what arrives is in order.
+    assert got and got == sorted(got)

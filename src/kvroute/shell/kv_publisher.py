@@ -59,6 +59,16 @@ _POLL_SECONDS = 0.01
 """How long the thread waits for a batch before looking at the replay socket again."""
 
 
+def vllm_pub_binds(endpoint: str) -> bool:
+    """Whether vLLM's publisher binds (True) or connects (False) its PUB socket at ``endpoint``."""
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
 class _Stop:
     pass
 
@@ -74,7 +84,8 @@ class KVEventPublisher:
     ``buffer_steps`` batches (sent or skipped) as ``(seq, payload bytes)``.
 
     Args:
-        endpoint: where the PUB socket binds; ``tcp://127.0.0.1:0`` picks a free port.
+        endpoint: where the PUB socket binds (or connects, see ``socket_mode``);
+            ``tcp://127.0.0.1:0`` picks a free port.
         replay_endpoint: where the replay ROUTER binds; None disables replay (vLLM's default).
         topic: the topic frame (vLLM's default is ``""``; its examples use ``"kv"``).
         buffer_steps: replay buffer length in batches (vLLM default 10 000).
@@ -82,6 +93,11 @@ class KVEventPublisher:
         max_queue_size: bound of the publish queue (vLLM default 100 000).
         data_parallel_rank: written into every batch (vLLM always writes it).
         form: ``"map"`` (current vLLM) or ``"array"`` (older vLLM) event encoding.
+        socket_mode: ``"bind"`` always binds the PUB socket (test-friendly: free ports work);
+            ``"vllm"`` follows vLLM's ``ZmqEventPublisher`` exactly: bind when the endpoint
+            contains ``*`` or ``::`` or is ``ipc://``/``inproc://``, otherwise *connect* — so
+            an engine given ``tcp://127.0.0.1:5601`` connects to a subscriber that binds
+            there. The replay ROUTER always binds, as in vLLM.
     """
 
     def __init__(
@@ -95,12 +111,16 @@ class KVEventPublisher:
         max_queue_size: int = 100_000,
         data_parallel_rank: int | None = 0,
         form: Literal["map", "array"] = "map",
+        socket_mode: Literal["bind", "vllm"] = "bind",
     ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         if form not in ("map", "array"):
             raise ValueError(f"form must be 'map' or 'array', got {form!r}")
+        if socket_mode not in ("bind", "vllm"):
+            raise ValueError(f"socket_mode must be 'bind' or 'vllm', got {socket_mode!r}")
         self._endpoint_arg = endpoint
+        self._pub_binds = socket_mode == "bind" or vllm_pub_binds(endpoint)
         self._replay_endpoint_arg = replay_endpoint
         self._topic = topic
         self._topic_bytes = topic.encode("utf-8")
@@ -137,8 +157,12 @@ class KVEventPublisher:
         try:
             pub.setsockopt(zmq.LINGER, 0)
             pub.set_hwm(self._hwm)
-            pub.bind(self._endpoint_arg)
-            self._endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self._pub_binds:
+                pub.bind(self._endpoint_arg)
+                self._endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(self._endpoint_arg)
+                self._endpoint = self._endpoint_arg
             if self._replay_endpoint_arg is not None:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)

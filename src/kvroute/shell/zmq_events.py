@@ -113,6 +113,9 @@ class EventSubscriber:
         catch_up: replay the engine's buffer when the first message is not seq 0.
         hwm: receive high-water mark of the SUB socket (vLLM's PUB default is 100 000).
         context: a ``zmq.asyncio.Context``; the process-wide instance when None.
+        bind: bind the SUB socket at ``endpoint`` instead of connecting. vLLM's publisher
+            binds only wildcard (``tcp://*:5557``), ipc and inproc endpoints; given a concrete
+            ``tcp://127.0.0.1:5601`` it connects, and the router must bind that address.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class EventSubscriber:
         catch_up: bool = True,
         hwm: int = 100_000,
         context: zmq.asyncio.Context | None = None,
+        bind: bool = False,
     ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
@@ -140,6 +144,7 @@ class EventSubscriber:
         self._replay_timeout = replay_timeout
         self._catch_up = catch_up
         self._hwm = hwm
+        self._bind = bind
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._stats = SubscriberStats()
         self._expected: int | None = None
@@ -187,7 +192,12 @@ class EventSubscriber:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._hwm)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
-            sub.connect(self.endpoint)
+            if self._bind:
+                # The engine was given this exact tcp://host:port, so vLLM *connects* its
+                # PUB socket to it and the subscriber must be the one that binds.
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
             self._connected.set()
             while True:
                 frames = await sub.recv_multipart()
