@@ -1,0 +1,295 @@
+"""Warm-ahead: pre-pay the large pool's prefill while the session still fits the small one.
+
+Owns :class:`WarmPlanner` (the decision and its guards), the in-memory cooldown map
+(:class:`MemoryCooldownStore`, a bounded LRU) and the :class:`CooldownStore` seam the shell
+implements with Redis. Pure: no I/O, no clock reads (``now_s`` is an argument), no
+environment: ``KVROUTE_WARM_AHEAD`` is read by the shell's config and arrives as ``enabled``.
+
+Why: KV caches cannot move between different models, but token prefixes can. When a
+session's prompt has grown to ``fraction`` (default 0.6) of its current pool's window, the
+shell sends the next larger pool the same body with ``max_tokens: 1``
+(``wire.openai.warm_request_body``), fire-and-forget, routed by the same policy and with the
+same ``cache_salt``; when the session later escalates, its prefill is mostly a cache hit. At
+0.9 the warm-up would arrive too late: the next turn already escalates.
+
+Guards, checked in this order (each is a :class:`WarmSkipReason`):
+
+1. ``DISABLED`` — the feature is off (config switch or ``KVROUTE_WARM_AHEAD=0``);
+2. ``NO_SESSION`` — without a session id nothing follows that could use the warm prefix;
+3. ``NO_LARGER_POOL`` — the request is already on the route's largest eligible pool;
+4. ``WINDOW_UNKNOWN`` — the current pool's window is not known, so no threshold exists;
+5. ``BELOW_THRESHOLD`` — ``estimate_low < fraction * window``;
+6. ``TARGET_MODEL_UNKNOWN`` — the target pool's served model is not known (the warm-up
+   would have no ``model`` to name);
+7. ``COOLDOWN`` — this session was warmed less than ``cooldown_s`` ago.
+
+The cooldown is the only guard with state. Its rule lives in one place,
+:meth:`CooldownStore.try_claim`: *claim the session's warm slot for ``cooldown_s`` unless a
+live claim exists*. :class:`MemoryCooldownStore` implements it over a bounded LRU (oldest
+session evicted beyond ``max_sessions``, default 256); the shell's Redis store implements the
+same rule as one atomic ``SET <cooldown_key(session)> <now> NX PX <cooldown_ms>``, so every
+router process shares it and two routers never both warm one session. The Redis call is
+async, so the shell runs :meth:`WarmPlanner.consider` with ``claim=False`` (pure guards
+plus this process's own view of the cooldown), then ``await``\\s its claim, then calls
+:meth:`WarmPlanner.mark_fired` so the local view skips Redis for the rest of the cooldown.
+With the memory store, ``consider(..., claim=True)`` does all of it in one call.
+
+The obvious alternative, a timestamp on the session record, was rejected: it grows without
+bound with the number of sessions, and it is not shared between router processes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from kvroute.core.errors import ConfigError
+from kvroute.core.tiers import LOG_TAG, TierPool, eligibility
+
+__all__ = [
+    "COOLDOWN_KEY_PREFIX",
+    "DEFAULT_COOLDOWN_S",
+    "DEFAULT_FRACTION",
+    "DEFAULT_MAX_SESSIONS",
+    "CooldownStore",
+    "MemoryCooldownStore",
+    "WarmFire",
+    "WarmPlanner",
+    "WarmSkip",
+    "WarmSkipReason",
+    "cooldown_key",
+]
+
+DEFAULT_FRACTION: Final = 0.6
+DEFAULT_COOLDOWN_S: Final = 300.0
+DEFAULT_MAX_SESSIONS: Final = 256
+COOLDOWN_KEY_PREFIX: Final = "kvroute:warm:"
+
+
+def cooldown_key(session_id: str) -> str:
+    """The shared key of a session's warm slot (the Redis store uses exactly this)."""
+    return COOLDOWN_KEY_PREFIX + session_id
+
+
+class WarmSkipReason(enum.StrEnum):
+    """Why no warm-up was fired (a counter label)."""
+
+    DISABLED = "disabled"
+    NO_SESSION = "no_session"
+    NO_LARGER_POOL = "no_larger_pool"
+    WINDOW_UNKNOWN = "window_unknown"
+    BELOW_THRESHOLD = "below_threshold"
+    TARGET_MODEL_UNKNOWN = "target_model_unknown"
+    COOLDOWN = "cooldown"
+
+
+@dataclass(frozen=True, slots=True)
+class WarmFire:
+    """Send a ``max_tokens: 1`` copy of the request to ``pools[target_pool_index]``.
+
+    ``target_model`` is the ``model`` to name in the warm-up body.
+    """
+
+    session_id: str
+    target_pool_index: int
+    target_pool_name: str
+    target_model: str
+    log_line: str
+
+
+@dataclass(frozen=True, slots=True)
+class WarmSkip:
+    reason: WarmSkipReason
+
+
+class CooldownStore(Protocol):
+    """The cooldown rule, one claim per session per cooldown (module docstring)."""
+
+    def try_claim(self, session_id: str, now_s: float, cooldown_s: float) -> bool:
+        """Claim the session's slot until ``now_s + cooldown_s`` unless a live claim exists.
+
+        Returns True when this call claimed it (the caller fires the warm-up).
+        """
+        ...
+
+    def is_cooling(self, session_id: str, now_s: float) -> bool:
+        """True while a claim for the session is live; never changes the store."""
+        ...
+
+
+@dataclass(slots=True)
+class _Claim:
+    expires_at_s: float
+    target_pool_index: int | None
+
+
+class MemoryCooldownStore:
+    """In-process cooldowns: an LRU of at most ``max_sessions`` live claims.
+
+    Invariant: ``len(self) <= max_sessions``. A claim is dropped when it expires (lazily,
+    on lookup) or when it is the least recently claimed beyond the bound; dropping a live
+    claim early can only allow one extra warm-up, never block one.
+    """
+
+    __slots__ = ("_claims", "_max_sessions")
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        if max_sessions < 1:
+            raise ConfigError(
+                f"warm_ahead.max_sessions must be >= 1, got {max_sessions}; it bounds the "
+                "cooldown map (default 256)"
+            )
+        self._max_sessions = max_sessions
+        self._claims: OrderedDict[str, _Claim] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._claims)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._claims
+
+    def is_cooling(self, session_id: str, now_s: float) -> bool:
+        claim = self._claims.get(session_id)
+        if claim is None:
+            return False
+        if now_s >= claim.expires_at_s:
+            del self._claims[session_id]
+            return False
+        return True
+
+    def try_claim(self, session_id: str, now_s: float, cooldown_s: float) -> bool:
+        if self.is_cooling(session_id, now_s):
+            return False
+        self.record(session_id, now_s + cooldown_s)
+        return True
+
+    def record(self, session_id: str, expires_at_s: float, target_pool_index: int | None = None
+               ) -> None:  # fmt: skip
+        """Store a claim made elsewhere (or here), evicting the oldest beyond the bound."""
+        self._claims[session_id] = _Claim(expires_at_s, target_pool_index)
+        self._claims.move_to_end(session_id)
+        while len(self._claims) > self._max_sessions:
+            self._claims.popitem(last=False)
+
+    def target_of(self, session_id: str, now_s: float) -> int | None:
+        """The pool a live claim warmed, if recorded (for the warmed-prefix-hit metric)."""
+        if not self.is_cooling(session_id, now_s):
+            return None
+        return self._claims[session_id].target_pool_index
+
+
+class WarmPlanner:
+    """Decides warm-ahead requests; the shell sends them (see the module docstring).
+
+    Args:
+        fraction: share of the current window the estimate must reach, in (0, 1].
+        cooldown_s: at most one warm-up per session per this many seconds (>= 0).
+        max_sessions: bound of the in-memory cooldown map.
+        enabled: the config switch (``KVROUTE_WARM_AHEAD`` resolved by the shell).
+
+    Raises:
+        ConfigError: a value out of range; the message names the key and the fix.
+    """
+
+    __slots__ = ("cooldown_s", "enabled", "fraction", "memory")
+
+    def __init__(
+        self,
+        fraction: float = DEFAULT_FRACTION,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        enabled: bool = True,
+    ) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ConfigError(
+                f"warm_ahead.fraction must be in (0, 1], got {fraction}; 0.6 warms early "
+                "enough for the next turn to find the prefix cached"
+            )
+        if cooldown_s < 0:
+            raise ConfigError(f"warm_ahead.cooldown_s must be >= 0 seconds, got {cooldown_s}")
+        self.fraction = fraction
+        self.cooldown_s = cooldown_s
+        self.enabled = enabled
+        self.memory = MemoryCooldownStore(max_sessions)
+
+    def consider(
+        self,
+        session_id: str | None,
+        estimate_low: int,
+        pools: Sequence[TierPool],
+        current_index: int,
+        now_s: float,
+        *,
+        request_model: str | None = None,
+        claim: bool = True,
+    ) -> WarmFire | WarmSkip:
+        """Decide whether to warm the next larger pool for this request's session.
+
+        Args:
+            session_id: the request's session id, if any.
+            estimate_low: the prompt's under-estimate (``TokenEstimate.low``).
+            pools: the route's pools, smallest first.
+            current_index: the pool the request is placed on.
+            now_s: the shell's monotonic now.
+            request_model: the client's model (the external-catalog rule for targets).
+            claim: with True, a :class:`WarmFire` also claims the in-memory cooldown; with
+                False (Redis backend) only this process's view is checked, and the caller
+                claims in Redis and then calls :meth:`mark_fired`.
+
+        Returns:
+            :class:`WarmFire` or :class:`WarmSkip` with the first guard that failed.
+        """
+        if not self.enabled:
+            return WarmSkip(WarmSkipReason.DISABLED)
+        if not session_id:
+            return WarmSkip(WarmSkipReason.NO_SESSION)
+        target = next(
+            (j for j in range(current_index + 1, len(pools))
+             if eligibility(pools[j], j, request_model) is None),
+            None,
+        )  # fmt: skip
+        if target is None:
+            return WarmSkip(WarmSkipReason.NO_LARGER_POOL)
+        current = pools[current_index]
+        if current.window is None:
+            return WarmSkip(WarmSkipReason.WINDOW_UNKNOWN)
+        if estimate_low < self.fraction * current.window:
+            return WarmSkip(WarmSkipReason.BELOW_THRESHOLD)
+        model = pools[target].served_model
+        if model is None:
+            return WarmSkip(WarmSkipReason.TARGET_MODEL_UNKNOWN)
+        if self.memory.is_cooling(session_id, now_s):
+            return WarmSkip(WarmSkipReason.COOLDOWN)
+        if claim:
+            self.mark_fired(session_id, now_s, target_pool_index=target)
+        line = (
+            f"{LOG_TAG} warm-ahead: est≈{estimate_low}tok ≥ {self.fraction:g} × window "
+            f"{current.window} of {current.name!r} → warm {pools[target].name!r}"
+        )
+        return WarmFire(session_id, target, pools[target].name, model, line)
+
+    def mark_fired(
+        self,
+        session_id: str,
+        now_s: float,
+        *,
+        target_pool_index: int | None = None,
+        expires_at_s: float | None = None,
+    ) -> None:
+        """Record a warm-up claimed for ``session_id`` (here, or by the shared store).
+
+        ``expires_at_s`` defaults to ``now_s + cooldown_s``; pass the shared store's expiry
+        when a claim there failed because another router holds it.
+        """
+        expiry = now_s + self.cooldown_s if expires_at_s is None else expires_at_s
+        self.memory.record(session_id, expiry, target_pool_index)
+
+    def warmed_target(self, session_id: str, now_s: float) -> int | None:
+        """The pool this process warmed for the session within the cooldown, if any.
+
+        An escalated request whose pool equals this counts as a warmed-prefix hit.
+        """
+        return self.memory.target_of(session_id, now_s)
