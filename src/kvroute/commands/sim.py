@@ -1,0 +1,203 @@
+"""``kvroute sim``: simulated vLLM engines without GPUs.
+
+* ``kvroute sim serve`` runs one simulated vLLM 0.32 server (HTTP + ZMQ KV events) and prints
+  one JSON line (``{"ready": true, "url": ..., "kv_events": ..., "kv_replay": ...}``) on stdout
+  once it listens; logs go to stderr.
+* ``kvroute sim fleet`` starts several as child processes. One pool:
+  ``--replicas 2 --model m --max-model-len 4096``; several pools: repeat
+  ``--pool NAME:COUNT:MODEL:MAX_MODEL_LEN[:PROFILE]``, e.g. ``--pool small:2:qwen3-8b:2048
+  --pool large:2:qwen3-32b:8192``. It prints the endpoints and a ``pools:`` YAML block, and
+  stops every child on Ctrl-C / SIGTERM (exit 0).
+* ``kvroute sim calibrate --url http://127.0.0.1:8000`` fits a timing profile to a running
+  OpenAI-compatible engine (loopback only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Annotated
+
+import typer
+
+from kvroute.core.engine_model import StepTiming
+from kvroute.core.errors import ConfigError, RouterError
+from kvroute.sim.calibrate import CalibrationPlan, calibrate
+from kvroute.sim.launcher import ReplicaSpec, start_fleet
+from kvroute.sim.profiles import profile_names
+from kvroute.sim.server import SimServer, SimServerConfig, run_sim_server
+
+HELP = "Simulated vLLM engines: serve one, start a fleet, calibrate a profile."
+
+sim_app = typer.Typer(name="sim", help=HELP, no_args_is_help=True, add_completion=False)
+
+
+@sim_app.callback()
+def _sim() -> None:
+    """Simulated vLLM engines: serve one, start a fleet, calibrate a profile."""
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(code=2)
+
+
+@sim_app.command("serve")
+def serve(
+    port: Annotated[int, typer.Option(help="HTTP port (0 = a free port).")] = 8000,
+    model: Annotated[str, typer.Option(help="Served model name.")] = "sim-model",
+    max_model_len: Annotated[int | None, typer.Option(help="Context window (default: the profile's).")] = None,
+    block_size: Annotated[int | None, typer.Option(help="KV block size in tokens.")] = None,
+    num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks (vLLM --num-gpu-blocks-override).")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Running batch limit.")] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(help="Per-step token budget.")] = None,
+    profile: Annotated[str, typer.Option(help=f"Timing profile: {', '.join(profile_names())}.")] = "zero",
+    kv_events: Annotated[str, typer.Option(help="KV-event PUB endpoint ('none' disables).")] = "tcp://127.0.0.1:5557",
+    kv_replay: Annotated[str | None, typer.Option(help="Replay ROUTER endpoint.")] = None,
+    kv_topic: Annotated[str, typer.Option(help="KV-event topic.")] = "kv",
+    tokenizer: Annotated[str | None, typer.Option(help="Local Hugging Face tokenizer directory (needs kvroute[hf]).")] = None,
+    error_style: Annotated[str, typer.Option(help="Context-error wording: vllm-0.32, vllm-0.18-0.31, sglang, llamacpp, tgi, openai, ...")] = "vllm-0.32",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    hash_algo: Annotated[str, typer.Option(help="--prefix-caching-hash-algo.")] = "sha256",
+    enable_prompt_tokens_details: Annotated[bool, typer.Option(help="Report usage.prompt_tokens_details.cached_tokens.")] = False,
+    no_render: Annotated[bool, typer.Option(help="Answer the /render routes with vLLM's 403, as vLLM without --enable-scale-out.")] = False,
+    eos_after: Annotated[int | None, typer.Option(help="Every request stops ('stop') after this many tokens.")] = None,
+    vocab_size: Annotated[int, typer.Option(help="Built-in tokenizer vocabulary.")] = 32000,
+    timing: Annotated[str | None, typer.Option(help="Override the profile's step constants: FIXED_S,PREFILL_TOKEN_S,DECODE_SEQ_S,CONTEXT_TOKEN_S.")] = None,
+) -> None:
+    """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        step_timing = _parse_timing(timing) if timing is not None else None
+        config = SimServerConfig(
+            model=model, profile=profile, max_model_len=max_model_len, block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, host=host, port=port,
+            kv_events=None if kv_events.lower() == "none" else kv_events, kv_replay=kv_replay,
+            kv_topic=kv_topic, tokenizer=tokenizer, vocab_size=vocab_size,
+            error_style=error_style, hash_algo=hash_algo,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
+            render_endpoints=not no_render, eos_after_tokens=eos_after, timing=step_timing,
+        )
+
+        def ready(server: SimServer) -> None:
+            sys.stdout.write(json.dumps(server.ready_info()) + "\n")
+            sys.stdout.flush()
+
+        run_sim_server(config, on_ready=ready)
+    except (RouterError, ValueError, OSError) as exc:
+        raise _fail(exc) from exc
+
+
+def _parse_timing(text: str) -> StepTiming:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 4:
+        raise ConfigError(
+            f"--timing takes four comma-separated seconds FIXED,PREFILL_TOKEN,DECODE_SEQ,"
+            f"CONTEXT_TOKEN (e.g. 0.006,4e-5,2e-5,5e-8), got {text!r}"
+        )
+    return StepTiming(*values)
+
+
+def _parse_pool(text: str) -> tuple[str, int, str, int, str | None]:
+    parts = text.split(":")
+    if len(parts) not in (4, 5):
+        raise typer.BadParameter(
+            f"--pool takes NAME:COUNT:MODEL:MAX_MODEL_LEN[:PROFILE], got {text!r}"
+        )
+    try:
+        count, window = int(parts[1]), int(parts[3])
+    except ValueError as exc:
+        raise typer.BadParameter(f"--pool {text!r}: COUNT and MAX_MODEL_LEN must be integers") from exc
+    if count < 1:
+        raise typer.BadParameter(f"--pool {text!r}: COUNT must be >= 1")
+    return parts[0], count, parts[2], window, parts[4] if len(parts) == 5 else None
+
+
+@sim_app.command("fleet")
+def fleet(
+    replicas: Annotated[int, typer.Option(help="Replicas of the single pool (ignored with --pool).")] = 2,
+    base_port: Annotated[int, typer.Option(help="First port; replica i uses +3i (HTTP), +1 (events), +2 (replay). 0 = free ports.")] = 8100,
+    model: Annotated[str, typer.Option(help="Model of the single pool.")] = "sim-model",
+    max_model_len: Annotated[int | None, typer.Option(help="Window of the single pool.")] = None,
+    pool: Annotated[list[str] | None, typer.Option(help="NAME:COUNT:MODEL:MAX_MODEL_LEN[:PROFILE], repeatable.")] = None,
+    profile: Annotated[str, typer.Option(help="Default timing profile.")] = "zero",
+    block_size: Annotated[int | None, typer.Option(help="KV block size.")] = None,
+    num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks per replica.")] = None,
+    error_style: Annotated[str, typer.Option(help="Context-error wording.")] = "vllm-0.32",
+    tokenizer: Annotated[str | None, typer.Option(help="Local HF tokenizer directory.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for every replica.")] = 60.0,
+) -> None:
+    """Start a fleet of simulated engines and keep it up until Ctrl-C / SIGTERM."""
+    specs: list[ReplicaSpec] = []
+    common = {"block_size": block_size, "num_gpu_blocks": num_gpu_blocks,
+                  "error_style": error_style, "tokenizer": tokenizer}
+    if pool:
+        for text in pool:
+            name, count, pool_model, window, pool_profile = _parse_pool(text)
+            specs += [ReplicaSpec(pool=name, model=pool_model, max_model_len=window,
+                                  profile=pool_profile or profile, **common)  # type: ignore[arg-type]
+                      for _ in range(count)]
+    else:
+        if replicas < 1:
+            raise typer.BadParameter("--replicas must be >= 1")
+        specs = [ReplicaSpec(model=model, max_model_len=max_model_len, profile=profile,
+                             **common) for _ in range(replicas)]  # type: ignore[arg-type]
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        running = start_fleet(specs, base_port=base_port, timeout_s=timeout)
+    except (RouterError, OSError) as exc:
+        raise _fail(exc) from exc
+    try:
+        for r in running.replicas:
+            typer.echo(f"{r.name:<16} {r.model:<20} window={r.max_model_len:<7} {r.url}  "
+                       f"events={r.kv_events}  replay={r.kv_replay}")
+        typer.echo("")
+        typer.echo(running.yaml(), nl=False)
+        typer.echo("# Ctrl-C stops the fleet", err=True)
+        while not stop.wait(0.5):
+            dead = [p for p in running.processes if p.poll() is not None]
+            if dead:
+                typer.echo(f"error: {len(dead)} replica(s) exited; stopping the fleet", err=True)
+                running.stop()
+                raise typer.Exit(code=1)
+    finally:
+        running.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@sim_app.command("calibrate")
+def calibrate_cmd(
+    url: Annotated[str, typer.Option(help="Engine base URL on loopback, e.g. http://127.0.0.1:8000.")],
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first of /v1/models).")] = None,
+    max_requests: Annotated[int, typer.Option(help="Upper bound on requests sent.")] = 200,
+    timeout: Annotated[float, typer.Option(help="Upper bound on the whole run, seconds.")] = 120.0,
+    max_prompt: Annotated[int, typer.Option(help="Longest prompt of the TTFT sweep.")] = 2048,
+    json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Fit StepTiming(fixed, prefill/token, decode/seq, context/token) to a running engine."""
+    lengths = tuple(n for n in (16, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_prompt)
+    plan = CalibrationPlan(prompt_lengths=lengths, max_requests=max_requests, timeout_s=timeout)
+    try:
+        result = asyncio.run(calibrate(url, model=model, plan=plan))
+    except (TimeoutError, ConfigError, OSError) as exc:
+        raise _fail(exc) from exc
+    if json_out:
+        typer.echo(json.dumps(result.as_dict()))
+        return
+    typer.echo(result.python())
+    typer.echo(json.dumps(result.as_dict(), indent=2))
+    typer.echo(f"fit: R^2={result.r2:.4f}  rmse={result.rmse_s * 1e3:.3f} ms  "
+               f"max relative error={result.max_rel_error:.1%}  "
+               f"observations={len(result.observations)}  "
+               f"http overhead={result.overhead_s * 1e3:.3f} ms")

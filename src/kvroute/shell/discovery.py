@@ -1,0 +1,606 @@
+"""Discovery: what the router knows about each replica, read from the replica itself.
+
+Owns the polling of every replica's ``/health``, ``/v1/models`` and ``/metrics``, and the
+conclusions drawn from them:
+
+* **health** -> ``RouterCore.set_healthy`` (out of routing and out of the index, or back in);
+* **context windows** (``max_model_len`` of the pool's model on ``/v1/models``), cached with a
+  TTL because a swap slot can change the model behind a URL;
+* **block hashing** (``block_size`` and ``prefix_caching_hash_algo`` of
+  ``vllm:cache_config_info``) -> ``RouterCore.set_pool_hashing``;
+* **engine load** (``vllm:num_requests_running``/``waiting``, ``kv_cache_usage_perc``) ->
+  ``RouterCore.on_engine_metrics``.
+
+It changes core state only through those public ``RouterCore`` methods, and is their only
+caller besides the composition root (which builds the core with every pool approximate until
+discovery has read the engines).
+
+Theory of operation
+-------------------
+
+One task runs rounds. A round probes every replica concurrently; each probe is bounded by
+``discovery.timeout_s``. Per replica, in order:
+
+1. ``GET /health`` when due (every ``health_interval_s``); on failure the round stops here
+   for that replica;
+2. ``GET /v1/models`` when due (every ``models_interval_s``, or soon after
+   ``invalidate_window``);
+3. ``GET /metrics`` when due (every ``metrics_interval_s``), read for the pool's model.
+
+After the probes, pools are settled from the records (single writer: only the round task
+touches ``RouterCore``):
+
+* Health is a small state machine per replica. A replica never seen healthy is out at its
+  first failure (nothing says it ever worked); a replica that was in goes out after
+  ``unhealthy_after`` consecutive failures (default 2: one lost probe is not an outage) and
+  comes back after ``healthy_after`` consecutive successes (default 1).
+* A pool's hashing is never assumed. Until both values are known (config overrides, else the
+  engines' report) the pool routes in the declared approximate mode, and says so in the log
+  and in ``kvroute_pool_approximate``. The first values read are adopted; when several
+  replicas report in the same round, the most common pair wins (ties: config order).
+* A replica whose hashing differs from its pool's, or that does not serve the pool's model,
+  is kept out of routing (its entries would poison the pool's index, or its requests would
+  404), with an error in the log and a ``discovery_total`` count, until it reports correctly.
+* A window is trusted for ``window_ttl_s`` after the last successful ``/v1/models``; after
+  that it is dropped (None) rather than trusted forever.
+
+``replica_info`` and ``pool_window`` read the records and never block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiohttp
+import msgspec
+
+from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
+from kvroute.core.clock import Clock
+from kvroute.core.errors import HashConfigError
+from kvroute.core.router import RouterCore
+from kvroute.core.types import PoolName, ReplicaId
+from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.state import MonotonicClock
+from kvroute.wire.prom import parse_vllm_metrics
+
+__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ReplicaInfo"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEALTHY_AFTER: Final = 1
+"""Consecutive good probes that bring a replica back (``discovery.healthy_after``)."""
+
+_LOOP_BACKOFF_S: Final = 1.0
+_JSON: Final = msgspec.json.Decoder()
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """What discovery knows about one replica (a copy; changing it changes nothing).
+
+    Attributes:
+        served_model: the pool's model as the replica serves it, once seen on ``/v1/models``.
+        max_model_len: its context window; None until read or after ``window_ttl_s``.
+        block_size / hash_algo: from ``vllm:cache_config_info``; None until reported.
+        healthy: in routing (healthy, right model, hashing consistent with its pool).
+        last_ok_s: clock time of the last good ``/health``.
+        running / waiting / kv_usage: the last engine load read from ``/metrics``.
+        models_fetched_at_s: clock time of the last good ``/v1/models``.
+        consecutive_failures: ``/health`` failures in a row.
+        consecutive_successes: ``/health`` successes in a row.
+        excluded_reason: why a reachable replica is kept out of routing, or None.
+        last_error: the last probe failure, for ``/admin/state`` and logs.
+    """
+
+    served_model: str | None = None
+    max_model_len: int | None = None
+    block_size: int | None = None
+    hash_algo: str | None = None
+    healthy: bool = False
+    last_ok_s: float | None = None
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+    models_fetched_at_s: float | None = None
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    excluded_reason: str | None = None
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class _Replica:
+    config: ReplicaConfig
+    pool: PoolConfig
+    info: ReplicaInfo = dataclasses.field(default_factory=ReplicaInfo)
+    up: bool | None = None  # health state machine; None = never probed
+    core_healthy: bool | None = None  # what RouterCore was last told
+    next_health_s: float = float("-inf")
+    next_metrics_s: float = float("-inf")
+    models_due: bool = True
+    window_read_s: float | None = None
+    hashing_problem: str | None = None
+    model_problem: str | None = None
+    warned_partial: bool = False
+
+
+class _ProbeError(Exception):
+    """Internal: one probe failed; the message is the outcome word and the detail."""
+
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(f"{outcome}: {detail}")
+        self.outcome = outcome
+        self.detail = detail
+
+
+class Discovery:
+    """Polls the fleet and keeps ``RouterCore`` told about health, hashing, windows and load.
+
+    Invariant: ``RouterCore`` is only changed from the task that runs rounds (or from
+    ``refresh_now`` before that task starts), so the core keeps a single writer.
+
+    Args:
+        config: the router config (pools, replicas, ``discovery`` intervals).
+        core: the router core to keep informed.
+        session: the shared aiohttp client session (discovery never closes it).
+        metrics: where probes, health, windows and approximate mode are exported.
+        clock: monotonic seconds; ``time.monotonic`` when None (tests pass a ``ManualClock``).
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        core: RouterCore,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self._config = config
+        self._core = core
+        self._session = session
+        self._metrics = metrics
+        self._clock: Clock = clock or MonotonicClock()
+        d = config.discovery
+        self._health_interval_s = d.health_interval_s
+        self._metrics_interval_s = d.metrics_interval_s
+        self._models_interval_s = d.models_interval_s
+        self._window_ttl_s = d.window_ttl_s
+        self._unhealthy_after = d.unhealthy_after
+        self._healthy_after = int(getattr(d, "healthy_after", DEFAULT_HEALTHY_AFTER))
+        self._timeout = aiohttp.ClientTimeout(total=d.timeout_s)
+        self._replicas: dict[ReplicaId, _Replica] = {}
+        self._pools: dict[PoolName, PoolConfig] = dict(config.pools)
+        for pool in config.pools.values():
+            for rep in pool.replicas:
+                self._replicas[rep.name] = _Replica(config=rep, pool=pool)
+        # The pool's adopted (block_size, hash_algo); None = not known yet (approximate).
+        self._hashing: dict[PoolName, tuple[int, str] | None] = {}
+        self._hashing_source: dict[PoolName, str] = {}
+        self._hash_errors: set[PoolName] = set()
+        self._approximate: dict[PoolName, bool] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._started = False
+        self.num_rounds = 0
+        self.num_loop_errors = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def refresh_now(self) -> None:
+        """Run one full round now (every probe, due or not) and settle the pools.
+
+        Awaited at start-up before serving, so the first request already sees health,
+        windows and hashing. Never raises for an unreachable replica: that is a result.
+        """
+        self._init_pools()
+        await self._round(force=True)
+
+    async def start(self) -> None:
+        """Start the polling task (runs ``refresh_now`` first if it never ran)."""
+        if self._task is not None:
+            return
+        if not self._started:
+            await self.refresh_now()
+        self._task = asyncio.create_task(self._run(), name="kvroute-discovery")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    # -- queries --------------------------------------------------------------------------
+
+    def replica_info(self, replica: str) -> ReplicaInfo:
+        """A copy of what is known about ``replica``.
+
+        Raises:
+            KeyError: ``replica`` is not in the config.
+        """
+        rep = self._replicas[ReplicaId(replica)]
+        info = dataclasses.replace(rep.info)
+        if not self._window_valid(rep):
+            info.max_model_len = None
+        return info
+
+    def replica_url(self, replica: str) -> str:
+        return self._replicas[ReplicaId(replica)].config.url
+
+    def healthy_replicas(self, pool: str) -> list[ReplicaId]:
+        """The pool's replicas currently in routing, in config order."""
+        return [
+            rep.config.name for rep in self._replicas.values()
+            if rep.pool.name == pool and rep.info.healthy
+        ]
+
+    def pool_window(self, pool: str) -> int | None:
+        """The smallest ``max_model_len`` among the pool's healthy replicas with a fresh window.
+
+        None when no healthy replica has a window younger than ``window_ttl_s``.
+        """
+        windows = [
+            rep.info.max_model_len for rep in self._replicas.values()
+            if rep.pool.name == pool and rep.info.healthy and rep.info.max_model_len is not None
+            and self._window_valid(rep)
+        ]
+        return min(windows) if windows else None
+
+    def pool_hashing(self, pool: str) -> tuple[int, str] | None:
+        """The pool's adopted ``(block_size, hash_algo)``, or None while still unknown."""
+        return self._hashing.get(PoolName(pool))
+
+    def pool_approximate(self, pool: str) -> bool:
+        """True while ``pool`` routes approximately (hashing unknown, or no tokenizer)."""
+        return self._approximate.get(PoolName(pool), True)
+
+    def invalidate_window(self, pool: str) -> None:
+        """A reactive overflow said the pool's window changed: re-read ``/v1/models`` soon.
+
+        The known window stays in use until the new one is read (the reactive path covers
+        the gap); the polling task is woken so that happens within one probe.
+        """
+        for rep in self._replicas.values():
+            if rep.pool.name == pool:
+                rep.models_due = True
+        self._wake.set()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        tick = min(self._health_interval_s, self._metrics_interval_s, self._models_interval_s)
+        while True:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), tick)
+            try:
+                await self._round(force=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # NOTE: top of a long-lived loop (house rule 14): a bug in one round must not
+                # end discovery for the router's lifetime; it is logged, counted, backed off.
+                self.num_loop_errors += 1
+                self._metrics.discovery("*", "loop_error")
+                log.exception("discovery round failed; retrying in %.1fs", _LOOP_BACKOFF_S)
+                await asyncio.sleep(_LOOP_BACKOFF_S)
+
+    def _init_pools(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for pool in self._pools.values():
+            if pool.block_size is not None and pool.hash_algo is not None:
+                self._adopt(pool, pool.block_size, pool.hash_algo, source="config")
+            else:
+                spec = self._core.pool(pool.name)
+                self._core.set_pool_hashing(
+                    pool.name, block_size=spec.block_size, hash_algo=spec.hash_algo,
+                    hash_seed=spec.hash_seed, approximate=True,
+                )
+                self._hashing[pool.name] = None
+            self._set_approximate(pool)
+
+    async def _round(self, *, force: bool) -> None:
+        await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()))
+        for pool in self._pools.values():
+            self._settle_pool(pool)
+        self.num_rounds += 1
+
+    # -- probes ---------------------------------------------------------------------------
+
+    async def _probe(self, rep: _Replica, force: bool) -> None:
+        now = self._clock.now()
+        answered = False
+        if force or now >= rep.next_health_s:
+            rep.next_health_s = now + self._health_interval_s
+            try:
+                await self._get(rep, "/health", "health")
+            except _ProbeError as exc:
+                self._on_health(rep, ok=False, error=str(exc))
+                return
+            self._on_health(rep, ok=True, error=None)
+            answered = True
+        if not answered and rep.up is not True:
+            return  # down, and its next health probe is not due yet
+        if force or rep.models_due or (
+            rep.info.models_fetched_at_s is not None
+            and now - rep.info.models_fetched_at_s >= self._models_interval_s
+        ):
+            await self._probe_models(rep)
+        if force or now >= rep.next_metrics_s:
+            rep.next_metrics_s = now + self._metrics_interval_s
+            await self._probe_metrics(rep)
+
+    async def _get(self, rep: _Replica, path: str, what: str) -> bytes:
+        url = rep.config.url + path
+        try:
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise _ProbeError(
+                        f"{what}_error", f"GET {url} answered HTTP {resp.status}"
+                    )
+                return body
+        except TimeoutError as exc:
+            raise _ProbeError(
+                f"{what}_timeout", f"GET {url} took longer than {self._timeout.total}s"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise _ProbeError(
+                f"{what}_error", f"GET {url} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _on_health(self, rep: _Replica, *, ok: bool, error: str | None) -> None:
+        info = rep.info
+        name = rep.config.name
+        if ok:
+            info.consecutive_failures = 0
+            info.consecutive_successes += 1
+            info.last_ok_s = self._clock.now()
+            self._metrics.discovery(name, "health_ok")
+            if rep.up is None or (not rep.up and info.consecutive_successes >= self._healthy_after):
+                if rep.up is False:
+                    log.warning("replica %s is healthy again after %d good probe(s)",
+                                name, info.consecutive_successes)
+                rep.up = True
+            return
+        info.consecutive_successes = 0
+        info.consecutive_failures += 1
+        info.last_error = error
+        outcome = error.split(":", 1)[0] if error else "health_error"
+        self._metrics.discovery(name, outcome)
+        if rep.up is None:
+            log.error("replica %s is unreachable at start-up (%s); kept out of routing", name,
+                      error)
+            rep.up = False
+        elif rep.up and info.consecutive_failures >= self._unhealthy_after:
+            log.error("replica %s failed %d health probes in a row (%s); taking it out of "
+                      "routing", name, info.consecutive_failures, error)
+            rep.up = False
+        else:
+            log.warning("replica %s health probe failed (%s; %d in a row)", name, error,
+                        info.consecutive_failures)
+
+    async def _probe_models(self, rep: _Replica) -> None:
+        name = rep.config.name
+        try:
+            body = await self._get(rep, "/v1/models", "models")
+            cards = _model_cards(body)
+        except _ProbeError as exc:
+            rep.info.last_error = str(exc)
+            self._metrics.discovery(name, exc.outcome)
+            log.warning("replica %s: %s", name, exc)
+            return
+        rep.models_due = False
+        now = self._clock.now()
+        rep.info.models_fetched_at_s = now
+        wanted = rep.pool.model
+        card = cards.get(wanted)
+        if card is None:
+            problem = (
+                f"serves {sorted(cards)} but pool {rep.pool.name!r} expects model {wanted!r}; "
+                f"fix pools.{rep.pool.name}.model or the engine's --served-model-name"
+            )
+            if rep.model_problem != problem:
+                log.error("replica %s %s; kept out of routing", name, problem)
+            rep.model_problem = problem
+            rep.info.served_model = None
+            rep.info.max_model_len = None
+            rep.window_read_s = None
+            self._metrics.discovery(name, "model_mismatch")
+            return
+        if rep.model_problem is not None:
+            log.warning("replica %s serves %r again", name, wanted)
+        rep.model_problem = None
+        window = card.get("max_model_len")
+        old = rep.info.max_model_len
+        rep.info.served_model = wanted
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            rep.info.max_model_len = window
+            rep.window_read_s = now
+            if old is not None and old != window:
+                log.warning("replica %s: window of %r changed from %d to %d tokens", name,
+                            wanted, old, window)
+        else:
+            log.warning("replica %s: /v1/models gives no usable max_model_len for %r (%r)",
+                        name, wanted, window)
+        self._metrics.discovery(name, "models_ok")
+
+    async def _probe_metrics(self, rep: _Replica) -> None:
+        name = rep.config.name
+        try:
+            body = await self._get(rep, "/metrics", "metrics")
+        except _ProbeError as exc:
+            rep.info.last_error = str(exc)
+            self._metrics.discovery(name, exc.outcome)
+            log.warning("replica %s: %s", name, exc)
+            return
+        parsed = parse_vllm_metrics(body.decode("utf-8", errors="replace"), rep.pool.model)
+        info = rep.info
+        if parsed.found:
+            info.running = _as_int(parsed.num_requests_running)
+            info.waiting = _as_int(parsed.num_requests_waiting)
+            info.kv_usage = parsed.kv_cache_usage_perc
+            self._core.on_engine_metrics(
+                rep.config.name, running=info.running, waiting=info.waiting,
+                kv_usage=info.kv_usage,
+            )
+            self._metrics.discovery(name, "metrics_ok")
+        else:
+            self._metrics.discovery(name, "metrics_unusable")
+            log.warning("replica %s: /metrics has no vllm:num_requests_running/waiting for "
+                        "model %r (models seen: %s)", name, rep.pool.model,
+                        list(parsed.model_names))
+        info.block_size = parsed.block_size
+        info.hash_algo = parsed.prefix_caching_hash_algo
+        if parsed.num_malformed:
+            self._metrics.discovery(name, "metrics_malformed_lines")
+
+    # -- settling -------------------------------------------------------------------------
+
+    def _reported(self, rep: _Replica) -> tuple[int, str] | None:
+        """The replica's hashing as this pool would use it (config overrides win)."""
+        pool = rep.pool
+        block_size = pool.block_size if pool.block_size is not None else rep.info.block_size
+        algo = pool.hash_algo if pool.hash_algo is not None else rep.info.hash_algo
+        if block_size is None or algo is None:
+            if (rep.info.block_size is not None or rep.info.hash_algo is not None) and (
+                not rep.warned_partial
+            ):
+                rep.warned_partial = True
+                log.warning(
+                    "replica %s reports block_size=%s prefix_caching_hash_algo=%s; both are "
+                    "needed for exact routing: set pools.%s.block_size/hash_algo if the engine "
+                    "cannot report them", rep.config.name, rep.info.block_size,
+                    rep.info.hash_algo, pool.name,
+                )
+            return None
+        return block_size, algo
+
+    def _settle_pool(self, pool: PoolConfig) -> None:
+        members = [rep for rep in self._replicas.values() if rep.pool.name == pool.name]
+        reports = {rep.config.name: self._reported(rep) for rep in members if rep.up}
+        seen = [r for r in (reports.get(rep.config.name) for rep in members) if r is not None]
+        expected = self._hashing.get(pool.name)
+        if seen and (expected is None or (
+            self._hashing_source.get(pool.name) == "engines" and expected not in seen
+        )):
+            # Not known yet, or every engine that reports now reports something else (the
+            # fleet was restarted with new settings): adopt what the engines say.
+            counts = Counter(seen)
+            best = max(seen, key=lambda r: counts[r])  # first in config order on ties
+            if expected is not None:
+                log.warning("pool %s: its engines now report block_size=%d hash_algo=%s "
+                            "(was %s); re-adopting", pool.name, best[0], best[1], expected)
+            self._adopt(pool, best[0], best[1], source="engines")
+        expected = self._hashing.get(pool.name)
+        for rep in members:
+            report = reports.get(rep.config.name)
+            if expected is None or report is None or report == expected:
+                if rep.hashing_problem is not None and report == expected:
+                    log.warning("replica %s now reports the pool's hashing %s", rep.config.name,
+                                expected)
+                    rep.hashing_problem = None
+                continue
+            problem = (
+                f"reports block_size={report[0]} hash_algo={report[1]} but pool "
+                f"{pool.name!r} hashes with block_size={expected[0]} hash_algo={expected[1]}; "
+                "run every engine of a pool with the same --block-size and "
+                "--prefix-caching-hash-algo"
+            )
+            if rep.hashing_problem != problem:
+                log.error("replica %s %s; kept out of routing", rep.config.name, problem)
+                self._metrics.discovery(rep.config.name, "hashing_mismatch")
+            rep.hashing_problem = problem
+        for rep in members:
+            self._settle_replica(rep)
+        window = self.pool_window(pool.name)
+        self._metrics.set_pool_window(pool.name, window)
+
+    def _settle_replica(self, rep: _Replica) -> None:
+        info = rep.info
+        info.excluded_reason = rep.hashing_problem or rep.model_problem
+        info.healthy = bool(rep.up) and info.excluded_reason is None
+        if rep.core_healthy is not info.healthy:
+            rep.core_healthy = info.healthy
+            self._core.set_healthy(rep.config.name, info.healthy)
+            self._metrics.set_replica_healthy(rep.config.name, info.healthy)
+
+    def _adopt(self, pool: PoolConfig, block_size: int, algo: str, *, source: str) -> None:
+        approximate = pool.tokenizer.mode == "none"
+        try:
+            self._core.set_pool_hashing(
+                pool.name, block_size=block_size, hash_algo=algo, hash_seed=pool.hash_seed,
+                approximate=approximate,
+            )
+        except HashConfigError as exc:
+            if pool.name not in self._hash_errors:
+                self._hash_errors.add(pool.name)
+                log.error("pool %s: cannot hash like its engines (block_size=%s hash_algo=%s, "
+                          "from %s): %s; routing stays approximate", pool.name, block_size, algo,
+                          source, exc)
+                self._metrics.discovery("*", "hashing_unusable")
+            self._hashing[pool.name] = None
+            self._set_approximate(pool)
+            return
+        self._hashing[pool.name] = (block_size, algo)
+        self._hashing_source[pool.name] = source
+        self._hash_errors.discard(pool.name)
+        log.info("pool %s: block_size=%d hash_algo=%s (from %s)", pool.name, block_size, algo,
+                 source)
+        self._set_approximate(pool)
+
+    def _set_approximate(self, pool: PoolConfig) -> None:
+        reason: str | None = None
+        if pool.tokenizer.mode == "none":
+            reason = "tokenizer: none (no exact prompt tokens)"
+        elif self._hashing.get(pool.name) is None:
+            reason = "block size and hash algorithm not yet read from its engines"
+        on = reason is not None
+        if self._approximate.get(pool.name) is on:
+            return
+        self._approximate[pool.name] = on
+        self._metrics.set_approximate(pool.name, on)
+        if on:
+            log.warning("pool %s routes in APPROXIMATE mode: %s", pool.name, reason)
+        else:
+            log.info("pool %s routes on exact block hashes", pool.name)
+
+    def _window_valid(self, rep: _Replica) -> bool:
+        if rep.window_read_s is None:
+            return False
+        return self._clock.now() - rep.window_read_s < self._window_ttl_s
+
+
+def _as_int(value: float | None) -> int | None:
+    return None if value is None else round(value)
+
+
+def _model_cards(body: bytes) -> dict[str, Mapping[str, Any]]:
+    """``/v1/models`` body -> {model id: card}.
+
+    Raises:
+        _ProbeError: the body is not an OpenAI model list.
+    """
+    try:
+        doc = _JSON.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _ProbeError("models_malformed", f"/v1/models is not JSON: {exc}") from exc
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        raise _ProbeError("models_malformed", "/v1/models has no 'data' list")
+    cards: dict[str, Mapping[str, Any]] = {}
+    for card in data:
+        if isinstance(card, dict) and isinstance(card.get("id"), str):
+            cards.setdefault(card["id"], card)
+    return cards

@@ -1,0 +1,344 @@
+"""Session pins and warm-ahead cooldowns: in memory for one router, in Redis for several.
+
+Owns the two pieces of per-session state that must survive between requests and, with
+several router processes behind one Service, be shared by them:
+
+* a *pin*: session key -> the replica that served it last, with a TTL refreshed on each
+  write (so an active session keeps its replica and an idle one is forgotten);
+* a *warm cooldown*: at most one warm-ahead per key per cooldown, claimed atomically
+  (``try_start_warm`` returns True to exactly one caller, in one process or across many).
+
+Everything else (the prefix index, load) is rebuilt by each router from the engines' own
+event streams and ``/metrics``, so it is deliberately not here.
+
+Failure policy. State is an optimisation: losing it costs cache hits, never correctness.
+``RedisState`` therefore degrades instead of failing: a Redis error or timeout reads as
+"no pin" and "no warm" (never two warms: refusing is the safe side), is counted in
+``kvroute_state_errors_total`` and logged once per outage (and once on recovery). It never
+raises into a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Final, Protocol
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from kvroute.config import RouterConfig
+from kvroute.core.clock import Clock
+from kvroute.core.errors import ConfigError
+from kvroute.shell.metrics import RouterMetrics
+
+__all__ = [
+    "DEFAULT_MAX_PINS",
+    "DEFAULT_MAX_WARM",
+    "DEFAULT_REDIS_TIMEOUT_S",
+    "MemoryState",
+    "MonotonicClock",
+    "RedisState",
+    "SessionState",
+    "build_state",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PINS: Final = 100_000
+DEFAULT_MAX_WARM: Final = 256
+DEFAULT_REDIS_TIMEOUT_S: Final = 0.25
+"""Per call. A pin lookup sits on the request path: a slow Redis must cost little."""
+
+
+class MonotonicClock:
+    """``time.monotonic`` as a ``Clock`` (the live server's clock)."""
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+class SessionState(Protocol):
+    """Pins and warm cooldowns, shared by every router process that uses the same backend."""
+
+    async def get_pin(self, key: str) -> str | None:
+        """The replica pinned for ``key``, or None (never pinned, expired, or unavailable)."""
+        ...
+
+    async def set_pin(self, key: str, replica: str, ttl_s: float) -> None:
+        """Pin ``key`` to ``replica`` for ``ttl_s`` seconds from now (refreshes the TTL)."""
+        ...
+
+    async def try_start_warm(self, key: str, cooldown_s: float) -> bool:
+        """True at most once per ``key`` per ``cooldown_s``: the caller may warm now."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+def _check_duration(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+class MemoryState:
+    """Process-local state: two bounded LRU maps with expiry times on an injected clock.
+
+    Invariants: at most ``max_pins`` pins and ``max_warm`` cooldowns are held; the least
+    recently used entry is evicted first; an entry whose expiry time has passed is never
+    returned (it is dropped when met). Expired entries are not swept: the bound, not a
+    timer, limits memory, so there is no background task to own.
+
+    Evicting a live cooldown early only allows one extra warm-ahead for that key (harmless);
+    evicting a live pin loses one session's affinity (one cache miss at worst).
+
+    Args:
+        max_pins: bound on pins (default 100 000).
+        max_warm: bound on warm cooldowns (default 256, as ``core/warm.py``'s map).
+        clock: monotonic seconds; ``time.monotonic`` when None.
+    """
+
+    __slots__ = ("_clock", "_pins", "_warm", "max_pins", "max_warm")
+
+    def __init__(
+        self,
+        max_pins: int = DEFAULT_MAX_PINS,
+        max_warm: int = DEFAULT_MAX_WARM,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        if max_pins < 1 or max_warm < 1:
+            raise ConfigError(
+                f"state bounds must be >= 1 (max_pins={max_pins}, max_warm={max_warm}); "
+                "raise them in 'state:'"
+            )
+        self.max_pins = max_pins
+        self.max_warm = max_warm
+        self._clock: Clock = clock or MonotonicClock()
+        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._warm: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    @property
+    def num_warm(self) -> int:
+        return len(self._warm)
+
+    async def get_pin(self, key: str) -> str | None:
+        entry = self._pins.get(key)
+        if entry is None:
+            return None
+        replica, expires_at = entry
+        if self._clock.now() >= expires_at:
+            del self._pins[key]
+            return None
+        self._pins.move_to_end(key)
+        return replica
+
+    async def set_pin(self, key: str, replica: str, ttl_s: float) -> None:
+        _check_duration("ttl_s", ttl_s)
+        self._pins[key] = (replica, self._clock.now() + ttl_s)
+        self._pins.move_to_end(key)
+        while len(self._pins) > self.max_pins:
+            self._pins.popitem(last=False)
+
+    async def try_start_warm(self, key: str, cooldown_s: float) -> bool:
+        _check_duration("cooldown_s", cooldown_s)
+        now = self._clock.now()
+        until = self._warm.get(key)
+        if until is not None and now < until:
+            return False
+        self._warm[key] = now + cooldown_s
+        self._warm.move_to_end(key)
+        while len(self._warm) > self.max_warm:
+            self._warm.popitem(last=False)
+        return True
+
+    async def close(self) -> None:
+        self._pins.clear()
+        self._warm.clear()
+
+
+class RedisState:
+    """State in Redis, shared by every router process pointed at the same server.
+
+    Keys: ``<namespace>:pin:<key>`` (value: replica name, ``PX`` = TTL) and
+    ``<namespace>:warm:<key>`` (claimed with ``SET NX PX``, so exactly one process wins per
+    cooldown). The namespace defaults to ``kvroute``; several fleets can share one Redis with
+    different namespaces.
+
+    Every call is bounded by ``timeout_s`` (socket timeouts plus an overall
+    ``asyncio.timeout``) and redis-py's own retries are off: a retry loop against a dead server
+    would hold the request far longer than the pin is worth. Failures degrade (see the module
+    docstring) and flip ``available`` to False until a call succeeds again.
+
+    Args:
+        client: a ``redis.asyncio.Redis`` (``decode_responses`` not required).
+        namespace: the first part of every key (a trailing ``:`` is ignored).
+        timeout_s: bound on each call.
+        metrics: where failures are counted (``state_errors_total{backend="redis"}``).
+        owns_client: close the client in ``close()``.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "kvroute",
+        timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
+        metrics: RouterMetrics | None = None,
+        owns_client: bool = True,
+    ) -> None:
+        _check_duration("timeout_s", timeout_s)
+        namespace = namespace.removesuffix(":")
+        if not namespace or any(ch.isspace() for ch in namespace):
+            raise ConfigError(
+                f"state.namespace must be non-empty and without spaces, got {namespace!r}; "
+                "use e.g. kvroute"
+            )
+        self._client = client
+        self._prefix = namespace + ":"
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._owns_client = owns_client
+        self.available = True
+        self.num_errors = 0
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str = "kvroute",
+        timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
+        metrics: RouterMetrics | None = None,
+    ) -> RedisState:
+        """Connect lazily to ``url`` (``redis://host:port/db``); nothing is sent until used.
+
+        Raises:
+            ConfigError: the URL is not a Redis URL.
+        """
+        try:
+            client = aioredis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+            )
+        except ValueError as exc:
+            raise ConfigError(
+                f"state.url {url!r} is not a Redis URL ({exc}); use e.g. redis://127.0.0.1:6379/0"
+            ) from exc
+        return cls(client, namespace=namespace, timeout_s=timeout_s, metrics=metrics)
+
+    def pin_key(self, key: str) -> str:
+        return f"{self._prefix}pin:{key}"
+
+    def warm_key(self, key: str) -> str:
+        return f"{self._prefix}warm:{key}"
+
+    async def get_pin(self, key: str) -> str | None:
+        ok, value = await self._call("get_pin", self._client.get(self.pin_key(key)))
+        if not ok or value is None:
+            return None
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+    async def set_pin(self, key: str, replica: str, ttl_s: float) -> None:
+        _check_duration("ttl_s", ttl_s)
+        await self._call(
+            "set_pin", self._client.set(self.pin_key(key), replica, px=_ms(ttl_s))
+        )
+
+    async def try_start_warm(self, key: str, cooldown_s: float) -> bool:
+        _check_duration("cooldown_s", cooldown_s)
+        ok, value = await self._call(
+            "try_start_warm",
+            self._client.set(self.warm_key(key), b"1", nx=True, px=_ms(cooldown_s)),
+        )
+        return ok and bool(value)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _call(self, op: str, awaitable: Any) -> tuple[bool, Any]:
+        """Await one Redis command; (True, result) or (False, None) after counting the failure.
+
+        NOTE: ``except`` is narrowed to what a Redis outage raises (redis errors, timeouts,
+        socket errors); anything else is a bug and propagates.
+        """
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                result = await awaitable
+        except (RedisError, TimeoutError, OSError) as exc:
+            self.num_errors += 1
+            if self._metrics is not None:
+                self._metrics.state_error("redis", op)
+            if self.available:
+                self.available = False
+                log.error(
+                    "shared state (Redis) unavailable: %s failed with %s: %s; routing continues "
+                    "without session pins and warm-ahead until it recovers",
+                    op, type(exc).__name__, exc,
+                )
+            return False, None
+        if not self.available:
+            self.available = True
+            log.warning("shared state (Redis) reachable again after %d failed calls",
+                        self.num_errors)
+        return True, result
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _setting(section: object, name: str, default: Any) -> Any:
+    """``section.name``, or ``default`` when this config version has no such field."""
+    return getattr(section, name, default)
+
+
+def build_state(
+    config: RouterConfig, *, metrics: RouterMetrics | None = None, clock: Clock | None = None
+) -> SessionState:
+    """The state backend ``config.state`` asks for.
+
+    ``memory``: pins bounded by ``state.max_pins``, warm cooldowns by ``state.max_warm``.
+    ``redis``: ``state.url``, keys under ``state.namespace``, ``state.timeout_s`` per call.
+
+    Raises:
+        ConfigError: unknown backend, or ``redis`` without a URL (``parse_config`` already
+            refuses both; checked again for configs built in code).
+    """
+    state_cfg = config.state
+    if state_cfg.backend == "memory":
+        return MemoryState(
+            int(_setting(state_cfg, "max_pins", DEFAULT_MAX_PINS)),
+            int(_setting(state_cfg, "max_warm", DEFAULT_MAX_WARM)),
+            clock=clock,
+        )
+    if state_cfg.backend == "redis":
+        if not state_cfg.url:
+            raise ConfigError(
+                "state.backend is 'redis' but state.url is missing; "
+                "set it, e.g. url: redis://127.0.0.1:6379/0"
+            )
+        return RedisState.from_url(
+            state_cfg.url,
+            namespace=str(_setting(state_cfg, "namespace", "kvroute")),
+            timeout_s=float(_setting(state_cfg, "timeout_s", DEFAULT_REDIS_TIMEOUT_S)),
+            metrics=metrics,
+        )
+    raise ConfigError(
+        f"state.backend {state_cfg.backend!r} is not known; use 'memory' (one router) or "
+        "'redis' (several routers sharing pins and warm cooldowns)"
+    )

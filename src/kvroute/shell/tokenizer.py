@@ -1,0 +1,383 @@
+"""Exact prompt tokens for routing: the engines' ``/tokenize``, a local HF tokenizer, or none.
+
+Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
+
+* ``engine``: ``POST /tokenize`` on ONE healthy replica of the pool (round-robin), in vLLM's
+  chat form (``messages`` + ``tools`` + ``add_generation_prompt`` + ``chat_template_kwargs``
+  ... as the request has them) or completion form (``prompt``). The chat form's ids are
+  exactly the ``prompt_token_ids`` of the chat completion (contract §3.3), so the block hashes
+  match the engine's. A short timeout bounds the call; any failure returns None (the request
+  is routed approximately) and is counted.
+* ``local``: a Hugging Face tokenizer directory (``tokenizer.json`` through ``tokenizers``,
+  the chat template of ``tokenizer_config.json`` through sandboxed ``jinja2``), loaded once at
+  start-up and run in the loop's default thread pool so the event loop never blocks on it.
+* ``none``: always None; the pool routes in the declared approximate mode.
+
+Requests that already carry token ids (completions with ``prompt: [ints]``) need no call in
+any exact mode. Requests whose hashes the router cannot reproduce from token ids alone
+(multimodal content: vLLM adds per-item hashes as extra keys; several prompts in one
+completion) return None and are counted as ``unsupported``.
+
+Visibility: each pool's mode is exported (``kvroute_tokenizer_mode``) and logged at start;
+an ``engine`` tokenizer logs when ``/tokenize`` starts failing and when it recovers, so
+approximate routing is never silent.
+
+NOTE: the local loader is ``sim.tokenizer.HFTokenizer``, shared with the simulated engine so
+both sides apply the same chat-template rules; it belongs in a neutral module if it grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal, Protocol
+
+import aiohttp
+import msgspec
+
+from kvroute.config import PoolConfig, RouterConfig
+from kvroute.core.errors import ConfigError
+from kvroute.shell.discovery import Discovery
+from kvroute.shell.metrics import RouterMetrics
+from kvroute.sim.tokenizer import ChatTemplateError, HFTokenizer
+from kvroute.wire.openai import ParsedRequest
+
+__all__ = [
+    "DEFAULT_TOKENIZE_TIMEOUT_S",
+    "ApproximateTokenizer",
+    "EngineTokenizer",
+    "LocalTokenizer",
+    "PromptTokenizer",
+    "TokenizerMode",
+    "build_tokenizers",
+    "prompt_token_ids",
+    "tokenize_request_body",
+]
+
+log = logging.getLogger(__name__)
+
+TokenizerMode = Literal["engine", "local", "approximate"]
+
+DEFAULT_TOKENIZE_TIMEOUT_S: Final = 1.0
+"""Bound on one ``/tokenize`` call; the request waits for it, so it is kept short."""
+
+# Chat fields vLLM's /tokenize chat form accepts with the same meaning as in a chat
+# completion; copied over when the request has them.
+_CHAT_FORM_FIELDS: Final = (
+    "continue_final_message", "add_special_tokens", "chat_template", "chat_template_kwargs",
+    "mm_processor_kwargs",
+)  # fmt: skip
+_JSON_ENCODER: Final = msgspec.json.Encoder()
+_JSON_DECODER: Final = msgspec.json.Decoder()
+
+
+class PromptTokenizer(Protocol):
+    """The exact prompt tokens of a request, as the pool's engines will see them."""
+
+    mode: TokenizerMode
+
+    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
+        """The prompt's token ids, or None: route this request approximately."""
+        ...
+
+
+# -- request shapes ---------------------------------------------------------------------------
+
+
+def prompt_token_ids(parsed: ParsedRequest) -> list[int] | None:
+    """The ids a completions request already carries (``[ints]`` or ``[[ints]]``), else None."""
+    prompt = parsed.prompt
+    if parsed.endpoint != "completions" or not isinstance(prompt, list) or not prompt:
+        return None
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    return None
+
+
+def _text_only(messages: Sequence[Mapping[str, Any]]) -> bool:
+    for message in messages:
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            return False
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                return False
+    return True
+
+
+def tokenize_request_body(parsed: ParsedRequest, model: str | None) -> dict[str, Any] | None:
+    """vLLM's ``/tokenize`` body that yields the same ids as ``parsed``, or None if none does.
+
+    Chat: ``messages``, ``add_generation_prompt`` (the request's, default True, as a chat
+    completion), ``tools`` and the template fields of ``_CHAT_FORM_FIELDS`` when present.
+    Completions: ``prompt`` (one string) and ``add_special_tokens`` (default True).
+    None for multimodal messages and for several prompts in one request.
+    """
+    body = parsed.body
+    out: dict[str, Any] = {} if model is None else {"model": model}
+    if parsed.endpoint == "chat":
+        messages = parsed.messages or []
+        if not _text_only(messages):
+            return None
+        out["messages"] = messages
+        out["add_generation_prompt"] = body.get("add_generation_prompt", True)
+        if parsed.tools:
+            out["tools"] = parsed.tools
+        for key in _CHAT_FORM_FIELDS:
+            if key in body:
+                out[key] = body[key]
+        return out
+    prompt = parsed.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        return None
+    out["prompt"] = prompt
+    out["add_special_tokens"] = body.get("add_special_tokens", True)
+    return out
+
+
+# -- the three modes -------------------------------------------------------------------------
+
+
+class ApproximateTokenizer:
+    """No tokenizer: every request is routed on text (``tokenizer: none``)."""
+
+    mode: TokenizerMode = "approximate"
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
+
+    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
+        return None
+
+
+class EngineTokenizer:
+    """``POST /tokenize`` on one healthy replica of the pool, round-robin.
+
+    Invariant: at most one upstream call per request, bounded by ``timeout_s``; a failure is
+    never retried on another replica (the request would wait twice; approximate routing is
+    the cheaper fallback). ``failing`` is True from a failed call to the next good one, and
+    each flip is logged once.
+
+    Args:
+        pool: the pool's config (its ``model`` is sent as ``model``).
+        discovery: which replicas are healthy, and their URLs.
+        session: the shared aiohttp session.
+        metrics: ``kvroute_tokenize_total{pool, outcome}``.
+        timeout_s: bound on one call.
+    """
+
+    mode: TokenizerMode = "engine"
+
+    def __init__(
+        self,
+        pool: PoolConfig,
+        discovery: Discovery,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        *,
+        timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
+    ) -> None:
+        self.pool = pool.name
+        self._model = pool.model
+        self._discovery = discovery
+        self._session = session
+        self._metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._next = 0
+        self.failing = False
+
+    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
+        direct = prompt_token_ids(parsed)
+        if direct is not None:
+            self._metrics.tokenize(self.pool, "token_ids")
+            return direct
+        body = tokenize_request_body(parsed, self._model)
+        if body is None:
+            self._metrics.tokenize(self.pool, "unsupported")
+            return None
+        replicas = self._discovery.healthy_replicas(self.pool)
+        if not replicas:
+            self._fail("no_replica", "no healthy replica to ask")
+            return None
+        replica = replicas[self._next % len(replicas)]
+        self._next += 1
+        url = self._discovery.replica_url(replica) + "/tokenize"
+        try:
+            async with self._session.post(
+                url, data=_JSON_ENCODER.encode(body), timeout=self._timeout,
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            self._fail("timeout", f"POST {url} took longer than {self._timeout.total}s")
+            return None
+        except aiohttp.ClientError as exc:
+            self._fail("error", f"POST {url} failed: {type(exc).__name__}: {exc}")
+            return None
+        if status != 200:
+            self._fail("error", f"POST {url} answered HTTP {status}: {raw[:200]!r}")
+            return None
+        tokens = _tokens_of(raw)
+        if tokens is None:
+            self._fail("malformed", f"POST {url} gave no 'tokens' list of ints: {raw[:200]!r}")
+            return None
+        if self.failing:
+            self.failing = False
+            log.warning("pool %s: engine /tokenize works again; exact routing resumed",
+                        self.pool)
+        self._metrics.tokenize(self.pool, "ok")
+        return tokens
+
+    def _fail(self, outcome: str, detail: str) -> None:
+        self._metrics.tokenize(self.pool, outcome)
+        if not self.failing:
+            self.failing = True
+            log.warning("pool %s: engine /tokenize failed (%s); requests are routed "
+                        "APPROXIMATELY until it works again", self.pool, detail)
+        else:
+            log.debug("pool %s: engine /tokenize failed again (%s)", self.pool, detail)
+
+
+def _tokens_of(raw: bytes) -> list[int] | None:
+    try:
+        doc = _JSON_DECODER.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    tokens = doc.get("tokens") if isinstance(doc, dict) else None
+    if not isinstance(tokens, list):
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        return None
+    return tokens
+
+
+class LocalTokenizer:
+    """A Hugging Face tokenizer directory, loaded at start-up, run in a worker thread.
+
+    Chat prompts: the template is rendered with the request's ``messages``, ``tools``,
+    ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``, then
+    encoded with ``add_special_tokens`` (default False, as vLLM encodes chat prompts: the
+    template writes BOS itself). Completion strings: encoded with ``add_special_tokens``
+    (default True).
+
+    Args:
+        pool: the pool's name.
+        tokenizer: the loaded tokenizer.
+        metrics: ``kvroute_tokenize_total{pool, outcome}``.
+    """
+
+    mode: TokenizerMode = "local"
+
+    def __init__(self, pool: str, tokenizer: HFTokenizer, metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self._tok = tokenizer
+        self._metrics = metrics
+
+    @classmethod
+    def load(cls, pool: str, path: str, metrics: RouterMetrics) -> LocalTokenizer:
+        """Load ``path`` (blocking file I/O: call at start-up, before serving).
+
+        Raises:
+            ConfigError: ``tokenizers``/``jinja2`` missing (names ``pip install 'kvroute[hf]'``)
+                or the directory holds no usable ``tokenizer.json``.
+        """
+        try:
+            tok = HFTokenizer.from_dir(path)
+        except ConfigError as exc:
+            raise ConfigError(f"pools.{pool}.tokenizer.local: {exc}") from exc
+        return cls(pool, tok, metrics)
+
+    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
+        direct = prompt_token_ids(parsed)
+        if direct is not None:
+            self._metrics.tokenize(self.pool, "token_ids")
+            return direct
+        body = tokenize_request_body(parsed, None)
+        if body is None:
+            self._metrics.tokenize(self.pool, "unsupported")
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            ids = await loop.run_in_executor(None, functools.partial(self._encode, body))
+        except (ChatTemplateError, ValueError, TypeError) as exc:
+            # The template's (or the tokenizer's) verdict on this request's input: the engine
+            # will answer it with a 400; routing it approximately costs nothing more.
+            self._metrics.tokenize(self.pool, "error")
+            log.warning("pool %s: local tokenizer refused a request: %s", self.pool, exc)
+            return None
+        self._metrics.tokenize(self.pool, "ok")
+        return ids
+
+    def _encode(self, body: Mapping[str, Any]) -> list[int]:
+        if "messages" in body:
+            kwargs = body.get("chat_template_kwargs")
+            tools = body.get("tools")
+            text = self._tok.render_chat(
+                body["messages"],
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                tools=tools if isinstance(tools, list) else None,
+                chat_template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
+            )
+            return self._tok.encode(
+                text, add_special_tokens=bool(body.get("add_special_tokens", False))
+            )
+        return self._tok.encode(
+            body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))
+        )
+
+
+# -- composition ------------------------------------------------------------------------------
+
+
+def build_tokenizers(
+    config: RouterConfig,
+    discovery: Discovery,
+    session: aiohttp.ClientSession,
+    metrics: RouterMetrics,
+) -> dict[str, PromptTokenizer]:
+    """One tokenizer per pool, as ``pools.<name>.tokenizer`` asks; local ones load here.
+
+    Raises:
+        ConfigError: a ``local`` tokenizer cannot be loaded (the message says why and how to
+            fix it), or an unknown mode.
+    """
+    out: dict[str, PromptTokenizer] = {}
+    for pool in config.pools.values():
+        setting = pool.tokenizer
+        tokenizer: PromptTokenizer
+        if setting.mode == "engine":
+            timeout_s = float(getattr(setting, "timeout_s", DEFAULT_TOKENIZE_TIMEOUT_S))
+            tokenizer = EngineTokenizer(pool, discovery, session, metrics, timeout_s=timeout_s)
+            log.info("pool %s: exact prompt tokens from the engines' /tokenize", pool.name)
+        elif setting.mode == "local":
+            if not setting.path:
+                raise ConfigError(
+                    f"pools.{pool.name}.tokenizer: mode local needs a directory; write "
+                    "tokenizer: {local: /path/to/hf-model-dir}"
+                )
+            tokenizer = LocalTokenizer.load(pool.name, setting.path, metrics)
+            log.info("pool %s: exact prompt tokens from the local tokenizer %s", pool.name,
+                     setting.path)
+        elif setting.mode == "none":
+            tokenizer = ApproximateTokenizer(pool.name)
+            log.warning("pool %s: tokenizer none; requests are routed APPROXIMATELY on text "
+                        "(set tokenizer: engine or {local: DIR} for exact prefix routing)",
+                        pool.name)
+        else:
+            raise ConfigError(
+                f"pools.{pool.name}.tokenizer: unknown mode {setting.mode!r}; use engine, "
+                "none or {local: DIR}"
+            )
+        metrics.set_tokenizer_mode(pool.name, tokenizer.mode)
+        out[pool.name] = tokenizer
+    return out

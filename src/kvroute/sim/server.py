@@ -1,0 +1,830 @@
+"""A simulated vLLM 0.32 OpenAI server: real HTTP (aiohttp) and real ZMQ around ``EngineModel``.
+
+Owns the HTTP surface of one simulated engine: request parsing and validation, tokenization,
+context-overflow answers, response and SSE framing, and the admin/observability routes. The
+engine itself is stepped by ``sim.engine_driver.EngineDriver``; KV events leave through
+``shell.kv_publisher.KVEventPublisher`` (vLLM's PUB + replay ROUTER framing).
+
+Routes (what a router or gateway can observe of vLLM 0.32):
+
+======================================  ===================================================
+``POST /v1/chat/completions``           chat, streamed (SSE, one chunk per engine step) or
+``POST /v1/completions``                not; ``usage`` (``prompt_tokens_details.cached_tokens``
+                                        with ``enable_prompt_tokens_details``, as vLLM's
+                                        ``--enable-prompt-tokens-details``); ``n`` choices;
+                                        ``stream_options.include_usage``; ``cache_salt``;
+                                        ``seed``; unknown fields ignored
+``POST /v1/chat/completions/render``    vLLM ≥0.20 ``{"token_ids", "features", "sampling_params"}``.
+``POST /v1/completions/render``         vLLM serves them only with ``--enable-scale-out``; the
+                                        sim serves them unless ``render_endpoints=False``, then
+                                        answers vLLM's 403
+``POST /tokenize`` / ``/detokenize``    prompt or chat form (template, ``tools``,
+                                        ``add_generation_prompt``, ``continue_final_message``)
+``GET /v1/models``                      one card per served name, with ``max_model_len``
+``GET /health`` ``/version`` ``/load``  200 empty / ``{"version": "0.32.0"}`` / in-flight count
+``GET /metrics``                        vLLM's Prometheus names and labels
+``GET /kv_event_sources``               ``{"0": KVEventsConfig}`` with the bound endpoints
+``POST /reset_prefix_cache``            vLLM dev-mode route, always on here; 200 and an
+                                        ``AllBlocksCleared`` batch, or 500 while requests hold
+                                        blocks (the engine refuses, as vLLM's does)
+======================================  ===================================================
+
+Anything else is aiohttp's 404 (sglang-router's ``/server_info``-style probes are answered
+404, which it tolerates; a stray HTTP/2 preface gets a 400 and the server carries on).
+
+Context errors are worded by ``wire.overflow_styles.check_overflow`` for the configured
+``error_style``: with ``vllm-0.32`` an over-long prompt + ``max_tokens`` is clamped (200,
+``finish_reason: "length"``), with styles whose engines reject it, it is rejected. vLLM's
+character pre-check is not simulated (the built-in tokenizer has no ``max_chars_per_token``).
+
+Completions accept one prompt per request (a string, token ids, or a one-element list of
+either); a batch of several prompts is refused with a 400 that says so.
+
+Generation: the engine never samples EOS, so a request runs to its ``max_tokens`` (vLLM with
+``ignore_eos``) unless ``eos_after_tokens`` makes every request stop after that many tokens
+(finish ``"stop"``). Chat without ``max_tokens`` otherwise generates to the window, as vLLM
+does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Self
+
+import msgspec
+from aiohttp import web
+
+from kvroute.core.engine_model import (
+    EngineConfig,
+    EngineModel,
+    EngineRequest,
+    Rejection,
+    RejectionKind,
+    StepTiming,
+)
+from kvroute.core.errors import ConfigError
+from kvroute.core.hashing import BlockHasher
+from kvroute.shell.kv_publisher import KVEventPublisher
+from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
+from kvroute.sim.profiles import get_profile
+from kvroute.sim.tokenizer import BuiltinTokenizer, ChatTemplateError, Tokenizer, load_tokenizer
+from kvroute.wire import openai as oa
+from kvroute.wire.overflow_styles import (
+    OverflowCase,
+    check_overflow,
+    format_overflow,
+    resolve_style,
+)
+from kvroute.wire.prom import render_vllm_metrics
+from kvroute.wire.sse import DONE, encode_data
+
+__all__ = ["VLLM_VERSION", "SimServer", "SimServerConfig", "run_sim_server"]
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION: Final = "0.32.0"
+_JSON_DECODER: Final = msgspec.json.Decoder()
+_SCALE_OUT_MESSAGE: Final = (
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+)
+_THINKING_MESSAGE: Final = (
+    "thinking_token_budget is set but reasoning_config is not configured. Please set "
+    "--reasoning-parser and/or --reasoning-config to use thinking_token_budget."
+)
+_BOTH_FLAGS_MESSAGE: Final = (
+    "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+)
+_SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
+
+
+@dataclass(frozen=True, slots=True)
+class SimServerConfig:
+    """Everything one simulated engine is started with (the ``kvroute sim serve`` options).
+
+    Engine shape arguments left ``None`` come from the timing profile.
+
+    Attributes:
+        model: the served model name (``--served-model-name``); also the ``root`` of its card.
+        aliases: further names the server answers to (vLLM's extra served names).
+        profile: timing profile name (``sim.profiles``).
+        host / port: where HTTP listens; port 0 picks a free port.
+        kv_events: the PUB endpoint (``tcp://127.0.0.1:0`` picks a free port); None disables
+            KV events.
+        kv_replay: the replay ROUTER endpoint, or None (vLLM's default: no replay).
+        kv_topic / kv_buffer_steps: vLLM's ``topic`` and ``buffer_steps``.
+        tokenizer: a local Hugging Face tokenizer directory, or None for the built-in one.
+        vocab_size: the built-in tokenizer's (and the engine's output) vocabulary.
+        error_style: how context errors are worded (``wire.overflow_styles.STYLES``).
+        hash_algo / hash_seed: ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``.
+        enable_prompt_tokens_details: fill ``usage.prompt_tokens_details.cached_tokens``.
+        render_endpoints: serve the ``/render`` routes (vLLM: ``--enable-scale-out``).
+        eos_after_tokens: every request "emits EOS" after this many tokens (None: never).
+        sleep_scale: multiplies modelled step durations (1.0 = real time).
+        timing: step constants that replace the profile's (calibration tests, what-ifs).
+    """
+
+    model: str = "sim-model"
+    aliases: tuple[str, ...] = ()
+    profile: str = "zero"
+    max_model_len: int | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_events: str | None = "tcp://127.0.0.1:0"
+    kv_replay: str | None = None
+    kv_topic: str = "kv"
+    kv_buffer_steps: int = 10_000
+    tokenizer: str | None = None
+    vocab_size: int = 32_000
+    error_style: str = "vllm-0.32"
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    enable_prompt_tokens_details: bool = False
+    render_endpoints: bool = True
+    eos_after_tokens: int | None = None
+    sleep_scale: float = 1.0
+    timing: StepTiming | None = None
+    data_parallel_rank: int = 0
+    extra_cache_labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("SimServerConfig.model must be a non-empty model name")
+        resolve_style(self.error_style)
+        if self.eos_after_tokens is not None and self.eos_after_tokens < 1:
+            raise ConfigError(
+                f"eos_after_tokens={self.eos_after_tokens} must be >= 1, or None to generate "
+                "until max_tokens"
+            )
+        if not self.sleep_scale >= 0.0:
+            raise ConfigError(f"sleep_scale={self.sleep_scale!r} must be a number >= 0")
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.model, *self.aliases)
+
+
+class _BadRequest(Exception):
+    """An answer to send instead of a result (status and body already decided)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        super().__init__(body.decode("utf-8", "replace"))
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def _error(message: str, *, status: int = 400, param: str | None = None) -> _BadRequest:
+    return _BadRequest(status, oa.error_body(message, status=status, param=param))
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A generation request after tokenization and the overflow checks."""
+
+    parsed: oa.ParsedRequest
+    prompt_ids: list[int]
+    max_tokens: int | None
+
+
+class _TextDecoder:
+    """Incremental detokenization of one choice's output."""
+
+    __slots__ = ("_builtin", "_ids", "_text", "_tok")
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self._builtin = isinstance(tok, BuiltinTokenizer)
+        self._ids: list[int] = []
+        self._text = ""
+
+    def push(self, ids: Sequence[int]) -> str:
+        if self._builtin:
+            words = self._tok.token_strs(ids)
+            delta = " ".join(words)
+            if self._ids:
+                delta = " " + delta
+            self._ids.extend(ids)
+            return delta
+        self._ids.extend(ids)
+        text = self._tok.decode(self._ids)
+        delta = text.removeprefix(self._text)
+        self._text = text
+        return delta
+
+
+class SimServer:
+    """One simulated vLLM engine serving HTTP and ZMQ on loopback.
+
+    Use as ``async with SimServer(config) as server: ...`` (binds on enter, stops on exit), or
+    ``await start()`` / ``await stop()``. ``url``, ``kv_events_endpoint`` and
+    ``kv_replay_endpoint`` are the resolved addresses once started.
+
+    Args:
+        config: the engine and server options.
+        tokenizer: overrides ``config.tokenizer`` (tests pass one directly).
+    """
+
+    def __init__(self, config: SimServerConfig, *, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer = (
+            tokenizer
+            if tokenizer is not None
+            else load_tokenizer(config.tokenizer, vocab_size=config.vocab_size)
+        )
+        profile = get_profile(config.profile)
+        base = profile.engine_config(
+            num_gpu_blocks=config.num_gpu_blocks,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.engine_config = EngineConfig(
+            num_gpu_blocks=base.num_gpu_blocks,
+            max_model_len=base.max_model_len,
+            block_size=base.block_size,
+            max_num_seqs=base.max_num_seqs,
+            max_num_batched_tokens=base.max_num_batched_tokens,
+            timing=config.timing if config.timing is not None else base.timing,
+            vocab_size=self.tokenizer.vocab_size,
+        )
+        self.hasher = BlockHasher(config.hash_algo, self.engine_config.block_size, config.hash_seed)
+        self.engine = EngineModel(self.engine_config, hasher=self.hasher)
+        self.error_style = resolve_style(config.error_style)
+        self.created = int(time.time())
+        self._perm_id = "modelperm-" + uuid.uuid4().hex[:16]
+        self._publisher: KVEventPublisher | None = None
+        self.driver: EngineDriver | None = None
+        self._runner: web.AppRunner | None = None
+        self._ids = itertools.count()
+        self._in_flight = 0
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self._publisher.endpoint if self._publisher is not None else None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        return self._publisher.replay_endpoint if self._publisher is not None else None
+
+    def ready_info(self) -> dict[str, Any]:
+        """What ``kvroute sim serve`` prints once it is listening (one JSON line)."""
+        return {
+            "ready": True,
+            "url": self.url,
+            "model": self.config.model,
+            "max_model_len": self.engine_config.max_model_len,
+            "block_size": self.engine_config.block_size,
+            "kv_events": self.kv_events_endpoint,
+            "kv_replay": self.kv_replay_endpoint,
+            "kv_topic": self.config.kv_topic,
+        }
+
+    async def start(self) -> None:
+        """Bind ZMQ and HTTP, start the engine loop.
+
+        Raises:
+            OSError: a port is taken. ``zmq.ZMQError``: a ZMQ endpoint cannot be bound.
+        """
+        cfg = self.config
+        publish: Callable[[Sequence[Any]], object] | None = None
+        if cfg.kv_events is not None:
+            pub = KVEventPublisher(
+                cfg.kv_events,
+                replay_endpoint=cfg.kv_replay,
+                topic=cfg.kv_topic,
+                buffer_steps=cfg.kv_buffer_steps,
+                data_parallel_rank=cfg.data_parallel_rank,
+            )
+            pub.start()
+            self._publisher = pub
+            publish = pub.publish
+        self.driver = EngineDriver(self.engine, publish=publish, sleep_scale=cfg.sleep_scale)
+        self.driver.start()
+        app = self.build_app()
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        self._runner = runner
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind((cfg.host, cfg.port))
+        except BaseException:
+            sock.close()
+            await self.stop()
+            raise
+        self.port = sock.getsockname()[1]
+        site = web.SockSite(runner, sock, backlog=2048)
+        await site.start()
+
+    async def stop(self) -> None:
+        """Stop HTTP, the engine loop and the publisher. Idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        if self.driver is not None:
+            await self.driver.stop()
+            self.driver = None
+        pub, self._publisher = self._publisher, None
+        if pub is not None:
+            pub.close()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes only; ``start`` binds it)."""
+        app = web.Application(client_max_size=oa.DEFAULT_MAX_BODY_BYTES)
+        r = app.router
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/chat/completions/render", self._render_chat)
+        r.add_post("/v1/completions/render", self._render_completions)
+        r.add_post("/tokenize", self._tokenize)
+        r.add_post("/detokenize", self._detokenize)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/version", self._version)
+        r.add_get("/load", self._load)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/kv_event_sources", self._kv_event_sources)
+        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        return app
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_names:
+            names = ", ".join(self.config.served_names)
+            raise _error(
+                f"The model `{model}` does not exist. Valid aliases: {names}.",
+                status=404,
+                param="model",
+            )
+
+    def _chat_ids(self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Any] | None) -> list[int]:
+        add_gen = body.get("add_generation_prompt", True)
+        cont = body.get("continue_final_message", False)
+        if add_gen and cont:
+            raise _error(_BOTH_FLAGS_MESSAGE)
+        kwargs = body.get("chat_template_kwargs")
+        try:
+            text = self.tokenizer.render_chat(
+                messages,
+                add_generation_prompt=bool(add_gen),
+                continue_final_message=bool(cont),
+                tools=tools,
+                chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+            )
+        except ChatTemplateError as exc:
+            raise _error(str(exc)) from exc
+        return self.tokenizer.encode(text, add_special_tokens=bool(
+            body.get("add_special_tokens", False)))
+
+    def _completion_ids(self, body: Mapping[str, Any], prompt: Any) -> tuple[list[int], bool]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise _error(
+                    f"'prompt' holds {len(prompt)} prompts; the simulated engine serves one "
+                    "prompt per request: send them as separate requests",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            add = bool(body.get("add_special_tokens", True))
+            return self.tokenizer.encode(prompt, add_special_tokens=add), True
+        return [int(t) for t in prompt], False
+
+    def _prepare(self, raw: bytes, endpoint: oa.Endpoint) -> _Prepared:
+        try:
+            parsed = oa.parse_request(raw, endpoint)
+        except oa.RequestError as exc:
+            raise _BadRequest(exc.status, exc.body()) from exc
+        self._check_model(parsed.model)
+        body = parsed.body
+        budget = body.get("thinking_token_budget")
+        if budget is not None and budget != -1:
+            raise _error(_THINKING_MESSAGE)
+        if endpoint == "chat":
+            assert parsed.messages is not None, "parse_request checked messages"
+            ids = self._chat_ids(body, parsed.messages, parsed.tools)
+            is_text = True
+        else:
+            if parsed.prompt is None:
+                raise _error("prompt_embeds are not supported by the simulated engine",
+                             param="prompt_embeds")
+            ids, is_text = self._completion_ids(body, parsed.prompt)
+        if not ids:
+            raise _error("The decoder prompt cannot be empty")
+        window = self.engine_config.max_model_len
+        asked = parsed.max_tokens
+        rejected = check_overflow(
+            self.error_style,
+            window=window,
+            prompt_tokens=len(ids),
+            max_tokens=asked,
+            max_tokens_param=parsed.max_tokens_param or "max_tokens",
+            prompt_is_text=is_text,
+            stream=parsed.stream,
+        )
+        if rejected is not None:
+            raise _BadRequest(rejected.status, rejected.body, rejected.content_type)
+        if asked is not None and self.error_style != "vllm-0.32":
+            asked = min(asked, window)  # the style accepted it: the engine clamps
+        return _Prepared(parsed, ids, asked)
+
+    def _rejection(self, rej: Rejection, param: str) -> _BadRequest:
+        """An engine-level rejection the style checks let through (edge cases only)."""
+        if rej.kind is RejectionKind.EMPTY_PROMPT:
+            return _error("The decoder prompt cannot be empty")
+        case = {
+            RejectionKind.PROMPT_TOO_LONG: OverflowCase.PROMPT,
+            RejectionKind.MAX_TOKENS_TOO_LARGE: OverflowCase.MAX_TOKENS,
+            RejectionKind.MAX_TOKENS_TOO_SMALL: OverflowCase.NO_ROOM,
+        }[rej.kind]
+        resp = format_overflow(
+            "vllm-0.32", case, window=rej.max_model_len, prompt_tokens=rej.prompt_tokens,
+            max_tokens=rej.max_tokens, max_tokens_param=param,  # type: ignore[arg-type]
+        )
+        return _BadRequest(resp.status, resp.body, resp.content_type)
+
+    @staticmethod
+    def _answer(exc: _BadRequest) -> web.Response:
+        return web.Response(status=exc.status, body=exc.body,
+                            headers={"Content-Type": exc.content_type})
+
+    @staticmethod
+    def _json(obj: Any, status: int = 200) -> web.Response:
+        return web.Response(status=status, body=oa.encode_json(obj),
+                            content_type="application/json")
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            body = _JSON_DECODER.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise _error(f"Request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _error("Request body must be a JSON object")
+        return body
+
+    # ------------------------------------------------------------------ generation
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    def _submit(self, prep: _Prepared, rid: str) -> Submitted:
+        driver = self.driver
+        assert driver is not None, "the server is not started"
+        parsed = prep.parsed
+        seed = parsed.body.get("seed")
+        seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+        n = parsed.n
+        reqs = [
+            EngineRequest(
+                request_id=rid if n == 1 else f"{i}_{rid}",
+                prompt_token_ids=prep.prompt_ids,
+                max_tokens=prep.max_tokens,
+                endpoint=parsed.endpoint,
+                output_length=self.config.eos_after_tokens,
+                cache_salt=parsed.cache_salt,
+                seed=(seed + i) & ((1 << 64) - 1) if seed is not None else None,
+            )
+            for i in range(n)
+        ]
+        result = driver.submit(reqs)
+        if isinstance(result, Rejection):
+            raise self._rejection(result, parsed.max_tokens_param or "max_tokens")
+        return result
+
+    async def _generate(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            prep = self._prepare(raw, endpoint)
+            rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+            submitted = self._submit(prep, rid)
+        except _BadRequest as exc:
+            return self._answer(exc)
+        driver = self.driver
+        assert driver is not None
+        stream = submitted.stream
+        self._in_flight += 1
+        try:
+            if prep.parsed.stream:
+                return await self._stream(request, prep, rid, stream)
+            return await self._unary(prep, rid, stream)
+        finally:
+            self._in_flight -= 1
+            if not stream.done:
+                driver.abort(stream)  # client went away (handler cancelled or write failed)
+
+    async def _unary(self, prep: _Prepared, rid: str, stream: RequestStream) -> web.Response:
+        parsed = prep.parsed
+        n = parsed.n
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        cached = 0
+        while True:
+            items = await stream.get()
+            if not items:
+                break
+            for index, out in items:
+                tokens[index].extend(out.new_token_ids)
+                if out.first_token and index == 0:
+                    cached = out.num_cached_tokens
+                if out.finished:
+                    reasons[index] = out.finish_reason
+        created = int(time.time())
+        usage = oa.usage(
+            len(prep.prompt_ids),
+            sum(len(t) for t in tokens),
+            cached_tokens=cached if self.config.enable_prompt_tokens_details else None,
+        )
+        choices: list[dict[str, Any]] = []
+        for i in range(n):
+            text = _TextDecoder(self.tokenizer).push(tokens[i]) if tokens[i] else ""
+            if parsed.endpoint == "chat":
+                one = oa.chat_completion_response(
+                    id=rid, created=created, model=parsed.model, content=text,
+                    finish_reason=reasons[i], usage_info=usage,
+                )
+            else:
+                one = oa.completion_response(
+                    id=rid, created=created, model=parsed.model, text=text,
+                    finish_reason=reasons[i], usage_info=usage,
+                )
+            choice = one["choices"][0]
+            choice["index"] = i
+            choices.append(choice)
+        one["choices"] = choices
+        return self._json(one)
+
+    async def _stream(
+        self, request: web.Request, prep: _Prepared, rid: str, stream: RequestStream
+    ) -> web.StreamResponse:
+        parsed = prep.parsed
+        chat = parsed.endpoint == "chat"
+        model = parsed.model
+        n = parsed.n
+        created = int(time.time())
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        decoders = [_TextDecoder(self.tokenizer) for _ in range(n)]
+        if chat:
+            head = b"".join(
+                encode_data(oa.chat_chunk(id=rid, created=created, model=model, role="assistant",
+                                          content="", index=i))
+                for i in range(n)
+            )
+            await resp.write(head)
+        completion_tokens = 0
+        cached = 0
+        while True:
+            items = await stream.get()
+            if not items:
+                break
+            parts: list[bytes] = []
+            for index, out in items:
+                completion_tokens += len(out.new_token_ids)
+                if out.first_token and index == 0:
+                    cached = out.num_cached_tokens
+                text = decoders[index].push(out.new_token_ids)
+                if chat:
+                    chunk = oa.chat_chunk(
+                        id=rid, created=created, model=model, content=text, index=index,
+                        finish_reason=out.finish_reason if out.finished else None,
+                        final=out.finished,
+                    )
+                else:
+                    chunk = oa.completion_chunk(
+                        id=rid, created=created, model=model, text=text, index=index,
+                        finish_reason=out.finish_reason if out.finished else None,
+                    )
+                parts.append(encode_data(chunk))
+            if stream.done:
+                if parsed.include_usage:
+                    usage = oa.usage(
+                        len(prep.prompt_ids), completion_tokens,
+                        cached_tokens=cached if self.config.enable_prompt_tokens_details else None,
+                        full=False,
+                    )
+                    parts.append(encode_data(oa.chat_usage_chunk(
+                        id=rid, created=created, model=model, usage_info=usage, chat=chat)))
+                parts.append(DONE)
+            await resp.write(b"".join(parts))
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------------ render, tokenize
+
+    async def _render(self, request: web.Request, endpoint: oa.Endpoint) -> web.Response:
+        if not self.config.render_endpoints:
+            return web.Response(status=403, body=oa.error_body(_SCALE_OUT_MESSAGE, status=403),
+                                content_type="application/json")
+        raw = await request.read()
+        try:
+            prep = self._prepare(raw, endpoint)
+        except _BadRequest as exc:
+            return self._answer(exc)
+        body = prep.parsed.body
+        window = self.engine_config.max_model_len
+        left = window - len(prep.prompt_ids)
+        if prep.max_tokens is not None:
+            max_tokens = min(prep.max_tokens, left)
+        elif endpoint == "chat":
+            max_tokens = left
+        else:
+            max_tokens = min(self.engine_config.default_max_tokens, left)
+        sampling = {
+            "n": prep.parsed.n,
+            "temperature": body.get("temperature", 1.0),
+            "top_p": body.get("top_p", 1.0),
+            "seed": body.get("seed"),
+            "max_tokens": max_tokens,
+        }
+        return self._json({"token_ids": prep.prompt_ids, "features": None,
+                           "sampling_params": sampling})
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, "chat")
+
+    async def _render_completions(self, request: web.Request) -> web.Response:
+        return await self._render(request, "completions")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            model = body.get("model")
+            self._check_model(model if isinstance(model, str) else None)
+            if "messages" in body:
+                messages = body["messages"]
+                if not isinstance(messages, list) or not all(isinstance(m, dict)
+                                                             for m in messages):
+                    raise _error("'messages' must be a list of message objects",
+                                 param="messages")
+                tools = body.get("tools")
+                ids = self._chat_ids(body, messages, tools if isinstance(tools, list) else None)
+            elif isinstance(body.get("prompt"), str):
+                ids = self.tokenizer.encode(
+                    body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+            else:
+                raise _error("send 'prompt' (a string) or 'messages' (a list) to /tokenize",
+                             param="prompt")
+        except _BadRequest as exc:
+            return self._answer(exc)
+        strs = self.tokenizer.token_strs(ids) if body.get("return_token_strs") else None
+        return self._json(oa.tokenize_response(
+            ids, max_model_len=self.engine_config.max_model_len, token_strs=strs))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            model = body.get("model")
+            self._check_model(model if isinstance(model, str) else None)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63
+                for t in tokens
+            ):
+                raise _error("'tokens' must be a list of token ids (integers >= 0)",
+                             param="tokens")
+        except _BadRequest as exc:
+            return self._answer(exc)
+        return self._json(oa.detokenize_response(self.tokenizer.decode(tokens)))
+
+    # ------------------------------------------------------------------ small GETs
+
+    async def _models(self, request: web.Request) -> web.Response:
+        cards = [
+            oa.model_card(id=name, created=self.created,
+                          max_model_len=self.engine_config.max_model_len,
+                          permission_id=self._perm_id, root=self.config.model)
+            for name in self.config.served_names
+        ]
+        return self._json(oa.models_response(cards))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return self._json({"version": VLLM_VERSION})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return self._json({"server_load": self._in_flight})
+
+    def cache_config_labels(self) -> dict[str, str]:
+        """The labels of ``vllm:cache_config_info`` (vLLM writes every value as a string)."""
+        ec = self.engine_config
+        labels = {
+            "block_size": str(ec.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.9",
+            "hash_block_size": "None",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(ec.num_gpu_blocks),
+            "num_gpu_blocks_override": str(ec.num_gpu_blocks),
+            "prefix_caching_hash_algo": self.hasher.algo,
+        }
+        labels.update(self.config.extra_cache_labels)
+        return labels
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        driver = self.driver
+        assert driver is not None
+        text = render_vllm_metrics([driver.snapshot()], model_name=self.config.model,
+                                   cache_config=self.cache_config_labels(),
+                                   created_s=float(self.created))
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        enabled = self._publisher is not None
+        source = {
+            "enable_kv_cache_events": enabled,
+            "publisher": "zmq" if enabled else "null",
+            "endpoint": self.kv_events_endpoint if enabled else "tcp://*:5557",
+            "replay_endpoint": self.kv_replay_endpoint,
+            "buffer_steps": cfg.kv_buffer_steps,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": cfg.kv_topic,
+        }
+        return self._json({str(cfg.data_parallel_rank): source})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        driver = self.driver
+        assert driver is not None
+        if driver.reset_prefix_cache():
+            return web.Response(status=200)
+        return self._json({"error": "Failed to reset prefix cache: requests are running"}, 500)
+
+
+def run_sim_server(
+    config: SimServerConfig,
+    *,
+    on_ready: Callable[[SimServer], None] | None = None,
+    use_uvloop: bool = True,
+) -> None:
+    """Serve until SIGINT/SIGTERM (the body of ``kvroute sim serve``).
+
+    Args:
+        config: the server options.
+        on_ready: called once HTTP and ZMQ are bound (e.g. to print the ready line).
+        use_uvloop: run on uvloop when it is installed.
+    """
+    import signal
+
+    server = SimServer(config)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with server:
+            if on_ready is not None:
+                on_ready(server)
+            await stop.wait()
+
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            uvloop = None  # type: ignore[assignment]
+        if uvloop is not None:
+            uvloop.run(main())
+            return
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

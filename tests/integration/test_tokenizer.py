@@ -1,0 +1,479 @@
+"""Prompt tokenizers against real HTTP servers on loopback.
+
+* ``FakeVllm`` answers ``/tokenize`` only with the exact request/response pairs recorded from
+  vLLM 0.32 (``tests/data/vllm-vectors-0.32.json``, ``http_examples_v0_32``), so a body that
+  differs from what vLLM was sent fails the test; it also serves ``/health``, ``/v1/models``
+  and ``/metrics`` so the real ``Discovery`` can find it.
+* Two ``kvroute sim serve`` processes loaded with a small Hugging Face tokenizer directory
+  (built here with ``tokenizers``) check that engine mode and local mode give the same ids,
+  and that those ids are what the engine counts as the prompt of a chat completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import random
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvroute.config import RouterConfig, parse_config
+from kvroute.core.clock import ManualClock
+from kvroute.core.errors import ConfigError
+from kvroute.core.peer_policies import make_policy
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
+from kvroute.shell.discovery import Discovery
+from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.tokenizer import (
+    ApproximateTokenizer,
+    EngineTokenizer,
+    LocalTokenizer,
+    PromptTokenizer,
+    build_tokenizers,
+)
+from kvroute.sim.launcher import Fleet, start_fleet
+from kvroute.sim.launcher import ReplicaSpec as SimReplica
+from kvroute.wire.openai import ParsedRequest, parse_request
+from kvroute.wire.prom import EngineStats, render_vllm_metrics
+
+pytestmark = pytest.mark.integration
+
+TEST_SECONDS = 8.0
+VECTORS = Path(__file__).resolve().parents[1] / "data" / "vllm-vectors-0.32.json"
+_EXAMPLES = json.loads(VECTORS.read_text())["http_examples_v0_32"]
+MODELS_EXAMPLE = next(e for e in _EXAMPLES if e["path"] == "/v1/models")["response"]
+TOKENIZE_EXAMPLES = [e for e in _EXAMPLES if e["path"] == "/tokenize"]
+HELLO = [{"role": "user", "content": "Hello world"}]
+
+
+def _normalised(body: dict[str, Any]) -> dict[str, Any]:
+    """A /tokenize body with vLLM's defaults filled in and output-only options dropped."""
+    out = {k: v for k, v in body.items() if k != "return_token_strs"}
+    if "messages" in out:
+        out.setdefault("add_generation_prompt", True)
+    else:
+        out.setdefault("add_special_tokens", True)
+    return out
+
+
+class FakeVllm:
+    """vLLM-shaped ``/health``, ``/v1/models``, ``/metrics`` and a recorded ``/tokenize``."""
+
+    def __init__(self) -> None:
+        self.health_status = 200
+        self.tokenize_status = 200
+        self.hang = False
+        self.received: list[dict[str, Any]] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response(copy.deepcopy(MODELS_EXAMPLE))
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        text = render_vllm_metrics(
+            [EngineStats()], model_name="tiny",
+            cache_config={"block_size": "16", "prefix_caching_hash_algo": "sha256"},
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.received.append(body)
+        if self.hang:
+            await asyncio.sleep(30)  # longer than any tokenize timeout; cancelled at shutdown
+        if self.tokenize_status != 200:
+            return web.json_response({"error": {"message": "boom"}}, status=self.tokenize_status)
+        for example in TOKENIZE_EXAMPLES:
+            if _normalised(example["request"]) == _normalised(body):
+                return web.json_response(example["response"])
+        return web.json_response(
+            {"error": {"message": f"no recorded vLLM answer for {body}"}}, status=400
+        )
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def make_config(pools: dict[str, dict[str, Any]]) -> RouterConfig:
+    doc = {
+        "pools": pools,
+        "routes": {"m": {"pools": list(pools)}},
+        "discovery": {"timeout_s": 3.0},
+    }
+    return parse_config(doc, env={})
+
+
+def make_core(config: RouterConfig) -> RouterCore:
+    specs = [
+        PoolSpec(pool.name, tuple(ReplicaSpec(r.name) for r in pool.replicas))
+        for pool in config.pools.values()
+    ]
+    rng = random.Random(0)
+    return RouterCore(specs, lambda: make_policy("round_robin", rng), clock=ManualClock())
+
+
+def chat(messages: list[dict[str, Any]], **extra: Any) -> ParsedRequest:
+    body = {"model": "m", "messages": messages, **extra}
+    return parse_request(json.dumps(body).encode(), "chat")
+
+
+def completion(prompt: Any, **extra: Any) -> ParsedRequest:
+    body = {"model": "m", "prompt": prompt, **extra}
+    return parse_request(json.dumps(body).encode(), "completions")
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), TEST_SECONDS))
+
+
+class Rig:
+    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession) -> None:
+        self.metrics = RouterMetrics()
+        self.core = make_core(config)
+        self.discovery = Discovery(config, self.core, session, self.metrics,
+                                   clock=ManualClock())
+        self.tokenizers = build_tokenizers(config, self.discovery, session, self.metrics)
+
+    def count(self, pool: str, outcome: str) -> float:
+        return self.metrics.value(
+            "kvroute_tokenize_total", {"pool": pool, "outcome": outcome}
+        ) or 0.0
+
+
+@asynccontextmanager
+async def fakes(n: int) -> AsyncIterator[list[FakeVllm]]:
+    servers = [FakeVllm() for _ in range(n)]
+    for s in servers:
+        await s.start()
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+def engine_pool(servers: list[FakeVllm], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "replicas": [{"name": f"r{i}", "url": s.url} for i, s in enumerate(servers)],
+        **extra,
+    }
+
+
+def test_engine_mode_sends_vllms_own_request_shapes() -> None:
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool([a])}), session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["p"]
+            assert isinstance(tok, EngineTokenizer) and tok.mode == "engine"
+            assert await tok.token_ids(chat(HELLO)) == [
+                0, 30, 94, 360, 94, 32, 406, 368, 201, 30, 94, 67, 334, 399, 94, 32,
+            ]
+            assert await tok.token_ids(chat(HELLO, add_generation_prompt=False)) == [
+                0, 30, 94, 360, 94, 32, 406, 368, 201,
+            ]
+            assert await tok.token_ids(completion("Hello world")) == [406, 368]
+            assert a.received[0] == {
+                "model": "tiny", "messages": HELLO, "add_generation_prompt": True,
+            }
+            assert a.received[2] == {
+                "model": "tiny", "prompt": "Hello world", "add_special_tokens": True,
+            }
+            assert rig.count("p", "ok") == 3
+
+    run(go)
+
+
+def test_engine_mode_forwards_tools_and_template_options() -> None:
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool([a])}), session)
+            await rig.discovery.refresh_now()
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            await rig.tokenizers["p"].token_ids(
+                chat(HELLO, tools=tools, chat_template_kwargs={"enable_thinking": False},
+                     temperature=0.2, max_tokens=5)
+            )
+            assert a.received[-1] == {
+                "model": "tiny", "messages": HELLO, "add_generation_prompt": True,
+                "tools": tools, "chat_template_kwargs": {"enable_thinking": False},
+            }
+
+    run(go)
+
+
+def test_token_ids_and_unsupported_prompts_need_no_call() -> None:
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool([a])}), session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["p"]
+            assert await tok.token_ids(completion([5, 6, 7])) == [5, 6, 7]
+            assert await tok.token_ids(completion([[5, 6]])) == [5, 6]
+            image = [{"role": "user", "content": [
+                {"type": "text", "text": "what is this"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            ]}]
+            assert await tok.token_ids(chat(image)) is None  # mm hashes: cannot reproduce
+            assert await tok.token_ids(completion(["a", "b"])) is None  # several prompts
+            assert a.received == []
+            assert rig.count("p", "token_ids") == 2
+            assert rig.count("p", "unsupported") == 2
+
+    run(go)
+
+
+def test_round_robin_over_healthy_replicas_only() -> None:
+    async def go() -> None:
+        async with fakes(3) as servers, aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool(servers)}), session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["p"]
+            for _ in range(6):
+                assert await tok.token_ids(chat(HELLO)) is not None
+            assert [len(s.received) for s in servers] == [2, 2, 2]
+            servers[1].health_status = 503
+            await rig.discovery.refresh_now()
+            await rig.discovery.refresh_now()
+            assert rig.discovery.healthy_replicas("p") == ["r0", "r2"]
+            for _ in range(4):
+                assert await tok.token_ids(chat(HELLO)) is not None
+            assert [len(s.received) for s in servers] == [4, 2, 4]
+
+    run(go)
+
+
+def test_failures_return_none_are_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool([a])}), session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["p"]
+            assert isinstance(tok, EngineTokenizer)
+            a.tokenize_status = 500
+            assert await tok.token_ids(chat(HELLO)) is None
+            assert await tok.token_ids(chat(HELLO)) is None
+            assert rig.count("p", "error") == 2 and tok.failing
+            a.tokenize_status = 200
+            assert await tok.token_ids(chat(HELLO)) is not None
+            assert not tok.failing
+
+    with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer"):
+        run(go)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([m for m in warnings if "routed APPROXIMATELY" in m]) == 1
+    assert len([m for m in warnings if "exact routing resumed" in m]) == 1
+
+
+def test_timeout_and_no_replica() -> None:
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            config = make_config({"p": engine_pool([a])})
+            rig = Rig(config, session)
+            await rig.discovery.refresh_now()
+            tok = EngineTokenizer(config.pools["p"], rig.discovery, session, rig.metrics,
+                                  timeout_s=0.2)
+            a.hang = True
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert await tok.token_ids(chat(HELLO)) is None
+            assert loop.time() - started < 2.0
+            assert rig.count("p", "timeout") == 1
+            a.hang = False
+            a.health_status = 503
+            await rig.discovery.refresh_now()
+            await rig.discovery.refresh_now()
+            assert await tok.token_ids(chat(HELLO)) is None
+            assert rig.count("p", "no_replica") == 1
+
+    run(go)
+
+
+def test_approximate_mode_is_visible_in_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        async with fakes(2) as (a, b), aiohttp.ClientSession() as session:
+            config = make_config({
+                "exact": engine_pool([a]),
+                "approx": {"model": "tiny", "tokenizer": "none",
+                           "replicas": [{"name": "x0", "url": b.url}]},
+            })
+            rig = Rig(config, session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["approx"]
+            assert isinstance(tok, ApproximateTokenizer) and tok.mode == "approximate"
+            assert await tok.token_ids(chat(HELLO)) is None
+            assert b.received == []
+            value = rig.metrics.value
+            assert value("kvroute_tokenizer_mode", {"pool": "approx", "mode": "approximate"}) == 1
+            assert value("kvroute_tokenizer_mode", {"pool": "approx", "mode": "engine"}) == 0
+            assert value("kvroute_tokenizer_mode", {"pool": "exact", "mode": "engine"}) == 1
+            assert value("kvroute_pool_approximate", {"pool": "approx"}) == 1
+            assert value("kvroute_pool_approximate", {"pool": "exact"}) == 0
+            body, content_type = rig.metrics.render()
+            assert b'kvroute_pool_approximate{pool="approx"} 1.0' in body
+            assert content_type.startswith("text/plain")
+
+    with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer"):
+        run(go)
+    assert any("pool approx: tokenizer none" in r.getMessage() for r in caplog.records)
+
+
+# -- local mode and the simulated engine ------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t.function.name }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}</s>{% endif %}{% endif %}"
+)
+WORDS = [
+    "user", "assistant", "system", "hello", "world", "the", "quick", "brown", "fox", "jumps",
+    "over", "lazy", "dog", "#", "Tools", "get_weather",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(specials + WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials[:4])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 0)])
+    root = tmp_path_factory.mktemp("hf-tiny")
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE,
+    }))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sim_fleet(hf_dir: Path) -> Iterator[Fleet]:
+    specs = [
+        SimReplica(name=f"s{i}", pool="p", model="tiny", tokenizer=str(hf_dir),
+                   max_model_len=256)
+        for i in range(2)
+    ]
+    with start_fleet(specs, timeout_s=20.0) as running:
+        yield running
+
+
+def test_engine_and_local_modes_agree_with_the_engine(sim_fleet: Fleet, hf_dir: Path) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    conversation = [
+        {"role": "system", "content": "the quick brown fox"},
+        {"role": "user", "content": [{"type": "text", "text": "hello world"}]},
+        {"role": "assistant", "content": "jumps over"},
+        {"role": "user", "content": "the lazy dog"},
+    ]
+    requests = [
+        chat(conversation),
+        chat(conversation, tools=tools),
+        chat(conversation, chat_template_kwargs={"enable_thinking": False}),
+        chat(conversation, add_generation_prompt=False, continue_final_message=True),
+        completion("hello world the lazy dog"),
+        completion("hello world", add_special_tokens=False),
+    ]
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as session:
+            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
+            config = make_config({
+                "eng": {"model": "tiny", "replicas": replicas},
+                "loc": {"model": "tiny", "tokenizer": {"local": str(hf_dir)},
+                        "replicas": [{"name": "l0", "url": replicas[0]["url"]}]},
+            })
+            rig = Rig(config, session)
+            await rig.discovery.refresh_now()
+            engine: PromptTokenizer = rig.tokenizers["eng"]
+            local = rig.tokenizers["loc"]
+            assert isinstance(local, LocalTokenizer) and local.mode == "local"
+            for req in requests:
+                via_engine = await engine.token_ids(req)
+                via_local = await local.token_ids(req)
+                assert via_engine is not None and via_engine == via_local, req.body
+            assert rig.count("eng", "ok") == len(requests)
+            # The ids are what the engine counts as the prompt of the completion itself.
+            ids = await engine.token_ids(chat(conversation, tools=tools))
+            assert ids is not None and ids[0] == 0  # BOS written by the template
+            async with session.post(
+                replicas[1]["url"] + "/v1/chat/completions",
+                json={"model": "tiny", "messages": conversation, "tools": tools,
+                      "max_tokens": 1},
+            ) as resp:
+                answer = await resp.json()
+            assert answer["usage"]["prompt_tokens"] == len(ids)
+
+    run(go)
+
+
+def test_local_mode_errors_name_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        hf_dir: Path) -> None:
+    metrics = RouterMetrics()
+    with pytest.raises(ConfigError, match=r"pools\.p\.tokenizer\.local: .*no tokenizer\.json"):
+        LocalTokenizer.load("p", str(tmp_path), metrics)
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if the extra were not installed
+    with pytest.raises(ConfigError, match=r"pip install 'kvroute\[hf\]'"):
+        LocalTokenizer.load("p", str(hf_dir), metrics)
+
+
+def test_local_mode_template_error_returns_none(hf_dir: Path, tmp_path: Path) -> None:
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    (strict / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    (strict / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% if messages[0].role != 'system' %}{{ raise_exception('system message first') }}"
+        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )}))
+    metrics = RouterMetrics()
+    tok = LocalTokenizer.load("p", str(strict), metrics)
+
+    async def go() -> None:
+        # A content list with a non-text part never reaches the template (unsupported) ...
+        assert await tok.token_ids(chat([{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}])) is None
+        # ... a template that raises is a None, not an exception ...
+        assert await tok.token_ids(chat(HELLO)) is None
+        # ... and one it accepts is encoded.
+        assert await tok.token_ids(chat([{"role": "system", "content": "hello world"}])) == [
+            8, 9,
+        ]
+
+    run(go)
+    assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "unsupported"}) == 1
+    assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "error"}) == 1
+    assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "ok"}) == 1
