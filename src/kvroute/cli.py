@@ -12,6 +12,8 @@ from kvroute.commands import bench as bench_cmd
 from kvroute.commands import demo as demo_cmd
 from kvroute.commands import events as events_cmd
 from kvroute.commands import hash as hash_cmd
+from kvroute.commands import serve as serve_cmd
+from kvroute.commands import sim as sim_cmd
 
 app = typer.Typer(
     name="kvroute",
@@ -23,8 +25,10 @@ app = typer.Typer(
 
 app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
 app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
+app.command(name="serve", help=serve_cmd.HELP)(serve_cmd.serve)
 app.add_typer(bench_cmd.bench_app, name="bench")
 app.add_typer(events_cmd.events_app, name="events")
+app.add_typer(sim_cmd.sim_app, name="sim")
 
 
 def main() -> None:

@@ -1,0 +1,66 @@
+"""``kvroute serve -c kvroute.yaml``: run the router in front of a fleet of engines.
+
+Reads and validates the config (errors name the key, the value and the fix, and exit with
+status 2), starts ``shell.runtime.RouterRuntime``, prints one JSON line
+``{"ready": true, "url": ...}`` on stdout once it listens (launchers and tests wait for it),
+and runs until SIGINT or SIGTERM, then shuts down in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvroute.config import load_config
+from kvroute.core.errors import ConfigError
+
+HELP = "Serve the OpenAI API in front of the engines of a kvroute.yaml, routing on KV cache."
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+
+async def _run(config_path: Path, host: str | None, port: int | None) -> None:
+    from kvroute.shell.runtime import RouterRuntime
+
+    config = load_config(config_path)
+    if host is not None or port is not None:
+        listen = dataclasses.replace(
+            config.listen,
+            host=host if host is not None else config.listen.host,
+            port=port if port is not None else config.listen.port,
+        )
+        config = dataclasses.replace(config, listen=listen)
+    _configure_logging(config.log_level)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with RouterRuntime(config) as runtime:
+        print(json.dumps({"ready": True, "url": runtime.url, "port": runtime.port}), flush=True)
+        await stop.wait()
+
+
+def serve(
+    config: Annotated[Path, typer.Option("--config", "-c", help="The kvroute.yaml to serve.")],
+    host: Annotated[Optional[str], typer.Option(help="Override listen.host.")] = None,  # noqa: UP045 (typer needs Optional)
+    port: Annotated[Optional[int], typer.Option(help="Override listen.port (0 = a free port).")] = None,  # noqa: UP045
+) -> None:
+    """Run the router until interrupted."""
+    try:
+        asyncio.run(_run(config, host, port))
+    except ConfigError as exc:
+        typer.echo(f"kvroute: configuration error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc

@@ -1,0 +1,801 @@
+"""kvroute's configuration: one YAML file → a frozen, validated dataclass tree.
+
+Owns the schema of ``kvroute.yaml`` (see ``examples/kvroute.yaml``), its defaults, and the
+checks run once at start-up. Every error is a ``ConfigError`` whose message names the key
+(as a path such as ``pools.small.replicas[1].url``), the value found, and the fix. Unknown
+keys are errors with a did-you-mean: a typo such as ``max_inflight`` must not silently fall
+back to a default.
+
+What is read from the environment, and when:
+
+* ``KVROUTE_WARM_AHEAD=0|1`` overrides ``warm_ahead.enabled`` (read by ``load_config`` /
+  ``parse_config`` from the ``env`` mapping passed in, ``os.environ`` by default);
+* secrets (tenants' API keys, the admin key, the salt secret) are *named* in the file by
+  their environment variables and resolved separately by ``resolve_secrets``, so a config
+  object never holds a secret and can be logged or shown by ``/admin/state``.
+
+The config is data only: the composition root (``shell/app.py``, ``shell/runtime.py``) turns
+it into ``RouterCore`` pools, policies, clients and tasks. Core objects never see it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final, Literal
+from urllib.parse import urlsplit
+
+import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
+
+from kvroute.core.errors import ConfigError
+from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.core.types import PoolName, ReplicaId, TenantName
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "AdmissionConfig",
+    "DiscoveryConfig",
+    "ListenConfig",
+    "PolicyConfig",
+    "PoolConfig",
+    "ReplicaConfig",
+    "RetryConfig",
+    "RouteConfig",
+    "RouterConfig",
+    "Secrets",
+    "StateConfig",
+    "TenantConfig",
+    "TimeoutsConfig",
+    "TokenizerConfig",
+    "WarmAheadConfig",
+    "derive_cache_salt",
+    "load_config",
+    "parse_config",
+    "resolve_secrets",
+]
+
+DEFAULT_TENANT: Final = TenantName("default")
+"""The tenant every request belongs to when no tenants are configured (no auth)."""
+
+WARM_AHEAD_ENV: Final = "KVROUTE_WARM_AHEAD"
+
+_LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+_ZMQ_SCHEMES: Final = ("tcp://", "ipc://", "inproc://")
+
+
+# --------------------------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    """Where the router's HTTP server listens. ``port: 0`` picks a free port (tests)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    """One engine replica.
+
+    Attributes:
+        name: unique across all pools (``s0``); used in headers, metrics and logs.
+        url: the engine's base URL, ``http(s)://host:port`` with no trailing slash.
+        kv_events: the engine's KV-event PUB endpoint (``tcp://host:5557``); None = no
+            events, so this replica is only routed on predictions and load.
+        kv_replay: the engine's replay ROUTER endpoint; None = gaps reset the replica's index.
+        kv_topic: the SUB topic filter (vLLM's default topic is ``""``).
+        prefill_rate_tps: the starting prefill speed of the cost model, learned afterwards.
+    """
+
+    name: ReplicaId
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    kv_topic: str = ""
+    prefill_rate_tps: float = 10_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """How the router gets a pool's exact prompt tokens.
+
+    ``engine``: the engines' ``/tokenize`` (exact, one loopback call per request);
+    ``local``: a Hugging Face tokenizer directory (``path``), loaded at start, run in a thread;
+    ``none``: no tokenizer; the pool routes in the declared *approximate* mode (text chunks).
+    """
+
+    mode: Literal["engine", "local", "none"] = "engine"
+    path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A pool of interchangeable replicas serving one model.
+
+    Attributes:
+        name: the pool's name (the key under ``pools:``).
+        model: the model name the engines serve (``/v1/models`` id); the router rewrites a
+            route name to it in the forwarded body.
+        replicas: at least one.
+        tokenizer: see ``TokenizerConfig``.
+        block_size / hash_algo / hash_seed: overrides of what discovery reads from the
+            engines; leave unset unless the engines cannot report them.
+    """
+
+    name: PoolName
+    model: str
+    replicas: tuple[ReplicaConfig, ...]
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    block_size: int | None = None
+    hash_algo: str | None = None
+    hash_seed: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    """A model name clients send, and the pools (tiers) behind it, smallest window first."""
+
+    name: str
+    pools: tuple[PoolName, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """The replica-selection policy (``core.peer_policies.POLICY_NAMES``) and its parameters."""
+
+    name: str = "kvroute"
+    params: Mapping[str, float | int | bool] = field(default_factory=lambda: MappingProxyType({}))
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    """Where session pins and warm-ahead cooldowns live (``shell/state.py`` reads this).
+
+    ``memory`` is per process; ``redis`` is shared by several router processes.
+
+    Attributes:
+        backend: ``memory`` or ``redis``.
+        url: the Redis URL (``redis`` only).
+        namespace: prefix of every Redis key.
+        timeout_s: per Redis call (a pin lookup sits on the request path).
+        session_ttl_s: a pin's lifetime, refreshed on every request of the session.
+        max_pins: bound of the in-memory pin map (LRU).
+        max_warm: bound of the warm-ahead cooldown map (LRU).
+    """
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None
+    namespace: str = "kvroute"
+    timeout_s: float = 0.25
+    session_ttl_s: float = 3600.0
+    max_pins: int = 100_000
+    max_warm: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """A tenant: its API key's environment variable, and whether its cache is salted."""
+
+    name: TenantName
+    api_key_env: str
+    cache_salt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsConfig:
+    """Upstream timeouts in seconds.
+
+    ``connect_s`` bounds opening a connection; ``first_byte_s`` bounds the wait for the first
+    body byte of a *streamed* answer (a failure inside it is retried elsewhere);
+    ``total_s`` bounds a whole upstream exchange (a non-streamed answer arrives in one piece
+    at the end, so it only has this one).
+    """
+
+    connect_s: float = 2.0
+    first_byte_s: float = 60.0
+    total_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retries of a request that failed before its first byte, on the next-best replica."""
+
+    max_retries: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """In-flight bound, wait queue and wait timeout; beyond them a 429 with ``Retry-After``."""
+
+    max_in_flight: int = 256
+    max_queue: int = 1024
+    queue_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """How often and how patiently each replica's ``/v1/models``, ``/metrics``, ``/health``
+    are polled, and how long a discovered window is trusted."""
+
+    models_interval_s: float = 30.0
+    metrics_interval_s: float = 2.0
+    health_interval_s: float = 2.0
+    timeout_s: float = 2.0
+    window_ttl_s: float = 900.0
+    unhealthy_after: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WarmAheadConfig:
+    """Warm-ahead (``core/warm.py``): switch, trigger fraction, per-session cooldown.
+
+    The cooldown map's bound is ``state.max_warm``. ``KVROUTE_WARM_AHEAD=0`` in the
+    environment switches warm-ahead off whatever the file says (``=1`` forces it on).
+    """
+
+    enabled: bool = True
+    fraction: float = 0.6
+    cooldown_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The whole configuration. Built by ``parse_config``/``load_config``; never mutated.
+
+    Invariants (checked at build): at least one pool and one route; replica names unique
+    across pools; every route's pools exist; tenant names unique; ``routes`` keys never
+    collide with admin paths.
+    """
+
+    pools: Mapping[PoolName, PoolConfig]
+    routes: Mapping[str, RouteConfig]
+    listen: ListenConfig = ListenConfig()
+    policy: PolicyConfig = PolicyConfig()
+    state: StateConfig = StateConfig()
+    tenants: tuple[TenantConfig, ...] = ()
+    admin_key_env: str | None = None
+    salt_secret_env: str = "KVROUTE_SALT_SECRET"
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    retries: RetryConfig = RetryConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    warm_ahead: WarmAheadConfig = WarmAheadConfig()
+    predicted_ttl_s: float = 2.0
+    approx_predicted_ttl_s: float = 120.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    log_level: str = "info"
+    log_format: Literal["json", "kv"] = "json"
+
+    def replicas(self) -> list[tuple[PoolConfig, ReplicaConfig]]:
+        """Every replica with its pool, in file order."""
+        return [(pool, rep) for pool in self.pools.values() for rep in pool.replicas]
+
+    def replica(self, name: ReplicaId) -> ReplicaConfig:
+        for _, rep in self.replicas():
+            if rep.name == name:
+                return rep
+        raise KeyError(name)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _fail(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{key}: {problem} (got {value!r}). {fix}")
+
+
+def _check_keys(section: str, data: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    for key in data:
+        if key in allowed:
+            continue
+        where = f"{section}.{key}" if section else str(key)
+        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"{where}: unknown key {key!r}. {hint}Allowed keys here: {', '.join(allowed)}."
+        )
+
+
+def _mapping(key: str, value: Any, example: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _fail(key, value, "must be a mapping", f"Write it as e.g. {example}.")
+    return value
+
+
+def _str(key: str, value: Any, *, example: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(key, value, "must be a non-empty string", f"Write e.g. {key.rsplit('.', 1)[-1]}: {example}.")
+    return value
+
+
+def _opt_str(key: str, value: Any, *, example: str) -> str | None:
+    return None if value is None else _str(key, value, example=example)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, value, "must be true or false", "Write true or false (no quotes).")
+    return value
+
+
+def _num(key: str, value: Any, *, minimum: float = 0.0, strict: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(key, value, "must be a number", "Write a plain number such as 2.5.")
+    if value < minimum or (strict and value == minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise _fail(key, value, f"must be {bound}", f"Use a value {bound}.")
+    return float(value)
+
+
+def _int(key: str, value: Any, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, "must be an integer", f"Write a whole number >= {minimum}.")
+    if value < minimum:
+        raise _fail(key, value, f"must be >= {minimum}", f"Use a whole number >= {minimum}.")
+    return value
+
+
+def _name(key: str, value: Any) -> str:
+    text = _str(key, value, example="s0")
+    if any(ch.isspace() for ch in text) or "/" in text:
+        raise _fail(key, value, "must not contain spaces or '/'", "Use letters, digits, '-', '_' or '.'.")
+    return text
+
+
+def _http_url(key: str, value: Any) -> str:
+    text = _str(key, value, example='"http://127.0.0.1:8101"')
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(
+            key, value, "must be an http(s) URL with a host",
+            'Write the engine\'s base URL, e.g. "http://10.0.0.5:8000" (no /v1 suffix).',
+        )
+    if parts.path.rstrip("/") in ("/v1",):
+        raise _fail(key, value, "must not end in /v1", "Give the base URL; kvroute adds /v1/... itself.")
+    if parts.query or parts.fragment:
+        raise _fail(key, value, "must not carry a query or fragment", "Remove the part after '?' or '#'.")
+    return text.rstrip("/")
+
+
+def _zmq_endpoint(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    text = _str(key, value, example='"tcp://127.0.0.1:5557"')
+    if not text.startswith(_ZMQ_SCHEMES):
+        raise _fail(
+            key, value, "must be a ZMQ endpoint",
+            'Write e.g. "tcp://10.0.0.5:5557" (the engine\'s kv-events endpoint, host reachable from the router).',
+        )
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+_TOP_KEYS: Final = (
+    "listen", "pools", "routes", "policy", "state", "tenants", "admin_key_env",
+    "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
+    "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
+)
+
+
+def _listen(data: Any) -> ListenConfig:
+    d = _mapping("listen", data, "{host: 127.0.0.1, port: 8000}")
+    _check_keys("listen", d, ("host", "port"))
+    port = _int("listen.port", d.get("port", 8000), minimum=0)
+    if port > 65535:
+        raise _fail("listen.port", port, "must be <= 65535", "Pick a TCP port between 1 and 65535 (0 = any free port).")
+    return ListenConfig(host=_str("listen.host", d.get("host", "127.0.0.1"), example="127.0.0.1"), port=port)
+
+
+def _tokenizer(key: str, value: Any) -> TokenizerConfig:
+    if value is None or value == "engine":
+        return TokenizerConfig("engine")
+    if value == "none":
+        return TokenizerConfig("none")
+    if isinstance(value, Mapping):
+        _check_keys(key, value, ("local",))
+        path = _str(f"{key}.local", value.get("local"), example="/models/qwen3-8b")
+        return TokenizerConfig("local", path)
+    raise _fail(
+        key, value, "must be engine, none, or {local: DIR}",
+        "Write tokenizer: engine (the engines' /tokenize), tokenizer: {local: /path/to/hf-dir}, "
+        "or tokenizer: none (approximate routing on text).",
+    )
+
+
+def _replica(key: str, data: Any) -> ReplicaConfig:
+    d = _mapping(key, data, '{name: s0, url: "http://127.0.0.1:8101"}')
+    _check_keys(key, d, ("name", "url", "kv_events", "kv_replay", "kv_topic", "prefill_rate_tps"))
+    if "name" not in d:
+        raise _fail(f"{key}.name", None, "is required", "Give every replica a unique name, e.g. name: s0.")
+    if "url" not in d:
+        raise _fail(f"{key}.url", None, "is required", 'Give the engine\'s base URL, e.g. url: "http://127.0.0.1:8101".')
+    replay = _zmq_endpoint(f"{key}.kv_replay", d.get("kv_replay"))
+    events = _zmq_endpoint(f"{key}.kv_events", d.get("kv_events"))
+    if replay is not None and events is None:
+        raise _fail(f"{key}.kv_replay", replay, "is set without kv_events", "Set kv_events too, or remove kv_replay.")
+    topic = d.get("kv_topic", "")
+    if not isinstance(topic, str):
+        raise _fail(f"{key}.kv_topic", topic, "must be a string", 'Write kv_topic: "" (vLLM\'s default) or the engine\'s topic.')
+    return ReplicaConfig(
+        name=ReplicaId(_name(f"{key}.name", d["name"])),
+        url=_http_url(f"{key}.url", d["url"]),
+        kv_events=events,
+        kv_replay=replay,
+        kv_topic=topic,
+        prefill_rate_tps=_num(f"{key}.prefill_rate_tps", d.get("prefill_rate_tps", 10_000.0)),
+    )
+
+
+def _pool(name: str, data: Any) -> PoolConfig:
+    key = f"pools.{name}"
+    d = _mapping(key, data, "{model: qwen3-8b, replicas: [...]}")
+    _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed"))
+    model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
+    reps = d.get("replicas")
+    if not isinstance(reps, list) or not reps:
+        raise _fail(
+            f"{key}.replicas", reps, "must be a non-empty list",
+            'List the engines, e.g. replicas: [{name: s0, url: "http://127.0.0.1:8101"}].',
+        )
+    replicas = tuple(_replica(f"{key}.replicas[{i}]", r) for i, r in enumerate(reps))
+    block_size = d.get("block_size")
+    if block_size is not None:
+        block_size = _int(f"{key}.block_size", block_size, minimum=1)
+    return PoolConfig(
+        name=PoolName(_name("pools", name)),
+        model=model,
+        replicas=replicas,
+        tokenizer=_tokenizer(f"{key}.tokenizer", d.get("tokenizer")),
+        block_size=block_size,
+        hash_algo=_opt_str(f"{key}.hash_algo", d.get("hash_algo"), example="sha256"),
+        hash_seed=_opt_str(f"{key}.hash_seed", d.get("hash_seed"), example='"0"'),
+    )
+
+
+def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteConfig:
+    key = f"routes.{name}"
+    d = _mapping(key, data, "{pools: [small]}")
+    _check_keys(key, d, ("pools",))
+    names = d.get("pools")
+    if not isinstance(names, list) or not names:
+        raise _fail(f"{key}.pools", names, "must be a non-empty list of pool names", f"Write e.g. pools: [{next(iter(pools))}].")
+    out: list[PoolName] = []
+    for i, pool in enumerate(names):
+        if pool not in pools:
+            close = difflib.get_close_matches(str(pool), list(pools), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise _fail(f"{key}.pools[{i}]", pool, "is not a pool defined under pools:", f"Known pools: {', '.join(pools)}.{hint}")
+        if pool in out:
+            raise _fail(f"{key}.pools[{i}]", pool, "is listed twice", "List each pool once, smallest window first.")
+        out.append(PoolName(pool))
+    return RouteConfig(name=name, pools=tuple(out))
+
+
+def _policy(data: Any) -> PolicyConfig:
+    d = _mapping("policy", data, "{name: kvroute}")
+    _check_keys("policy", d, ("name", "params", "seed"))
+    name = d.get("name", "kvroute")
+    if name not in POLICY_NAMES:
+        close = difflib.get_close_matches(str(name), POLICY_NAMES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise _fail("policy.name", name, "is not a known policy", f"Choose one of: {', '.join(POLICY_NAMES)}.{hint}")
+    params = _mapping("policy.params", d.get("params"), "{work_weight: 0.5}")
+    for pkey, pval in params.items():
+        if not isinstance(pval, int | float):  # bool is an int
+            raise _fail(f"policy.params.{pkey}", pval, "must be a number or true/false", "Policy parameters are numbers.")
+    seed = d.get("seed")
+    if seed is not None:
+        seed = _int("policy.seed", seed)
+    return PolicyConfig(name=name, params=MappingProxyType(dict(params)), seed=seed)
+
+
+def _state(data: Any) -> StateConfig:
+    d = _mapping("state", data, "{backend: memory}")
+    _check_keys("state", d, ("backend", "url", "namespace", "timeout_s", "session_ttl_s",
+                             "max_pins", "max_warm"))
+    backend = d.get("backend", "memory")
+    if backend not in ("memory", "redis"):
+        raise _fail("state.backend", backend, "must be memory or redis", 'Write backend: memory, or backend: redis with url: "redis://host:6379/0".')
+    url = d.get("url")
+    if backend == "redis":
+        url = _str("state.url", url, example='"redis://127.0.0.1:6379/0"')
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise _fail("state.url", url, "must be a redis:// URL", 'Write e.g. url: "redis://127.0.0.1:6379/0".')
+    elif url is not None:
+        raise _fail("state.url", url, "is only used with backend: redis", "Remove url, or set backend: redis.")
+    base = StateConfig()
+    return StateConfig(
+        backend=backend,
+        url=url,
+        namespace=_str("state.namespace", d.get("namespace", base.namespace), example="kvroute"),
+        timeout_s=_num("state.timeout_s", d.get("timeout_s", base.timeout_s)),
+        session_ttl_s=_num("state.session_ttl_s", d.get("session_ttl_s", base.session_ttl_s)),
+        max_pins=_int("state.max_pins", d.get("max_pins", base.max_pins), minimum=1),
+        max_warm=_int("state.max_warm", d.get("max_warm", base.max_warm), minimum=1),
+    )
+
+
+def _env_name(key: str, value: Any) -> str:
+    text = _str(key, value, example="ACME_KEY")
+    if not text.replace("_", "").isalnum() or text[0].isdigit():
+        raise _fail(key, value, "must be an environment variable name, not the key itself",
+                    "Put the key in an environment variable and write its name here, e.g. ACME_KEY.")
+    return text
+
+
+def _tenants(data: Any) -> tuple[TenantConfig, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, list):
+        raise _fail("tenants", data, "must be a list", "Write tenants: [{name: acme, api_key_env: ACME_KEY, cache_salt: true}] or tenants: [].")
+    out: list[TenantConfig] = []
+    seen_envs: dict[str, str] = {}
+    for i, item in enumerate(data):
+        key = f"tenants[{i}]"
+        d = _mapping(key, item, "{name: acme, api_key_env: ACME_KEY}")
+        _check_keys(key, d, ("name", "api_key_env", "cache_salt"))
+        name = _name(f"{key}.name", d.get("name"))
+        if any(t.name == name for t in out):
+            raise _fail(f"{key}.name", name, "is defined twice", "Tenant names must be unique.")
+        if "api_key_env" not in d:
+            raise _fail(f"{key}.api_key_env", None, "is required", "Name the environment variable that holds this tenant's API key.")
+        env = _env_name(f"{key}.api_key_env", d["api_key_env"])
+        if env in seen_envs:
+            raise _fail(f"{key}.api_key_env", env, f"is already tenant {seen_envs[env]!r}'s key",
+                        "Give each tenant its own key: a shared key cannot tell them apart.")
+        seen_envs[env] = name
+        out.append(TenantConfig(TenantName(name), env, _bool(f"{key}.cache_salt", d.get("cache_salt", False))))
+    return tuple(out)
+
+
+def _timeouts(data: Any) -> TimeoutsConfig:
+    d = _mapping("timeouts", data, "{connect_s: 2, first_byte_s: 60, total_s: 600}")
+    _check_keys("timeouts", d, ("connect_s", "first_byte_s", "total_s"))
+    base = TimeoutsConfig()
+    cfg = TimeoutsConfig(
+        connect_s=_num("timeouts.connect_s", d.get("connect_s", base.connect_s)),
+        first_byte_s=_num("timeouts.first_byte_s", d.get("first_byte_s", base.first_byte_s)),
+        total_s=_num("timeouts.total_s", d.get("total_s", base.total_s)),
+    )
+    if cfg.first_byte_s > cfg.total_s:
+        raise _fail("timeouts.first_byte_s", cfg.first_byte_s, f"is longer than timeouts.total_s ({cfg.total_s:g})",
+                    "The first byte must be allowed to arrive within the total: lower first_byte_s or raise total_s.")
+    return cfg
+
+
+def _retries(data: Any) -> RetryConfig:
+    d = _mapping("retries", data, "{max_retries: 2}")
+    _check_keys("retries", d, ("max_retries",))
+    return RetryConfig(max_retries=_int("retries.max_retries", d.get("max_retries", 2)))
+
+
+def _admission(data: Any) -> AdmissionConfig:
+    d = _mapping("admission", data, "{max_in_flight: 256, max_queue: 1024, queue_timeout_s: 30}")
+    _check_keys("admission", d, ("max_in_flight", "max_queue", "queue_timeout_s", "retry_after_s"))
+    base = AdmissionConfig()
+    return AdmissionConfig(
+        max_in_flight=_int("admission.max_in_flight", d.get("max_in_flight", base.max_in_flight), minimum=1),
+        max_queue=_int("admission.max_queue", d.get("max_queue", base.max_queue)),
+        queue_timeout_s=_num("admission.queue_timeout_s", d.get("queue_timeout_s", base.queue_timeout_s)),
+        retry_after_s=_int("admission.retry_after_s", d.get("retry_after_s", base.retry_after_s), minimum=1),
+    )
+
+
+def _discovery(data: Any) -> DiscoveryConfig:
+    d = _mapping("discovery", data, "{metrics_interval_s: 2}")
+    fields_ = ("models_interval_s", "metrics_interval_s", "health_interval_s", "timeout_s", "window_ttl_s")
+    _check_keys("discovery", d, (*fields_, "unhealthy_after"))
+    base = DiscoveryConfig()
+    values = {f: _num(f"discovery.{f}", d.get(f, getattr(base, f))) for f in fields_}
+    return DiscoveryConfig(
+        **values,
+        unhealthy_after=_int("discovery.unhealthy_after", d.get("unhealthy_after", base.unhealthy_after), minimum=1),
+    )
+
+
+def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
+    d = _mapping("warm_ahead", data, "{enabled: true, fraction: 0.6, cooldown_s: 300}")
+    _check_keys("warm_ahead", d, ("enabled", "fraction", "cooldown_s"))
+    base = WarmAheadConfig()
+    enabled = _bool("warm_ahead.enabled", d.get("enabled", base.enabled))
+    fraction = _num("warm_ahead.fraction", d.get("fraction", base.fraction))
+    if fraction >= 1.0:
+        raise _fail("warm_ahead.fraction", fraction, "must be below 1", "Use the share of the window at which to warm, e.g. 0.6.")
+    override = env.get(WARM_AHEAD_ENV)
+    if override is not None:
+        if override.strip() not in ("0", "1"):
+            raise _fail(WARM_AHEAD_ENV, override, "must be 0 or 1", f"Set {WARM_AHEAD_ENV}=0 to switch warm-ahead off, 1 to force it on, or unset it.")
+        enabled = override.strip() == "1"
+    return WarmAheadConfig(
+        enabled=enabled,
+        fraction=fraction,
+        cooldown_s=_num("warm_ahead.cooldown_s", d.get("cooldown_s", base.cooldown_s), strict=False),
+    )
+
+
+_RESERVED_ROUTES: Final = frozenset({"admin", "health", "metrics"})
+
+
+def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Validate a decoded YAML document and build the config tree.
+
+    Args:
+        data: the decoded document (a mapping).
+        env: environment for ``KVROUTE_WARM_AHEAD``; ``os.environ`` when None.
+
+    Raises:
+        ConfigError: naming the key, the value and the fix, for the first problem found.
+    """
+    env = os.environ if env is None else env
+    if not isinstance(data, Mapping):
+        raise _fail("(top level)", data, "must be a mapping", "Start the file with keys such as listen:, pools:, routes:.")
+    _check_keys("", data, _TOP_KEYS)
+
+    pools_raw = data.get("pools")
+    if not isinstance(pools_raw, Mapping) or not pools_raw:
+        raise _fail("pools", pools_raw, "must define at least one pool",
+                    'Write pools: {small: {model: qwen3-8b, replicas: [{name: s0, url: "http://127.0.0.1:8101"}]}}.')
+    pools: dict[PoolName, PoolConfig] = {}
+    replica_pool: dict[str, str] = {}
+    for pname, pdata in pools_raw.items():
+        pool = _pool(str(pname), pdata)
+        for i, rep in enumerate(pool.replicas):
+            if rep.name in replica_pool:
+                raise _fail(f"pools.{pname}.replicas[{i}].name", rep.name,
+                            f"is already used in pool {replica_pool[rep.name]!r}",
+                            "Replica names must be unique across all pools.")
+            replica_pool[rep.name] = pool.name
+        pools[pool.name] = pool
+
+    routes_raw = data.get("routes")
+    if not isinstance(routes_raw, Mapping) or not routes_raw:
+        first = next(iter(pools))
+        raise _fail("routes", routes_raw, "must define at least one route",
+                    f"Name the model clients send, e.g. routes: {{assistant: {{pools: [{first}]}}}}.")
+    routes: dict[str, RouteConfig] = {}
+    for rname, rdata in routes_raw.items():
+        name = _str("routes", rname, example="assistant")
+        if name in _RESERVED_ROUTES:
+            raise _fail(f"routes.{name}", name, "is a reserved word", "Pick another model name for the route.")
+        routes[name] = _route(name, rdata, pools)
+
+    log_level = data.get("log_level", "info")
+    if not isinstance(log_level, str) or log_level.lower() not in _LOG_LEVELS:
+        raise _fail("log_level", log_level, "is not a log level", f"Choose one of: {', '.join(_LOG_LEVELS)}.")
+    log_format = data.get("log_format", "json")
+    if log_format not in ("json", "kv"):
+        raise _fail("log_format", log_format, "must be json or kv", "Write log_format: json (one JSON object per line) or kv (key=value).")
+    admin_env = data.get("admin_key_env")
+    admin_key_env = None if admin_env is None else _env_name("admin_key_env", admin_env)
+    return RouterConfig(
+        pools=MappingProxyType(pools),
+        routes=MappingProxyType(routes),
+        listen=_listen(data.get("listen")),
+        policy=_policy(data.get("policy")),
+        state=_state(data.get("state")),
+        tenants=_tenants(data.get("tenants")),
+        admin_key_env=admin_key_env,
+        salt_secret_env=_env_name("salt_secret_env", data.get("salt_secret_env", "KVROUTE_SALT_SECRET")),
+        timeouts=_timeouts(data.get("timeouts")),
+        retries=_retries(data.get("retries")),
+        admission=_admission(data.get("admission")),
+        discovery=_discovery(data.get("discovery")),
+        warm_ahead=_warm_ahead(data.get("warm_ahead"), env),
+        predicted_ttl_s=_num("predicted_ttl_s", data.get("predicted_ttl_s", 2.0)),
+        approx_predicted_ttl_s=_num("approx_predicted_ttl_s", data.get("approx_predicted_ttl_s", 120.0)),
+        max_body_bytes=_int("max_body_bytes", data.get("max_body_bytes", 16 * 1024 * 1024), minimum=1024),
+        log_level=log_level.lower(),
+        log_format=log_format,
+    )
+
+
+def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Read and validate a YAML config file.
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML, or fails validation.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}. Pass an existing file with -c.") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+    return parse_config(data, env=env)
+
+
+# --------------------------------------------------------------------------------------------
+# Secrets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Secrets:
+    """What the environment supplies: API key → tenant, the admin key, tenants' cache salts.
+
+    ``api_keys`` empty means no tenants are configured: one default tenant, no auth.
+    ``repr`` never shows the keys.
+    """
+
+    api_keys: Mapping[str, TenantName] = field(repr=False)
+    admin_key: str | None = field(repr=False)
+    cache_salts: Mapping[TenantName, str] = field(repr=False)
+
+
+def derive_cache_salt(secret: str, tenant: str) -> str:
+    """A tenant's stable cache salt: HMAC-SHA256(secret, tenant) in hex, 32 characters.
+
+    Stable across restarts and across router processes that share the secret; not guessable
+    by another tenant (who would otherwise be able to address the salted blocks). Hex keeps
+    it inside vLLM's ``cache_salt`` rules (<= 128 chars, no ``@ / \\ NUL``).
+    """
+    return hmac.new(secret.encode("utf-8"), tenant.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
+
+
+def resolve_secrets(config: RouterConfig, env: Mapping[str, str] | None = None) -> Secrets:
+    """Read every secret the config names from the environment.
+
+    Raises:
+        ConfigError: a named variable is unset or empty, two tenants share a key value, or
+            a tenant asks for ``cache_salt`` without the salt secret set.
+    """
+    env = os.environ if env is None else env
+    api_keys: dict[str, TenantName] = {}
+    salts: dict[TenantName, str] = {}
+    for i, tenant in enumerate(config.tenants):
+        value = env.get(tenant.api_key_env, "")
+        if not value:
+            raise ConfigError(
+                f"tenants[{i}].api_key_env: environment variable {tenant.api_key_env} (tenant "
+                f"{tenant.name!r}) is unset or empty. Export it with the tenant's API key before starting."
+            )
+        if value in api_keys:
+            raise ConfigError(
+                f"tenants[{i}].api_key_env: {tenant.api_key_env} holds the same key as tenant "
+                f"{api_keys[value]!r}'s variable. Give every tenant a distinct key."
+            )
+        api_keys[value] = tenant.name
+        if tenant.cache_salt:
+            secret = env.get(config.salt_secret_env, "")
+            if not secret:
+                raise ConfigError(
+                    f"tenants[{i}].cache_salt: tenant {tenant.name!r} asks for a cache salt, but "
+                    f"{config.salt_secret_env} (salt_secret_env) is unset or empty. Export a long "
+                    "random secret, the same on every router process."
+                )
+            salts[tenant.name] = derive_cache_salt(secret, tenant.name)
+    admin_key: str | None = None
+    if config.admin_key_env is not None:
+        admin_key = env.get(config.admin_key_env, "")
+        if not admin_key:
+            raise ConfigError(
+                f"admin_key_env: environment variable {config.admin_key_env} is unset or empty. "
+                "Export the admin key, or remove admin_key_env to disable the admin endpoints."
+            )
+        if admin_key in api_keys:
+            raise ConfigError(
+                f"admin_key_env: {config.admin_key_env} holds a tenant's API key. The admin key "
+                "must differ from every tenant key."
+            )
+    return Secrets(api_keys=api_keys, admin_key=admin_key, cache_salts=salts)

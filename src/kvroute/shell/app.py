@@ -1,0 +1,759 @@
+"""The router's HTTP API and the composition root ``build_app``.
+
+Owns the request walk's shell steps (DESIGN.md steps 1, 2, 5, 6, 8): accept and validate a
+request, authenticate its tenant, measure its prompt, ask ``RouterCore`` for a replica, send
+it through ``shell/proxy.py`` with retries before the first byte, account for it, and log one
+line per decision. It also serves ``/v1/models``, ``/health``, ``/metrics`` and the admin
+endpoints ``/admin/index`` and ``/admin/state``.
+
+It must not make routing decisions itself (that is ``core``) nor open sockets other than
+through the ``Upstream`` it is given; every collaborator is passed to ``build_app``, so tests
+build exactly what they need and nothing is a module global.
+
+The request walk (``Router.handle``)
+------------------------------------
+1. authenticate (``Authorization: Bearer``; no tenants configured = one default tenant);
+2. read the body with a size limit and ``wire.openai.parse_request`` it; resolve the route
+   (the ``model`` field) — every bad input ends here with OpenAI's error shape;
+3. admission: a slot among ``max_in_flight``, or a bounded wait, or 429 + ``Retry-After``;
+4. choose the pool (``choose_pool``: today the route's first pool; the tier logic of
+   ``core/tiers.py`` replaces this one function);
+5. tokens: the pool's ``PromptTokenizer`` (engine ``/tokenize`` or local), or the prompt's own
+   token ids, or nothing (the request is then routed approximately, and says so);
+6. ``core.route`` in the tenant's ``TenantScope``; for the ``session`` policy a live pin
+   restricts the choice to the pinned replica;
+7. forward: ``Upstream.open``; a failure before the first byte goes to ``_recover`` (today:
+   next replica of the ranking, bounded by ``retries.max_retries``; later: the overflow
+   recovery plan of ``core/tiers.py``); after the first byte the stream is relayed and a
+   failure ends it with an error event;
+8. account: ``core.on_first_token`` / ``core.on_complete`` on every exit path, metrics, the
+   decision log line, the session pin (refreshed TTL).
+
+Session pins, kept simple: a request with a session id pins its session to the replica that
+served it (TTL ``state.session_ttl_s``, refreshed each time). The ``session`` policy honours a
+live pin on a healthy replica (so sessions stay put when the fleet changes, which rendezvous
+hashing alone would not guarantee). The cost-based policies do not read pins: their tie-break
+is least-recently-chosen inside ``core``, and a pin hint there needs a ``RouteRequest`` field
+(``preferred_replica``) that ``core/router.py`` does not have yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, Protocol, TypeVar
+
+from aiohttp import web
+
+from kvroute.config import DEFAULT_TENANT, PoolConfig, RouteConfig, RouterConfig, Secrets
+from kvroute.core.errors import NoEligibleReplica
+from kvroute.core.index import AdminCapability, TenantScope
+from kvroute.core.peer_policies import POLICY_FACTORIES
+from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
+from kvroute.shell.admission import Admission, AdmissionRejected
+from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
+from kvroute.shell.state import SessionState
+from kvroute.shell.tokenizer import PromptTokenizer
+from kvroute.wire.openai import (
+    Endpoint,
+    ParsedRequest,
+    RequestError,
+    encode_request,
+    error_body,
+    model_card,
+    models_response,
+    parse_request,
+    session_from_request,
+)
+
+__all__ = [
+    "ROUTER_KEY",
+    "DiscoveryView",
+    "PromptTokenizer",
+    "Router",
+    "build_app",
+    "choose_pool",
+    "routing_text",
+]
+
+log = logging.getLogger("kvroute.app")
+decision_log = logging.getLogger("kvroute.decision")
+
+HDR_REPLICA: Final = "x-kvroute-replica"
+HDR_POOL: Final = "x-kvroute-pool"
+HDR_CACHED: Final = "x-kvroute-cached-tokens"
+HDR_APPROX: Final = "x-kvroute-approximate"
+_JSON: Final = "application/json"
+_CHARS_PER_TOKEN_ESTIMATE: Final = 4
+
+
+class DiscoveryView(Protocol):
+    """What the HTTP layer reads from discovery (``shell/discovery.py``)."""
+
+    def pool_window(self, pool: PoolName) -> int | None:
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Seams for the next issues
+# --------------------------------------------------------------------------------------------
+
+
+def choose_pool(route: RouteConfig, parsed: ParsedRequest, num_prompt_tokens: int | None) -> PoolName:
+    """The pool (tier) a request of ``route`` goes to.
+
+    Today: the route's first pool. ``core/tiers.py`` will replace this with the first pool
+    whose window fits ``num_prompt_tokens`` plus an output floor (DESIGN.md step 3).
+    """
+    return route.pools[0]
+
+
+def routing_text(parsed: ParsedRequest) -> str:
+    """The prompt as plain text, for approximate routing and text-matching peer policies.
+
+    Chat: each message's role and its text content (text parts joined), in order; tools
+    first, as chat templates put them. Completions: the prompt string(s).
+    """
+    if parsed.messages is not None:
+        parts: list[str] = []
+        if parsed.tools:
+            parts.append(json.dumps(parsed.tools, separators=(",", ":"), sort_keys=True))
+        for message in parsed.messages:
+            parts.append(str(message.get("role", "")))
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    parts.append(text if isinstance(text, str) else f"<{part.get('type')}>")
+        return "\n".join(parts)
+    prompt = parsed.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return "\n".join(p for p in prompt if isinstance(p, str))
+    return ""
+
+
+def _prompt_ids_from_body(parsed: ParsedRequest) -> list[int] | None:
+    """A completions prompt sent as one list of token ids is already exact."""
+    prompt = parsed.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return [int(t) for t in prompt if isinstance(t, int)]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The router
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """Bookkeeping of one request's walk, for the log line and the headers."""
+
+    request_id: RequestId
+    route: str
+    pool: PoolName
+    tenant: TenantName
+    session: str | None
+    num_prompt_tokens: int
+    exact: bool
+    routing_us: float = 0.0
+    retries: int = 0
+    outcome: str = "ok"
+    pinned: bool = False
+    failed: set[ReplicaId] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Router:
+    """The HTTP handlers and what they share. Built by ``build_app``; one per application.
+
+    Invariant: every ``core`` call happens on the event loop's thread, between awaits, so the
+    core needs no locks (the KV-event subscribers call it the same way).
+    """
+
+    config: RouterConfig
+    core: RouterCore
+    upstream: Upstream
+    admission: Admission
+    secrets: Secrets
+    metrics: RouterMetrics
+    state: SessionState | None = None
+    discovery: DiscoveryView | None = None
+    tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
+    admin: AdminCapability | None = None
+    extra_state: Callable[[], Mapping[str, Any]] | None = None
+    on_replica_failure: Callable[[ReplicaId, str], None] | None = None
+    on_scrape: Callable[[], None] | None = None
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    # -- entry points ---------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, "completions")
+
+    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            tenant = self._tenant(request)
+            raw = await self._read_body(request)
+            parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
+            route = self._route(parsed)
+        except RequestError as exc:
+            return _error(exc.status, exc.body())
+        try:
+            await self.admission.acquire()
+        except AdmissionRejected as exc:
+            self.metrics.admission_reject(exc.reason)
+            body = error_body(exc.message, status=429, code=429)
+            return _error(429, body, extra={"Retry-After": str(exc.retry_after_s)})
+        try:
+            return await self._serve(request, parsed, route, tenant)
+        finally:
+            self.admission.release()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _tenant(self, request: web.Request) -> TenantName:
+        if not self.secrets.api_keys:
+            return DEFAULT_TENANT
+        key = _bearer(request)
+        if key is None:
+            raise RequestError(
+                "Missing API key: send 'Authorization: Bearer <your key>'.", status=401,
+                code="invalid_api_key",
+            )
+        tenant = _lookup_key(self.secrets.api_keys, key)
+        if tenant is None:
+            raise RequestError(
+                "Invalid API key: the key in 'Authorization: Bearer ...' is not known to this "
+                "router. Check the key your administrator gave you.", status=401,
+                code="invalid_api_key",
+            )
+        return tenant
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise RequestError(
+                f"Request body is {declared} bytes, over this router's limit of {limit} "
+                "bytes. Send a shorter prompt, or raise the router's max_body_bytes setting.",
+                status=413,
+            )
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await request.content.read(64 * 1024)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(
+                    f"Request body is over this router's limit of {limit} bytes. Send a "
+                    "shorter prompt, or raise the router's max_body_bytes setting.",
+                    status=413,
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _route(self, parsed: ParsedRequest) -> RouteConfig:
+        route = self.config.routes.get(parsed.model)
+        if route is None:
+            known = ", ".join(sorted(self.config.routes))
+            raise RequestError(
+                f"The model `{parsed.model}` does not exist. This router serves: {known} "
+                "(GET /v1/models lists them).", status=404, param="model",
+                type="NotFoundError", code=404,
+            )
+        return route
+
+    async def _serve(self, request: web.Request, parsed: ParsedRequest, route: RouteConfig,
+                     tenant: TenantName) -> web.StreamResponse:
+        request_id = RequestId(request.headers.get("x-request-id") or uuid.uuid4().hex)
+        session_ref = session_from_request(request.headers.items(), parsed.body)
+        session = session_ref.session_id if session_ref is not None else None
+        pool_name = choose_pool(route, parsed, None)
+        pool = self.config.pools[pool_name]
+
+        salt = self._cache_salt(tenant, parsed.cache_salt)
+        token_ids = _prompt_ids_from_body(parsed)
+        if token_ids is None:
+            tokenizer = self.tokenizers.get(pool_name)
+            if tokenizer is not None:
+                token_ids = await tokenizer.token_ids(parsed)
+        needs_text = getattr(POLICY_FACTORIES[self.config.policy.name], "needs_text", False)
+        text = routing_text(parsed) if token_ids is None or needs_text else ""
+        if token_ids is not None:
+            num_tokens = len(token_ids)
+        else:
+            num_tokens = max(1, len(text) // _CHARS_PER_TOKEN_ESTIMATE)
+        attempt = _Attempt(request_id, route.name, pool_name, tenant, session, num_tokens,
+                           token_ids is not None)
+
+        exclude: frozenset[ReplicaId] = frozenset()
+        pin_key = f"{tenant}\x1f{session}" if session is not None else None
+        if pin_key is not None and self.state is not None and self.config.policy.name == "session":
+            pinned = await self.state.get_pin(pin_key)
+            exclude = self._pin_exclusion(pool, pinned)
+            attempt.pinned = bool(exclude)
+
+        route_request = RouteRequest(
+            request_id=request_id,
+            pool=pool_name,
+            scope=TenantScope(tenant),
+            num_prompt_tokens=num_tokens,
+            prompt_token_ids=token_ids,
+            routing_text=text,
+            cache_salt=salt,
+            session_id=session,
+            expected_output_tokens=parsed.max_tokens or 256,
+            exclude=exclude,
+        )
+        started = time.perf_counter()
+        try:
+            decision = self.core.route(route_request)
+        except NoEligibleReplica as exc:
+            attempt.outcome = "no_replica"
+            self._log(attempt, None)
+            return _error(503, error_body(str(exc), status=503), pool=pool_name)
+        attempt.routing_us = (time.perf_counter() - started) * 1e6
+        self._decided(attempt, decision)
+
+        body = encode_request(parsed, model=pool.model, cache_salt=salt)
+        headers = {"X-Request-Id": request_id}
+        return await self._forward(request, parsed, attempt, decision, body, headers, pin_key)
+
+    def _pin_exclusion(self, pool: PoolConfig, pinned: str | None) -> frozenset[ReplicaId]:
+        if pinned is None:
+            return frozenset()
+        names = [rep.name for rep in pool.replicas]
+        if pinned not in names or not self.core.is_healthy(ReplicaId(pinned)):
+            return frozenset()
+        return frozenset(name for name in names if name != pinned)
+
+    def _cache_salt(self, tenant: TenantName, client_salt: str | None) -> str | None:
+        """The salt the engine must hash into block 0.
+
+        A salted tenant's salt is the router's (derived from its name and the server secret);
+        a client salt sent by such a tenant is folded into it, so the client can partition its
+        own cache further but can never reach another tenant's blocks. Unsalted tenants' own
+        salts pass through unchanged.
+        """
+        tenant_salt = self.secrets.cache_salts.get(tenant)
+        if tenant_salt is None:
+            return client_salt
+        if client_salt is None:
+            return tenant_salt
+        return hmac.new(tenant_salt.encode(), client_salt.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _decided(self, attempt: _Attempt, decision: RoutingDecision) -> None:
+        self.metrics.decision(
+            attempt.pool, decision.replica, decision.reason, decision.expected_cached_tokens,
+            attempt.num_prompt_tokens, attempt.routing_us / 1e6, decision.approximate,
+        )
+
+    async def _forward(self, request: web.Request, parsed: ParsedRequest, attempt: _Attempt,
+                       decision: RoutingDecision, body: bytes, headers: Mapping[str, str],
+                       pin_key: str | None) -> web.StreamResponse:
+        path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
+        current = decision
+        active: ReplicaId | None = decision.replica  # the replica whose load is open
+        try:
+            while True:
+                url = self.config.replica(current.replica).url + path
+                try:
+                    reply = await self.upstream.open(url, body, stream=parsed.stream,
+                                                     headers=headers)
+                except UpstreamError as exc:
+                    self.metrics.upstream_error(current.replica, exc.kind)
+                    nxt, released = self._recover(attempt, current, exc)
+                    if released:
+                        active = None
+                    if nxt is None:
+                        attempt.outcome = f"upstream_{exc.kind}"
+                        return self._upstream_failure(current, exc)
+                    self.metrics.retry(current.replica)
+                    attempt.retries += 1
+                    current = nxt
+                    active = nxt.replica
+                    continue
+                break
+            self.core.on_first_token(current.replica, attempt.request_id)
+            if pin_key is not None and self.state is not None:
+                self._spawn(self.state.set_pin(pin_key, current.replica,
+                                               self.config.state.session_ttl_s))
+            if reply.response is None:
+                return self._whole(reply, current)
+            return await self._stream(request, reply, attempt, current)
+        finally:
+            if active is not None:
+                self.core.on_complete(active, attempt.request_id)
+            self._log(attempt, current)
+
+    def _recover(self, attempt: _Attempt, decision: RoutingDecision,
+                 error: UpstreamError) -> tuple[RoutingDecision | None, bool]:
+        """The one place a failure before the first byte is handled.
+
+        Today: a retryable failure moves the request to the next replica of the same ranking
+        (``core.reroute``), or, if the ranking is exhausted, to any other healthy replica of
+        the pool, at most ``retries.max_retries`` times; a connection refused also tells the
+        failure hook (discovery takes the replica out until its ``/health`` answers again).
+        A non-retryable answer (4xx) is relayed as is.
+
+        NOTE: ``core/tiers.py`` plugs in here: a context-overflow 400 (``wire/overflow.py``)
+        becomes a plan to clamp ``max_tokens`` and retry, or to escalate to the next tier.
+
+        Returns:
+            ``(next decision or None, whether the failed replica's load was released)``.
+        """
+        attempt.failed.add(decision.replica)
+        if error.kind == "connect" and self.on_replica_failure is not None:
+            self.on_replica_failure(decision.replica, str(error))
+        if not error.retryable or attempt.retries >= self.config.retries.max_retries:
+            return None, False
+        nxt = self.core.reroute(decision, decision.replica)  # releases the failed load
+        if nxt is not None:
+            return nxt, True
+        # The ranking was narrowed to a pinned replica: fall back to the rest of the pool.
+        if not attempt.pinned:
+            return None, True
+        attempt.pinned = False
+        try:
+            moved = self.core.route(replace(decision.request, exclude=frozenset(attempt.failed)))
+        except NoEligibleReplica:
+            return None, True
+        return replace(moved, reason="retry"), True
+
+    def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError) -> web.Response:
+        if exc.kind == "status" and exc.status is not None:
+            return _routed(web.Response(status=exc.status, body=exc.body,
+                                        content_type=_content_type(exc.content_type)), decision)
+        status = 504 if exc.kind == "timeout" else 502
+        message = (
+            f"kvroute could not get an answer from replica {decision.replica}: {exc}. "
+            "No other replica was available to retry on; check the engines' /health."
+        )
+        return _routed(web.Response(status=status, body=error_body(message, status=status),
+                                    content_type=_JSON), decision)
+
+    def _whole(self, reply: UpstreamReply, decision: RoutingDecision) -> web.Response:
+        response = web.Response(status=reply.status, body=reply.body)
+        for key, value in reply.headers.items():
+            response.headers[key] = value
+        return _routed(response, decision)
+
+    async def _stream(self, request: web.Request, reply: UpstreamReply, attempt: _Attempt,
+                      decision: RoutingDecision) -> web.StreamResponse:
+        response = web.StreamResponse(status=reply.status)
+        for key, value in reply.headers.items():
+            response.headers[key] = value
+        _routed(response, decision)
+        try:
+            await response.prepare(request)
+        except BaseException:
+            reply.close()
+            raise
+
+        def failed(kind: str, message: str) -> None:
+            attempt.outcome = f"stream_{kind}"
+            self.metrics.upstream_error(decision.replica, f"stream_{kind}")
+
+        try:
+            await relay_stream(reply, response, replica=decision.replica, on_error=failed)
+            await response.write_eof()
+        except ConnectionResetError:
+            attempt.outcome = "client_gone"
+        return response
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background state update failed", exc_info=task.exception())
+
+    def _log(self, attempt: _Attempt, decision: RoutingDecision | None) -> None:
+        if not decision_log.isEnabledFor(logging.INFO):
+            return
+        record = {
+            "event": "route",
+            "request_id": attempt.request_id,
+            "route": attempt.route,
+            "pool": attempt.pool,
+            "replica": decision.replica if decision else None,
+            "policy": decision.policy if decision else self.config.policy.name,
+            "reason": decision.reason if decision else None,
+            "cached_tokens": decision.expected_cached_tokens if decision else 0,
+            "prompt_tokens": attempt.num_prompt_tokens,
+            "approximate": decision.approximate if decision else not attempt.exact,
+            "routing_us": round(attempt.routing_us, 1),
+            "tenant": attempt.tenant,
+            "session": attempt.session is not None,
+            "retries": attempt.retries,
+            "outcome": attempt.outcome,
+        }
+        if self.config.log_format == "json":
+            decision_log.info(json.dumps(record, separators=(",", ":")))
+        else:
+            decision_log.info(" ".join(f"{k}={v}" for k, v in record.items()))
+
+    # -- other endpoints ----------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        cards = []
+        for name, route in self.config.routes.items():
+            pool = route.pools[-1]
+            window = self.discovery.pool_window(pool) if self.discovery is not None else None
+            cards.append(model_card(id=name, created=created, max_model_len=window,
+                                    permission_id=f"modelperm-{name}",
+                                    root=self.config.pools[pool].model))
+        return _json(models_response(cards))
+
+    async def health(self, request: web.Request) -> web.Response:
+        pools = {
+            name: sum(1 for rep in pool.replicas if self.core.is_healthy(rep.name))
+            for name, pool in self.config.pools.items()
+        }
+        dead = [name for name, route in self.config.routes.items()
+                if not any(pools[p] for p in route.pools)]
+        body = {"status": "ok" if not dead else "degraded", "healthy_replicas": pools,
+                "routes_without_replicas": dead}
+        return _json(body, status=200 if not dead else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        if self.on_scrape is not None:
+            self.on_scrape()
+        stats = self.core.index.stats()
+        self.metrics.set_index_size(stats.num_entries, stats.num_hashes)
+        body, content_type = self.metrics.render()
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response
+
+    def _check_admin(self, request: web.Request) -> AdminCapability:
+        if self.admin is None or self.secrets.admin_key is None:
+            raise RequestError(
+                "Admin endpoints are disabled: set admin_key_env in the router's config and "
+                "export that variable.", status=404, type="NotFoundError",
+            )
+        key = _bearer(request)
+        if key is None:
+            raise RequestError("Missing admin key: send 'Authorization: Bearer <admin key>'.",
+                               status=401, code="invalid_api_key")
+        if not hmac.compare_digest(key.encode(), self.secrets.admin_key.encode()):
+            raise RequestError("This key is not the admin key; admin endpoints need it.",
+                               status=403, code="forbidden")
+        return self.admin
+
+    async def admin_index(self, request: web.Request) -> web.Response:
+        try:
+            capability = self._check_admin(request)
+            hashes = _query_hashes(request.query.get("hashes"))
+        except RequestError as exc:
+            return _error(exc.status, exc.body())
+        stats = self.core.index.stats()
+        body: dict[str, Any] = {
+            "num_entries": stats.num_entries,
+            "num_hashes": stats.num_hashes,
+            "num_entries_by_replica": dict(stats.num_entries_by_replica),
+            "num_predicted": stats.num_predicted,
+            "num_extra_copies": stats.num_extra_copies,
+            "num_removed_unknown": stats.num_removed_unknown,
+            "num_evicted_for_bound": stats.num_evicted_for_bound,
+        }
+        if hashes:
+            matches = self.core.index.match(hashes, capability.fleet_scope())
+            body["match"] = {
+                replica: {"gpu": m.num_gpu_blocks, "cpu": m.num_cpu_blocks,
+                          "storage": m.num_storage_blocks, "predicted": m.num_predicted_blocks}
+                for replica, m in matches.items()
+            }
+        return _json(body)
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        try:
+            self._check_admin(request)
+        except RequestError as exc:
+            return _error(exc.status, exc.body())
+        replicas: dict[str, Any] = {}
+        for pool, rep in self.config.replicas():
+            load = self.core.load.snapshot(rep.name)
+            replicas[rep.name] = {
+                "pool": pool.name,
+                "url": rep.url,
+                "healthy": self.core.is_healthy(rep.name),
+                "outstanding_prefill_tokens": load.outstanding_prefill_tokens,
+                "in_flight": load.num_in_flight,
+                "decoding": load.num_decoding,
+                "prefill_rate_tps": round(load.prefill_rate_tps, 1),
+                "engine_running": load.engine_running,
+                "engine_waiting": load.engine_waiting,
+                "kv_usage": load.kv_usage,
+            }
+        pools = {}
+        for name in self.core.pool_names():
+            spec = self.core.pool(name)
+            pools[name] = {"block_size": spec.block_size, "hash_algo": spec.hash_algo,
+                           "approximate": spec.approximate}
+        body: dict[str, Any] = {
+            "policy": self.config.policy.name,
+            "pools": pools,
+            "replicas": replicas,
+            "admission": {"in_flight": self.admission.in_flight, "queued": self.admission.queued,
+                          "max_in_flight": self.admission.max_in_flight,
+                          "max_queue": self.admission.max_queue},
+        }
+        if self.extra_state is not None:
+            body.update(self.extra_state())
+        return _json(body)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _bearer(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    scheme, _, key = value.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+def _lookup_key(keys: Mapping[str, TenantName], key: str) -> TenantName | None:
+    """Constant-time over the key values (a timing side channel must not leak key prefixes)."""
+    found: TenantName | None = None
+    probe = key.encode()
+    for known, tenant in keys.items():
+        if hmac.compare_digest(known.encode(), probe):
+            found = tenant
+    return found
+
+
+def _query_hashes(value: str | None) -> list[WireHash]:
+    if not value:
+        return []
+    try:
+        return [WireHash(int(part, 0)) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise RequestError(
+            f"'hashes' must be comma-separated integers (wire-form block hashes), got {value!r}.",
+            param="hashes",
+        ) from None
+
+
+def _content_type(value: str) -> str:
+    return value.split(";", 1)[0].strip() or _JSON
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(obj).encode(), content_type=_JSON)
+
+
+def _error(status: int, body: bytes, *, pool: str = "none",
+           extra: Mapping[str, str] | None = None) -> web.Response:
+    response = web.Response(status=status, body=body, content_type=_JSON)
+    response.headers[HDR_REPLICA] = "none"
+    response.headers[HDR_POOL] = pool
+    response.headers[HDR_CACHED] = "0"
+    if extra:
+        response.headers.update(extra)
+    return response
+
+
+_R = TypeVar("_R", bound=web.StreamResponse)
+
+
+def _routed(response: _R, decision: RoutingDecision) -> _R:
+    """Stamp the decision on a response (every routed answer carries these headers)."""
+    response.headers[HDR_REPLICA] = decision.replica
+    response.headers[HDR_POOL] = decision.request.pool
+    response.headers[HDR_CACHED] = str(decision.expected_cached_tokens)
+    response.headers[HDR_APPROX] = "true" if decision.approximate else "false"
+    return response
+
+
+ROUTER_KEY: Final = web.AppKey("kvroute_router", Router)
+
+
+def build_app(
+    config: RouterConfig,
+    *,
+    core: RouterCore,
+    upstream: Upstream,
+    secrets: Secrets,
+    metrics: RouterMetrics | None = None,
+    state: SessionState | None = None,
+    discovery: DiscoveryView | None = None,
+    tokenizers: Mapping[str, PromptTokenizer] | None = None,
+    admission: Admission | None = None,
+    extra_state: Callable[[], Mapping[str, Any]] | None = None,
+    on_replica_failure: Callable[[ReplicaId, str], None] | None = None,
+    on_scrape: Callable[[], None] | None = None,
+) -> web.Application:
+    """The composition root of the HTTP layer: wire the collaborators into an aiohttp app.
+
+    Nothing is created behind the caller's back except what has no I/O (admission, metrics,
+    the admin capability). ``shell/runtime.py`` builds the rest (client session, discovery,
+    tokenizers, state, event subscribers) and starts them.
+
+    Args:
+        config: the validated configuration.
+        core: the router core (the only owner of index and load state).
+        upstream: the pooled upstream client.
+        secrets: resolved API keys, admin key and cache salts (``config.resolve_secrets``).
+        metrics: the router's Prometheus series; a fresh registry when None.
+        state: session pins; None disables pinning.
+        discovery: for windows in ``/v1/models``; None reports them as unknown.
+        tokenizers: per pool; a pool without one is routed approximately.
+        admission: defaults to ``config.admission``.
+        extra_state: adds sections (subscribers, discovery) to ``/admin/state``.
+        on_replica_failure: told when a replica refuses connections (discovery's hook).
+        on_scrape: called before ``/metrics`` renders (to sync counters kept elsewhere).
+    """
+    adm = admission or Admission(
+        config.admission.max_in_flight, config.admission.max_queue,
+        config.admission.queue_timeout_s, config.admission.retry_after_s,
+    )
+    router = Router(
+        config=config, core=core, upstream=upstream, admission=adm, secrets=secrets,
+        metrics=metrics or RouterMetrics(), state=state, discovery=discovery,
+        tokenizers=dict(tokenizers or {}),
+        admin=AdminCapability() if secrets.admin_key is not None else None,
+        extra_state=extra_state, on_replica_failure=on_replica_failure, on_scrape=on_scrape,
+    )
+    # The body limit is enforced by Router._read_body with an OpenAI-shaped 413; aiohttp's
+    # own limit is set just above it so it never answers first with its plain-text error.
+    app = web.Application(client_max_size=config.max_body_bytes + 1024 * 1024)
+    app[ROUTER_KEY] = router
+    app.router.add_post("/v1/chat/completions", router.chat)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics_endpoint)
+    app.router.add_get("/admin/index", router.admin_index)
+    app.router.add_get("/admin/state", router.admin_state)
+    return app

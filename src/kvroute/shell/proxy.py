@@ -1,0 +1,281 @@
+"""The upstream side: one pooled HTTP client, timeouts on every call, and the streaming relay.
+
+Owns the aiohttp ``ClientSession`` the router sends engine traffic through and the rules for
+what counts as "before the first byte" (retryable elsewhere) and "after" (the stream is ended
+with a well-formed error event). It does not choose replicas: ``shell/app.py`` asks the core
+and hands a URL here (choosing is separate from sending).
+
+Theory of operation
+-------------------
+``Upstream.open`` sends one request and returns only once something can be relayed:
+
+* non-streamed: the whole answer (vLLM sends a non-streamed answer in one piece at the end,
+  so its headers *are* its first byte); bounded by ``timeouts.total_s``;
+* streamed: the response headers *and the first body chunk*, bounded by
+  ``timeouts.first_byte_s``. Engines send their headers at once and the first chunk after
+  the prefill, so an engine that dies during the prefill fails here, while nothing has been
+  sent to the client yet, and the request can be retried on another replica.
+
+Every failure inside ``open`` raises ``UpstreamError`` with a ``kind`` (``connect``,
+``timeout``, ``disconnect``, ``status``) and whether a retry elsewhere makes sense (5xx and
+transport failures: yes; 4xx: no, the next engine would refuse it too).
+
+``relay_stream`` then copies the rest chunk by chunk. It never cuts an SSE event: bytes are
+written up to the last event boundary (``\\n\\n``) and only an unterminated tail is held
+back, so if the engine dies mid-stream the client gets every complete event, then
+``wire.sse.error_event`` and ``data: [DONE]``. vLLM writes one event per chunk, so the held
+tail is normally empty and nothing is delayed.
+
+TCP_NODELAY: aiohttp's protocol base class sets it on every client and server socket
+(``aiohttp.base_protocol.BaseProtocol.connection_made``); an integration test checks that
+this is still so on both sides, because a relay with Nagle on adds ~40 ms to each small SSE
+write (see the overhead anchors: sglang-router's +43 ms TTFC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+
+from kvroute.config import TimeoutsConfig
+from kvroute.core.errors import RouterError
+from kvroute.wire.sse import DONE, error_event
+
+__all__ = [
+    "Upstream",
+    "UpstreamError",
+    "UpstreamReply",
+    "make_client_session",
+    "relay_stream",
+]
+
+log = logging.getLogger(__name__)
+
+UpstreamErrorKind = Literal["connect", "timeout", "disconnect", "status"]
+
+# Response headers that describe the upstream hop, not the content.
+_HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
+    "date", "server", "proxy-authenticate", "upgrade", "trailer", "te",
+})
+_READ_CHUNK = 64 * 1024
+
+
+class UpstreamError(RouterError):
+    """An upstream call failed before anything was relayed to the client.
+
+    Attributes:
+        kind: ``connect`` (no connection), ``timeout``, ``disconnect`` (the engine closed
+            the connection), or ``status`` (the engine answered with an error status).
+        retryable: whether another replica might succeed (5xx and transport failures).
+        status: the engine's HTTP status (``status`` kind only).
+        body: the engine's error body (``status`` kind only).
+        content_type: its content type.
+    """
+
+    def __init__(self, kind: UpstreamErrorKind, message: str, *, retryable: bool,
+                 status: int | None = None, body: bytes = b"",
+                 content_type: str = "application/json") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retryable = retryable
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass(slots=True)
+class UpstreamReply:
+    """An upstream answer ready to relay.
+
+    For a non-streamed answer ``body`` is complete and ``response`` is already released; for
+    a streamed one ``body`` is the first chunk and ``response`` is still open (the caller
+    must ``relay_stream`` it or ``close()`` it).
+    """
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+    response: aiohttp.ClientResponse | None
+
+    def close(self) -> None:
+        if self.response is not None:
+            self.response.close()
+
+
+def make_client_session(timeouts: TimeoutsConfig, *, limit: int = 1024,
+                        keepalive_s: float = 60.0) -> aiohttp.ClientSession:
+    """The one client session of a router: a keep-alive connection pool to every engine.
+
+    Args:
+        timeouts: the defaults every call starts from (``connect_s``, ``total_s``).
+        limit: connections open at once across all engines.
+        keepalive_s: how long an idle connection is kept for reuse.
+    """
+    connector = aiohttp.TCPConnector(
+        limit=limit, limit_per_host=0, keepalive_timeout=keepalive_s, enable_cleanup_closed=False,
+        ttl_dns_cache=300,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=timeouts.total_s, connect=timeouts.connect_s),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+def relay_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The upstream response headers worth passing to the client (content, not transport)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+class Upstream:
+    """Sends requests to engines through one shared ``ClientSession``.
+
+    Args:
+        session: the router's client session (``make_client_session``).
+        timeouts: connect, first-byte and total timeouts in seconds.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, timeouts: TimeoutsConfig) -> None:
+        self.session = session
+        self.timeouts = timeouts
+        self._timeout = aiohttp.ClientTimeout(total=timeouts.total_s, connect=timeouts.connect_s)
+
+    async def open(self, url: str, body: bytes, *, stream: bool,
+                   headers: Mapping[str, str] | None = None) -> UpstreamReply:
+        """POST ``body`` to ``url`` and wait for something relayable (see module docstring).
+
+        Raises:
+            UpstreamError: before anything was relayed; ``retryable`` says whether another
+                replica might do better.
+        """
+        send_headers = {"Content-Type": "application/json"}
+        if headers:
+            send_headers.update(headers)
+        limit = self.timeouts.first_byte_s if stream else self.timeouts.total_s
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(limit):
+                resp = await self.session.post(url, data=body, headers=send_headers,
+                                               timeout=self._timeout)
+                if resp.status >= 400:
+                    err_body = await resp.read()
+                    resp.release()
+                    raise UpstreamError(
+                        "status", f"{url} answered HTTP {resp.status}",
+                        retryable=resp.status >= 500, status=resp.status, body=err_body,
+                        content_type=resp.headers.get("Content-Type", "application/json"),
+                    )
+                if not stream:
+                    data = await resp.read()
+                    resp.release()
+                    return UpstreamReply(resp.status, relay_headers(resp.headers), data, None)
+                first = await resp.content.readany()
+                if not first and resp.content.at_eof():
+                    raise UpstreamError(
+                        "disconnect", f"{url} ended the stream before its first byte",
+                        retryable=True,
+                    )
+                return UpstreamReply(resp.status, relay_headers(resp.headers), first, resp)
+        except UpstreamError:
+            if resp is not None:
+                resp.close()
+            raise
+        except TimeoutError as exc:
+            if resp is not None:
+                resp.close()
+            what = "first byte" if stream else "answer"
+            raise UpstreamError(
+                "timeout", f"{url} sent no {what} within {limit:g}s", retryable=stream,
+            ) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError("connect", f"cannot connect to {url}: {exc.os_error}",
+                                retryable=True) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
+                aiohttp.ClientOSError) as exc:
+            if resp is not None:
+                resp.close()
+            raise UpstreamError("disconnect", f"{url} dropped the connection: {exc}",
+                                retryable=True) from exc
+        except aiohttp.ClientError as exc:
+            if resp is not None:
+                resp.close()
+            raise UpstreamError("disconnect", f"{url} failed: {exc!r}", retryable=True) from exc
+        except BaseException:
+            # Cancelled (the client went away) or a bug: never leave the engine generating.
+            if resp is not None:
+                resp.close()
+            raise
+
+
+def _event_boundary(data: bytes | bytearray) -> int:
+    """Index just past the last complete SSE event in ``data`` (0 if none)."""
+    a = data.rfind(b"\n\n")
+    b = data.rfind(b"\r\n\r\n")
+    return max(a + 2 if a >= 0 else 0, b + 4 if b >= 0 else 0)
+
+
+async def relay_stream(
+    reply: UpstreamReply,
+    out: web.StreamResponse,
+    *,
+    replica: str,
+    on_error: Callable[[str, str], None] | None = None,
+    on_chunk: Callable[[bytes], Awaitable[None] | None] | None = None,
+) -> bool:
+    """Copy a streamed upstream answer to ``out`` (already prepared), whole events at a time.
+
+    Args:
+        reply: from ``Upstream.open(..., stream=True)``; its first chunk is relayed first.
+        out: the client response.
+        replica: for the error event's message.
+        on_error: called with ``(kind, message)`` when the upstream fails mid-stream.
+        on_chunk: called with every relayed piece (e.g. to watch for usage).
+
+    Returns:
+        True if the upstream ended normally, False if the stream was ended with an error
+        event. A client that disconnects raises ``ConnectionResetError`` (or the handler
+        is cancelled); the upstream response is closed on every exit path.
+    """
+    assert reply.response is not None, "relay_stream needs a streamed reply"
+    resp = reply.response
+    pending = bytearray(reply.body)
+    try:
+        while True:
+            cut = _event_boundary(pending)
+            if cut:
+                piece = bytes(pending[:cut])
+                del pending[:cut]
+                await out.write(piece)
+                if on_chunk is not None:
+                    maybe = on_chunk(piece)
+                    if maybe is not None:
+                        await maybe
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+                message = (
+                    f"replica {replica} failed after the stream started ({kind}: "
+                    f"{exc!r}); the answer is incomplete. Retry the request."
+                )
+                if on_error is not None:
+                    on_error(kind, message)
+                # An unterminated tail is dropped: half an event is not an event.
+                await out.write(error_event(message, type="Bad Gateway", code=502))
+                await out.write(DONE)
+                return False
+            if not chunk:
+                if pending:
+                    await out.write(bytes(pending))  # the engine's own last bytes, as sent
+                return True
+            pending += chunk
+    finally:
+        resp.close()

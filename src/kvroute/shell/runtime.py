@@ -1,0 +1,230 @@
+"""Start and stop a whole router: core, client pool, discovery, event subscribers, HTTP server.
+
+Owns the order in which the pieces come up and go down, and nothing else. ``kvroute serve``
+and the integration tests use it; ``shell/app.py``'s ``build_app`` stays the composition root
+of the HTTP layer and is handed everything built here.
+
+Start-up order (each step needs the previous one):
+
+1. ``RouterCore`` from the config (pools start in approximate mode until discovery has read
+   block size and hash algorithm from the engines, unless the config fixes both);
+2. one ``aiohttp.ClientSession`` (keep-alive pool, TCP_NODELAY) shared by discovery, the
+   tokenizers and the proxy;
+3. ``Discovery.refresh_now()`` — health, windows, hashing — before the first request;
+4. one ``EventSubscriber`` per replica with ``kv_events``; their callbacks call
+   ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
+   every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
+   core needs no locks;
+5. session state, tokenizers, then the HTTP site (handler cancellation on, so a client that
+   disconnects cancels its upstream request).
+
+Shutdown runs the same list backwards; every step runs even if an earlier one failed, and the
+first error is raised at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from collections.abc import Mapping
+from typing import Any, Self
+
+import aiohttp
+from aiohttp import web
+
+from kvroute.config import RouterConfig, resolve_secrets
+from kvroute.core.clock import Clock
+from kvroute.core.events import EventBatch
+from kvroute.core.peer_policies import make_policy
+from kvroute.core.policy import Policy
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
+from kvroute.core.types import ReplicaId
+from kvroute.shell.app import build_app
+from kvroute.shell.discovery import Discovery
+from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.proxy import Upstream, make_client_session
+from kvroute.shell.state import MonotonicClock, SessionState, build_state
+from kvroute.shell.tokenizer import build_tokenizers
+from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
+
+__all__ = ["RouterRuntime", "build_core"]
+
+log = logging.getLogger(__name__)
+
+
+def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
+    """The ``RouterCore`` for ``config``: one ``PoolSpec`` per pool, the configured policy.
+
+    Pools whose config does not fix both ``block_size`` and ``hash_algo`` start approximate;
+    discovery switches them to exact hashing once the engines report theirs.
+    """
+    rng = random.Random(config.policy.seed)
+    params = dict(config.policy.params)
+
+    def policy_factory() -> Policy:
+        return make_policy(config.policy.name, random.Random(rng.getrandbits(64)), **params)
+
+    pools = []
+    for pool in config.pools.values():
+        fixed = pool.block_size is not None and pool.hash_algo is not None
+        pools.append(PoolSpec(
+            name=pool.name,
+            replicas=tuple(ReplicaSpec(rep.name, rep.prefill_rate_tps) for rep in pool.replicas),
+            block_size=pool.block_size or 16,
+            hash_algo=pool.hash_algo or "sha256",
+            hash_seed=pool.hash_seed,
+            approximate=pool.tokenizer.mode == "none" or not fixed,
+        ))
+    return RouterCore(pools, policy_factory, clock=clock,
+                      predicted_ttl_s=config.predicted_ttl_s,
+                      approx_predicted_ttl_s=config.approx_predicted_ttl_s)
+
+
+class RouterRuntime:
+    """A running router. ``async with RouterRuntime(config) as rt:`` serves on ``rt.url``.
+
+    Args:
+        config: the validated configuration (``listen.port: 0`` picks a free port).
+        env: where secrets are read (``os.environ`` when None).
+        clock: the core's clock (monotonic when None).
+    """
+
+    def __init__(self, config: RouterConfig, *, env: Mapping[str, str] | None = None,
+                 clock: Clock | None = None) -> None:
+        self.config = config
+        self._env = os.environ if env is None else env
+        self.clock: Clock = clock or MonotonicClock()
+        self.core = build_core(config, clock=self.clock)
+        self.metrics = RouterMetrics()
+        self.subscribers: dict[ReplicaId, EventSubscriber] = {}
+        self._seen: dict[ReplicaId, SubscriberStats] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.discovery: Discovery | None = None
+        self.state: SessionState | None = None
+        self.app: web.Application | None = None
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.port = 0
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Bring everything up in order (module docstring) and listen."""
+        config = self.config
+        secrets = resolve_secrets(config, self._env)
+        self.session = make_client_session(config.timeouts)
+        self.discovery = Discovery(config, self.core, self.session, self.metrics)
+        await self.discovery.refresh_now()
+        await self.discovery.start()
+        for pool in config.pools.values():
+            for rep in pool.replicas:
+                if rep.kv_events is None:
+                    continue
+                sub = EventSubscriber(
+                    rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
+                    replay_endpoint=rep.kv_replay, topic=rep.kv_topic,
+                )
+                self.subscribers[rep.name] = sub
+                self._seen[rep.name] = SubscriberStats()
+                sub.start().add_done_callback(self._subscriber_ended)
+        self.state = build_state(config, metrics=self.metrics)
+        tokenizers = build_tokenizers(config, self.discovery, self.session, self.metrics)
+        self.app = build_app(
+            config, core=self.core, upstream=Upstream(self.session, config.timeouts),
+            secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
+            tokenizers=tokenizers, extra_state=self._extra_state, on_scrape=self.sync_metrics,
+        )
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, config.listen.host, config.listen.port,
+                           backlog=1024, reuse_address=True)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.port = int(port)
+        self.url = f"http://{config.listen.host}:{self.port}"
+        log.info("kvroute listening on %s (policy %s, %d pools, %d replicas)", self.url,
+                 config.policy.name, len(config.pools), len(config.replicas()))
+
+    async def stop(self) -> None:
+        """Tear down in reverse order; every step runs; the first error is raised."""
+        errors: list[BaseException] = []
+
+        async def step(coro: Any) -> None:
+            try:
+                await coro
+            except Exception as exc:  # noqa: BLE001 - collected, the first is re-raised below
+                errors.append(exc)
+
+        if self._runner is not None:
+            await step(self._runner.cleanup())
+            self._runner = None
+        for sub in self.subscribers.values():
+            await step(sub.stop())
+        self.subscribers.clear()
+        if self.state is not None:
+            await step(self.state.close())
+            self.state = None
+        if self.discovery is not None:
+            await step(self.discovery.stop())
+            self.discovery = None
+        if self.session is not None:
+            await step(self.session.close())
+            self.session = None
+        if errors:
+            raise errors[0]
+
+    # -- event callbacks (run on the subscribers' tasks, on this loop) ------------------------
+
+    def _on_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
+        self.core.apply_events(replica, batch)
+
+    def _on_reset(self, replica: ReplicaId, reason: str) -> None:
+        self.core.reset_replica_index(replica)
+
+    def _subscriber_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("KV-event subscriber %s ended with an error; that replica's index is "
+                      "no longer updated", task.get_name(), exc_info=exc)
+
+    def sync_metrics(self) -> None:
+        """Move the subscribers' counters into the Prometheus series (called on scrape)."""
+        for replica, sub in self.subscribers.items():
+            now = sub.stats
+            before = self._seen[replica]
+            self.metrics.events(
+                replica,
+                applied=now.batches - before.batches,
+                gaps=now.gaps - before.gaps,
+                replays=now.replays - before.replays,
+                resets=now.resets - before.resets,
+                malformed=now.malformed - before.malformed,
+            )
+            self._seen[replica] = now
+
+    def _extra_state(self) -> Mapping[str, Any]:
+        subs = {}
+        for replica, sub in self.subscribers.items():
+            s = sub.stats
+            subs[replica] = {"batches": s.batches, "events": s.events, "gaps": s.gaps,
+                             "replays": s.replays, "replayed_batches": s.replayed_batches,
+                             "resets": s.resets, "malformed": s.malformed,
+                             "last_seq": s.last_seq}
+        windows = {}
+        if self.discovery is not None:
+            windows = {pool: self.discovery.pool_window(pool) for pool in self.config.pools}
+        return {"kv_events": subs, "windows": windows}
+

@@ -1,0 +1,206 @@
+"""config.py: YAML → frozen tree; every error names the key, the value and the fix."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvroute.config import (
+    DEFAULT_TENANT,
+    RouterConfig,
+    derive_cache_salt,
+    load_config,
+    parse_config,
+    resolve_secrets,
+)
+from kvroute.core.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvroute.yaml"
+
+MINIMAL: dict[str, Any] = {
+    "pools": {"small": {"model": "qwen3-8b", "replicas": [
+        {"name": "s0", "url": "http://127.0.0.1:8101", "kv_events": "tcp://127.0.0.1:5601",
+         "kv_replay": "tcp://127.0.0.1:5602"},
+        {"name": "s1", "url": "http://127.0.0.1:8102/"},
+    ]}},
+    "routes": {"assistant": {"pools": ["small"]}},
+}
+
+
+def with_(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``base`` (MINIMAL) with ``value`` set at a dotted path (ints index lists)."""
+    data = copy.deepcopy(base if base is not None else MINIMAL)
+    node: Any = data
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return data
+
+
+def error_of(data: Any, env: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, env=env or {})
+    return str(info.value)
+
+
+def test_example_file_loads_with_the_documented_values() -> None:
+    config = load_config(EXAMPLE, env={})
+    assert list(config.pools) == ["small"]
+    pool = config.pools["small"]
+    assert pool.model == "qwen3-8b"
+    assert [r.name for r in pool.replicas] == ["s0", "s1"]
+    assert pool.replicas[0].kv_replay == "tcp://127.0.0.1:5602"
+    assert pool.replicas[1].kv_replay is None
+    assert config.routes["assistant"].pools == ("small",)
+    assert config.policy.name == "kvroute"
+    assert config.state.backend == "memory"
+    assert config.tenants == ()
+    assert config.warm_ahead.enabled is True
+    assert config.warm_ahead.fraction == 0.6
+    assert config.listen.port == 8000
+
+
+def test_config_is_frozen_all_the_way_down() -> None:
+    config = parse_config(MINIMAL, env={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.log_level = "debug"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.pools["x"] = config.pools["small"]  # type: ignore[index]
+
+
+def test_defaults_and_url_normalisation() -> None:
+    config = parse_config(MINIMAL, env={})
+    assert config.pools["small"].replicas[1].url == "http://127.0.0.1:8102"
+    assert config.pools["small"].tokenizer.mode == "engine"
+    assert config.timeouts.connect_s == 2.0
+    assert config.retries.max_retries == 2
+    assert config.admission.max_in_flight == 256
+    assert config.replica("s1").url == "http://127.0.0.1:8102"
+
+
+@pytest.mark.parametrize(
+    ("value", "mode", "path"),
+    [("engine", "engine", None), ("none", "none", None), ({"local": "/m/qwen"}, "local", "/m/qwen")],
+)
+def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
+    config = parse_config(with_("pools.small.tokenizer", value), env={})
+    assert config.pools["small"].tokenizer.mode == mode
+    assert config.pools["small"].tokenizer.path == path
+
+
+@pytest.mark.parametrize(
+    ("data", "fragments"),
+    [
+        (with_("max_inflight", 3), ["max_inflight", "unknown key"]),
+        (with_("admission.max_inflight", 3), ["admission.max_inflight", "did you mean 'max_in_flight'"]),
+        (with_("polcy", {"name": "kvroute"}), ["did you mean 'policy'"]),
+        (with_("pools.small.replicas.0.kv_event", "tcp://x:1"), ["did you mean 'kv_events'"]),
+        (with_("pools.small.replicas.0.url", "ftp://h:1"), ["pools.small.replicas[0].url", "'ftp://h:1'", "http(s)"]),
+        (with_("pools.small.replicas.0.url", "http://h:1/v1"), ["must not end in /v1", "base URL"]),
+        (with_("pools.small.replicas.1.name", "s0"), ["pools.small.replicas[1].name", "already used", "unique"]),
+        (with_("pools.small.replicas.0.kv_events", "127.0.0.1:5601"), ["kv_events", "ZMQ endpoint", "tcp://"]),
+        (with_("pools.small.replicas", []), ["pools.small.replicas", "non-empty list"]),
+        (with_("pools.small.model", 7), ["pools.small.model", "non-empty string", "7"]),
+        (with_("pools.small.tokenizer", "hf"), ["pools.small.tokenizer", "'hf'", "{local: DIR}"]),
+        (with_("routes.assistant.pools", ["smal"]), ["routes.assistant.pools[0]", "'smal'", "Did you mean 'small'"]),
+        (with_("routes", {}), ["routes", "at least one route"]),
+        (with_("pools", {}), ["pools", "at least one pool"]),
+        (with_("policy.name", "kvrout"), ["policy.name", "'kvrout'", "Did you mean 'kvroute'"]),
+        (with_("state", {"backend": "redis"}), ["state.url", "redis://"]),
+        (with_("state", {"backend": "etcd"}), ["state.backend", "'etcd'", "memory or redis"]),
+        (with_("timeouts", {"first_byte_s": 700, "total_s": 600}), ["timeouts.first_byte_s", "total_s"]),
+        (with_("timeouts.connect_s", 0), ["timeouts.connect_s", "must be > 0"]),
+        (with_("timeouts.connect_s", "2s"), ["timeouts.connect_s", "'2s'", "must be a number"]),
+        (with_("admission.max_in_flight", 0), ["admission.max_in_flight", ">= 1"]),
+        (with_("warm_ahead.fraction", 1.2), ["warm_ahead.fraction", "below 1"]),
+        (with_("warm_ahead.enabled", "yes"), ["warm_ahead.enabled", "true or false"]),
+        (with_("tenants", [{"name": "a", "api_key_env": "sk-123abc"}]), ["tenants[0].api_key_env", "environment variable name"]),
+        (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "a", "api_key_env": "L"}]), ["tenants[1].name", "defined twice"]),
+        (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "b", "api_key_env": "K"}]), ["tenants[1].api_key_env", "already tenant 'a'"]),
+        (with_("log_level", "loud"), ["log_level", "'loud'", "debug, info"]),
+        (with_("routes.admin", {"pools": ["small"]}), ["routes.admin", "reserved"]),
+        (with_("listen.port", 70000), ["listen.port", "65535"]),
+        ([1, 2], ["(top level)", "mapping"]),
+    ],
+)
+def test_every_bad_value_names_key_value_and_fix(data: Any, fragments: list[str]) -> None:
+    message = error_of(data)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_warm_ahead_env_override() -> None:
+    assert parse_config(MINIMAL, env={"KVROUTE_WARM_AHEAD": "0"}).warm_ahead.enabled is False
+    off = with_("warm_ahead", {"enabled": False})
+    assert parse_config(off, env={"KVROUTE_WARM_AHEAD": "1"}).warm_ahead.enabled is True
+    assert parse_config(off, env={}).warm_ahead.enabled is False
+    message = error_of(MINIMAL, env={"KVROUTE_WARM_AHEAD": "off"})
+    assert "KVROUTE_WARM_AHEAD" in message and "'off'" in message and "0 or 1" in message
+
+
+def test_load_config_reports_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(MINIMAL))
+    assert isinstance(load_config(good, env={}), RouterConfig)
+
+
+TENANTS = with_("tenants", [
+    {"name": "acme", "api_key_env": "ACME_KEY", "cache_salt": True},
+    {"name": "beta", "api_key_env": "BETA_KEY"},
+], base=with_("admin_key_env", "ADMIN_KEY"))
+
+
+def test_secrets_resolve_keys_salts_and_admin() -> None:
+    config = parse_config(TENANTS, env={})
+    env = {"ACME_KEY": "ka", "BETA_KEY": "kb", "ADMIN_KEY": "root", "KVROUTE_SALT_SECRET": "s3"}
+    secrets = resolve_secrets(config, env)
+    assert dict(secrets.api_keys) == {"ka": "acme", "kb": "beta"}
+    assert secrets.admin_key == "root"
+    assert dict(secrets.cache_salts) == {"acme": derive_cache_salt("s3", "acme")}
+    assert "ka" not in repr(secrets) and "root" not in repr(secrets)
+
+
+def test_no_tenants_means_no_keys() -> None:
+    secrets = resolve_secrets(parse_config(MINIMAL, env={}), {})
+    assert not secrets.api_keys and secrets.admin_key is None
+    assert DEFAULT_TENANT == "default"
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"BETA_KEY": "kb", "ADMIN_KEY": "r", "KVROUTE_SALT_SECRET": "s"}, "ACME_KEY (tenant 'acme') is unset"),
+        ({"ACME_KEY": "k", "BETA_KEY": "k", "ADMIN_KEY": "r", "KVROUTE_SALT_SECRET": "s"}, "same key as tenant 'acme'"),
+        ({"ACME_KEY": "ka", "BETA_KEY": "kb", "ADMIN_KEY": "r"}, "KVROUTE_SALT_SECRET (salt_secret_env) is unset"),
+        ({"ACME_KEY": "ka", "BETA_KEY": "kb", "KVROUTE_SALT_SECRET": "s"}, "ADMIN_KEY is unset"),
+        ({"ACME_KEY": "ka", "BETA_KEY": "kb", "ADMIN_KEY": "ka", "KVROUTE_SALT_SECRET": "s"}, "must differ from every tenant key"),
+    ],
+)
+def test_secret_errors(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_secrets(parse_config(TENANTS, env={}), env)
+    assert fragment in str(info.value)
+
+
+def test_derived_salt_is_stable_distinct_and_valid_for_vllm() -> None:
+    a = derive_cache_salt("secret", "acme")
+    assert a == derive_cache_salt("secret", "acme")
+    assert a != derive_cache_salt("secret", "beta")
+    assert a != derive_cache_salt("other", "acme")
+    assert len(a) == 32 and all(c in "0123456789abcdef" for c in a)
