@@ -150,6 +150,12 @@ class SessionPolicy:
             for c in candidates
         }
         ranking = tuple(sorted(weights, key=lambda r: -weights[r]))
+        pinned = request.preferred_replica
+        if pinned is not None and pinned in weights and ranking[0] != pinned:
+            # A live pin (shared by every router process) keeps the session where it already
+            # is, even if the rendezvous order changed since (a replica came back).
+            ranking = (pinned, *(r for r in ranking if r != pinned))
+            return Selection(ranking=ranking, scores=weights, reason="pinned")
         return Selection(ranking=ranking, scores=weights, reason="session")
 
     def forget_replica(self, replica: ReplicaId) -> None:

@@ -77,6 +77,8 @@ class PolicyInput:
         now_s: the router clock at decision time.
         session_id: the session the request belongs to, if any.
         routing_text: the prompt as text, for text-matching peer policies (``needs_text``).
+        preferred_replica: the replica the session is pinned to (shared session state), if
+            any: it wins ties, and the ``session`` policy follows it while it is a candidate.
     """
 
     request_id: str
@@ -87,6 +89,7 @@ class PolicyInput:
     now_s: float = 0.0
     session_id: str | None = None
     routing_text: str = ""
+    preferred_replica: ReplicaId | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +165,10 @@ def rank_by_cost(
     rng: random.Random,
     *,
     lower_is_better: bool = True,
+    preferred: ReplicaId | None = None,
 ) -> tuple[ReplicaId, ...]:
-    """Order replicas by cost; ties go to the least recently chosen, then at random.
+    """Order replicas by cost; ties go to ``preferred`` (a session pin), then to the least
+    recently chosen, then at random.
 
     The random key is drawn for every candidate so that the order never depends on the
     candidates' list order.
@@ -172,18 +177,19 @@ def rank_by_cost(
     keyed = []
     for cand in candidates:
         cost = sign * costs[cand.replica]
-        keyed.append((cost, cand.load.last_chosen_s, rng.random(), cand.replica))
-    keyed.sort(key=lambda item: (item[0], item[1], item[2]))
+        keyed.append((cost, cand.replica != preferred, cand.load.last_chosen_s, rng.random(),
+                      cand.replica))
+    keyed.sort(key=lambda item: (item[0], item[1], item[2], item[3]))
     # Collapse float noise: costs equal within the tolerance compare as equal.
-    ordered: list[tuple[float, float, float, ReplicaId]] = []
+    ordered: list[tuple[float, bool, float, float, ReplicaId]] = []
     for item in keyed:
         if ordered:
             prev = ordered[-1][0]
             if abs(item[0] - prev) <= TIE_TOLERANCE * max(1.0, abs(prev)):
-                item = (prev, item[1], item[2], item[3])
+                item = (prev, *item[1:])
         ordered.append(item)
-    ordered.sort(key=lambda item: (item[0], item[1], item[2]))
-    return tuple(item[3] for item in ordered)
+    ordered.sort(key=lambda item: (item[0], item[1], item[2], item[3]))
+    return tuple(item[4] for item in ordered)
 
 
 class KvrouteCostPolicy:
@@ -236,7 +242,7 @@ class KvrouteCostPolicy:
             rate = max(cand.load.prefill_rate_tps, 1e-9)
             costs[cand.replica] = ttft + self.work_weight * prefill / rate
             cached_tokens[cand.replica] = int(max(0.0, request.num_prompt_tokens - prefill))
-        ranking = rank_by_cost(costs, candidates, self._rng)
+        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica)
         return Selection(
             ranking=ranking, expected_cached_tokens=cached_tokens, scores=costs, reason="cost"
         )

@@ -94,6 +94,7 @@ class RouteRequest:
         session_id: the session id, if any.
         expected_output_tokens: the output budget (for load accounting).
         exclude: replicas not to use (already failed for this request).
+        preferred_replica: the replica the session is pinned to, if any (wins ties).
     """
 
     request_id: RequestId
@@ -108,6 +109,7 @@ class RouteRequest:
     session_id: str | None = None
     expected_output_tokens: int = 256
     exclude: frozenset[ReplicaId] = frozenset()
+    preferred_replica: ReplicaId | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +296,7 @@ class RouterCore:
             now_s=self._clock.now(),
             session_id=request.session_id,
             routing_text=request.routing_text if entry.policy.needs_text else "",
+            preferred_replica=request.preferred_replica,
         )
         selection = entry.policy.select(policy_input, candidates)
         decision = RoutingDecision(

@@ -189,3 +189,13 @@ def test_chunk_hash_trie() -> None:
     assert trie.longest_match("aaaabbbbcccc", {ReplicaId("b")}) == (2, {"b"})
     trie.remove_endpoint(ReplicaId("a"))
     assert trie.longest_match("aaaabbbbcccc", live) == (2, {"b"})
+
+
+def test_session_policy_follows_a_live_pin() -> None:
+    policy = make_policy("session", random.Random(0))
+    natural = policy.select(req(session="s1"), fleet()).replica
+    other = next(w for w in WORKERS if w != natural)
+    pinned = PolicyInput("r", num_prompt_tokens=10, block_size=16, session_id="s1",
+                         preferred_replica=other)
+    sel = policy.select(pinned, fleet())
+    assert sel.replica == other and sel.reason == "pinned"

@@ -89,3 +89,11 @@ def test_ties_prefer_the_least_recently_chosen() -> None:
 def test_negative_weights_are_refused() -> None:
     with pytest.raises(ValueError, match="work_weight"):
         KvrouteCostPolicy(random.Random(0), work_weight=-1)
+
+
+def test_a_session_pin_wins_ties_but_not_costs() -> None:
+    policy = KvrouteCostPolicy(random.Random(0))
+    req = PolicyInput("r", num_prompt_tokens=100, block_size=16, preferred_replica=ReplicaId("c"))
+    assert all(policy.select(req, [cand("a"), cand("b"), cand("c")]).replica == "c"
+               for _ in range(20))
+    assert policy.select(req, [cand("a"), cand("c", queue=5000)]).replica == "a"
