@@ -93,6 +93,10 @@ class ReplicaConfig:
             events, so this replica is only routed on predictions and load.
         kv_replay: the engine's replay ROUTER endpoint; None = gaps reset the replica's index.
         kv_topic: the SUB topic filter (vLLM's default topic is ``""``).
+        kv_events_bind: the router *binds* ``kv_events`` instead of connecting to it. vLLM
+            binds its PUB socket only for wildcard (``tcp://*:5557``), ipc and inproc
+            endpoints; an engine started with a concrete ``tcp://127.0.0.1:5601`` connects
+            to that address, so the router must bind it (one router per engine then).
         prefill_rate_tps: the starting prefill speed of the cost model, learned afterwards.
     """
 
@@ -101,6 +105,7 @@ class ReplicaConfig:
     kv_events: str | None = None
     kv_replay: str | None = None
     kv_topic: str = ""
+    kv_events_bind: bool = False
     prefill_rate_tps: float = 10_000.0
 
 
@@ -422,7 +427,8 @@ def _tokenizer(key: str, value: Any) -> TokenizerConfig:
 
 def _replica(key: str, data: Any) -> ReplicaConfig:
     d = _mapping(key, data, '{name: s0, url: "http://127.0.0.1:8101"}')
-    _check_keys(key, d, ("name", "url", "kv_events", "kv_replay", "kv_topic", "prefill_rate_tps"))
+    _check_keys(key, d, ("name", "url", "kv_events", "kv_replay", "kv_topic", "kv_events_bind",
+                         "prefill_rate_tps"))
     if "name" not in d:
         raise _fail(f"{key}.name", None, "is required", "Give every replica a unique name, e.g. name: s0.")
     if "url" not in d:
@@ -434,12 +440,20 @@ def _replica(key: str, data: Any) -> ReplicaConfig:
     topic = d.get("kv_topic", "")
     if not isinstance(topic, str):
         raise _fail(f"{key}.kv_topic", topic, "must be a string", 'Write kv_topic: "" (vLLM\'s default) or the engine\'s topic.')
+    bind = d.get("kv_events_bind", False)
+    if not isinstance(bind, bool):
+        raise _fail(f"{key}.kv_events_bind", bind, "must be true or false",
+                    "Write kv_events_bind: true when the engine connects to the router.")
+    if bind and events is None:
+        raise _fail(f"{key}.kv_events_bind", bind, "is set without kv_events",
+                    "Set kv_events to the address the engine publishes to.")
     return ReplicaConfig(
         name=ReplicaId(_name(f"{key}.name", d["name"])),
         url=_http_url(f"{key}.url", d["url"]),
         kv_events=events,
         kv_replay=replay,
         kv_topic=topic,
+        kv_events_bind=bind,
         prefill_rate_tps=_num(f"{key}.prefill_rate_tps", d.get("prefill_rate_tps", 10_000.0)),
     )
 

@@ -204,3 +204,18 @@ def test_derived_salt_is_stable_distinct_and_valid_for_vllm() -> None:
     assert a != derive_cache_salt("secret", "beta")
     assert a != derive_cache_salt("other", "acme")
     assert len(a) == 32 and all(c in "0123456789abcdef" for c in a)
+
+
+def test_kv_events_bind_for_engines_that_connect() -> None:
+    from kvroute.config import parse_config
+    from kvroute.core.errors import ConfigError
+
+    base = {"pools": {"p": {"model": "m", "replicas": [
+        {"name": "r0", "url": "http://127.0.0.1:8101", "kv_events": "tcp://127.0.0.1:5601",
+         "kv_events_bind": True}]}}, "routes": {"a": {"pools": ["p"]}}}
+    cfg = parse_config(base, env={})
+    assert cfg.pools["p"].replicas[0].kv_events_bind is True
+    bad = {**base, "pools": {"p": {"model": "m", "replicas": [
+        {"name": "r0", "url": "http://127.0.0.1:8101", "kv_events_bind": "yes"}]}}}
+    with pytest.raises(ConfigError, match="kv_events_bind"):
+        parse_config(bad, env={})

@@ -133,7 +133,7 @@ class RouterRuntime:
                     continue
                 sub = EventSubscriber(
                     rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
-                    replay_endpoint=rep.kv_replay, topic=rep.kv_topic,
+                    replay_endpoint=rep.kv_replay, topic=rep.kv_topic, bind=rep.kv_events_bind,
                 )
                 self.subscribers[rep.name] = sub
                 self._seen[rep.name] = SubscriberStats()
