@@ -16,6 +16,14 @@ time to first token is one sample of the replica's prefill rate. An exponentiall
 average of those samples (clamped to a sane band around the configured profile rate) makes
 heterogeneous replicas (a slower GPU, a noisy neighbour) cost what they really cost.
 
+Draining the queue between events: a replica that started a 100k-token prefill four seconds
+ago has far less than 100k tokens left, but nothing tells the router until the first token
+arrives. The tracker therefore keeps a *backlog* that drains at the learned rate while time
+passes (``snapshot(replica, now_s)``), never above the outstanding tokens and reset to them
+whenever a first token or a completion reports progress. Without it, every replica that
+recently took a long prompt looks busy for the whole prefill, and long-context traffic piles
+onto the others.
+
 The engine's ``/metrics`` corrects the router-local view: several router processes share the
 fleet, and an engine restart drops requests the router still counts. The effective queue is
 the larger of the router's own outstanding tokens and the engine's waiting-request count times
@@ -91,6 +99,18 @@ class _ReplicaRecord:
     mean_prompt_tokens: float = 0.0
     num_prompts_seen: int = 0
     last_chosen_s: float = float("-inf")
+    backlog_tokens: float = 0.0
+    backlog_at_s: float = 0.0
+
+    def drained_backlog(self, now_s: float) -> float:
+        """The backlog left at ``now_s`` if the replica kept prefilling at its learned rate."""
+        elapsed = max(0.0, now_s - self.backlog_at_s)
+        return max(0.0, min(float(self.outstanding_prefill_tokens),
+                            self.backlog_tokens - self.rate_tps * elapsed))
+
+    def set_backlog(self, tokens: float, now_s: float) -> None:
+        self.backlog_tokens = max(0.0, min(float(self.outstanding_prefill_tokens), tokens))
+        self.backlog_at_s = now_s
 
 
 class LoadTracker:
@@ -131,6 +151,7 @@ class LoadTracker:
             return
         record.in_flight.clear()
         record.outstanding_prefill_tokens = 0
+        record.backlog_tokens = 0.0
         record.num_decoding = 0
         record.active_kv_tokens = 0
 
@@ -161,7 +182,9 @@ class LoadTracker:
             kv_tokens=kv_tokens,
             dispatched_s=now_s,
         )
+        backlog = record.drained_backlog(now_s) + prefill_tokens
         record.outstanding_prefill_tokens += prefill_tokens
+        record.set_backlog(backlog, now_s)
         record.active_kv_tokens += kv_tokens
         record.num_prompts_seen += 1
         record.mean_prompt_tokens += (prompt_tokens - record.mean_prompt_tokens) / min(
@@ -176,9 +199,11 @@ class LoadTracker:
         if record is None or flight is None or flight.decoding:
             return
         flight.decoding = True
+        backlog = record.drained_backlog(now_s)
         record.outstanding_prefill_tokens = max(
             0, record.outstanding_prefill_tokens - flight.prefill_tokens
         )
+        record.set_backlog(backlog, now_s)
         record.num_decoding += 1
         ttft_s = now_s - flight.dispatched_s
         work_tokens = flight.queue_ahead_tokens + flight.prefill_tokens
@@ -203,6 +228,8 @@ class LoadTracker:
             record.outstanding_prefill_tokens = max(
                 0, record.outstanding_prefill_tokens - flight.prefill_tokens
             )
+            record.backlog_tokens = min(record.backlog_tokens,
+                                        float(record.outstanding_prefill_tokens))
         record.active_kv_tokens = max(0, record.active_kv_tokens - flight.kv_tokens)
 
     def on_engine_metrics(
@@ -223,10 +250,16 @@ class LoadTracker:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def snapshot(self, replica: ReplicaId) -> ReplicaLoad:
-        """The load a policy should score for ``replica`` right now."""
+    def snapshot(self, replica: ReplicaId, now_s: float | None = None) -> ReplicaLoad:
+        """The load a policy should score for ``replica``.
+
+        With ``now_s``, outstanding prefill is the backlog drained at the learned rate since
+        the last progress report (see the module docstring); without it, the raw count.
+        """
         record = self._record(replica)
         outstanding = record.outstanding_prefill_tokens
+        if now_s is not None:
+            outstanding = int(record.drained_backlog(now_s))
         if record.engine_waiting:
             # Work queued by other router processes (or before our restart) is invisible to
             # our own accounting; the engine's waiting count times a typical prompt is a floor.

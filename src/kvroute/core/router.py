@@ -277,8 +277,9 @@ class RouterCore:
         hashes, approximate = self.block_hashes(request)
         index = self.approx_index if approximate else self.index
         matches = index.match(hashes, request.scope)
+        now = self._clock.now()
         candidates = [
-            Candidate(replica, self.load.snapshot(replica), matches.get(replica, NO_MATCH))
+            Candidate(replica, self.load.snapshot(replica, now), matches.get(replica, NO_MATCH))
             for replica in (rep.name for rep in entry.spec.replicas)
             if replica in entry.healthy and replica not in request.exclude
         ]

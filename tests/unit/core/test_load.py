@@ -92,3 +92,19 @@ def test_reset_and_unknown_replica() -> None:
         t.snapshot(ReplicaId("other"))
     with pytest.raises(ValueError, match="prefill_rate_tps"):
         t.add_replica(ReplicaId("x"), prefill_rate_tps=0)
+
+
+def test_backlog_drains_at_the_learned_rate_between_events() -> None:
+    t = tracker()  # 1000 tok/s
+    t.on_dispatch(R, RequestId("a"), prefill_tokens=4000, prompt_tokens=4000,
+                  expected_output_tokens=0, now_s=0.0)
+    assert t.snapshot(R).outstanding_prefill_tokens == 4000
+    assert t.snapshot(R, 1.0).outstanding_prefill_tokens == 3000
+    assert t.snapshot(R, 10.0).outstanding_prefill_tokens == 0
+    # a new dispatch adds to what is left, not to the original count
+    t.on_dispatch(R, RequestId("b"), prefill_tokens=1000, prompt_tokens=1000,
+                  expected_output_tokens=0, now_s=2.0)
+    assert t.snapshot(R, 2.0).outstanding_prefill_tokens == 3000
+    # progress reports re-anchor it, never above the outstanding count
+    t.on_first_token(R, RequestId("a"), now_s=2.5)
+    assert t.snapshot(R, 2.5).outstanding_prefill_tokens == 1000
