@@ -461,10 +461,6 @@ def _serve_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(_serve_main())
-
-
 # ---------------------------------------------------------------------------------------------
 # HTTP (stdlib only: these helpers run in plain synchronous tests)
 # ---------------------------------------------------------------------------------------------
@@ -660,3 +656,7 @@ def replay(
             out.append(frames)
     finally:
         ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_serve_main())

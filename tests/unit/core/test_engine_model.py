@@ -576,7 +576,7 @@ def test_profiles_are_named_sourced_and_build_valid_engines() -> None:
         EngineModel(config, hasher=BlockHasher(block_size=config.block_size))
     assert get_profile("zero").timing.step_time_s(1000, 10, 10_000) == 0.0
     tiny = get_profile("vllm-cpu-tiny")
-    assert tiny.calibrated is False and "NOT CALIBRATED" in tiny.source
+    assert tiny.calibrated is True and "CALIBRATED 2026-11-29" in tiny.source
     assert tiny.block_size == 128 and tiny.max_model_len == 2048
 
 
