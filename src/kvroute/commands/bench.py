@@ -107,3 +107,153 @@ def bench_sim(
         for path in write_plots(report, results, plot):
             console.print(f"wrote {path}")
     sys.stdout.flush()
+
+
+def _workload_params(items: list[str] | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--param takes KEY=VALUE, got {item!r}")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return params
+
+
+@bench_app.command("live")
+def bench_live(
+    routers: Annotated[str, typer.Option(help="Comma-separated: direct, kvroute, sglang-router, "
+                                         "vllm-router (peers take :POLICY, default cache_aware).")] = "direct,kvroute,sglang-router,vllm-router",
+    kvroute_policies: Annotated[str, typer.Option(help="Policies 'kvroute' expands to, comma-separated.")] = "kvroute,round_robin",
+    workload: Annotated[str, typer.Option(help="generated_shared_prefix, unique_prompts, hot_prefix_bursts, "
+                                          "sibling_fanout, growing_sessions, mooncake.")] = "hot_prefix_bursts",
+    param: Annotated[Optional[list[str]], typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
+    engines: Annotated[int, typer.Option(help="Simulated engines (kvroute sim serve processes).")] = 4,
+    profile: Annotated[str, typer.Option(help="Engine timing profile ('zero' isolates router overhead).")] = "zero",
+    num_gpu_blocks: Annotated[Optional[int], typer.Option(help="KV blocks per engine (default: the profile's).")] = None,
+    seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N requests.")] = 400,
+    rate_scale: Annotated[float, typer.Option(help="Open-loop arrival-rate multiplier.")] = 1.0,
+    concurrency: Annotated[Optional[int], typer.Option(help="Closed loop with N workers instead of the arrivals.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Cap on each request's output tokens.")] = None,
+    max_in_flight: Annotated[int, typer.Option(help="Open-loop cap on concurrent requests.")] = 512,
+    request_timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 60.0,
+    duration: Annotated[float, typer.Option(help="Seconds one router's run may take.")] = 300.0,
+    fidelity: Annotated[bool, typer.Option(help="Run the peer-fidelity scenarios (48 concurrent, shared "
+                                           "vs distinct prefixes) instead of the workload.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Keep configs and router/engine logs here.")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Real routers on loopback in front of simulated engines, one at a time, same requests."""
+    from kvroute.bench.live import LiveBenchSpec, run_fidelity, run_live_bench
+    from kvroute.bench.live import format_table as live_table
+    from kvroute.bench.live_routers import parse_router_specs
+
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, disable=quiet)
+    task: list[Any] = []
+
+    def on_start(name: str, total: int) -> None:
+        if task:
+            progress.remove_task(task.pop())
+        task.append(progress.add_task(name, total=total))
+
+    def on_progress(n: int) -> None:
+        if task:
+            progress.advance(task[0], n)
+
+    out = Console(width=max(Console().width, 150))
+    try:
+        specs = parse_router_specs(routers, kvroute_policies)
+        with progress:
+            if fidelity:
+                result = run_fidelity(routers=specs, engines=engines, log_dir=log_dir,
+                                      on_router_start=on_start)
+            else:
+                spec = LiveBenchSpec(
+                    routers=tuple(specs), workload=workload, workload_params=_workload_params(param),
+                    engines=engines, profile=profile, num_gpu_blocks=num_gpu_blocks, seed=seed,
+                    limit=limit, rate_scale=rate_scale, concurrency=concurrency,
+                    max_tokens=max_tokens, max_in_flight=max_in_flight,
+                    request_timeout_s=request_timeout, duration_s=duration, log_dir=log_dir)
+                result = run_live_bench(spec, on_router_start=on_start, on_progress=on_progress)
+    except RouterError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    reports = result["reports"] if fidelity else {workload: result}
+    for name, report in reports.items():
+        rows = live_table(report)
+        table = Table(title=f"{name}: {engines} engines")
+        for head in rows[0]:
+            table.add_column(head, justify="left" if head == "router" else "right")
+        for row in rows[1:]:
+            table.add_row(*row)
+        out.print(table)
+        for router, reason in report["skipped"].items():
+            console.print(f"[yellow]skipped {router}:[/yellow] {reason}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    sys.stdout.flush()
+
+
+@bench_app.command("tiers")
+def bench_tiers(
+    sessions: Annotated[int, typer.Option(help="Growing sessions (each crosses the small window).")] = 16,
+    small_window: Annotated[int, typer.Option(help="Small pool's max_model_len.")] = 16_384,
+    large_window: Annotated[int, typer.Option(help="Large pool's max_model_len.")] = 131_072,
+    small_profile: Annotated[str, typer.Option(help="Timing profile of the small pool.")] = "llama-3.1-8b-h100",
+    large_profile: Annotated[str, typer.Option(help="Timing profile of the large pool.")] = "llama-3.1-70b-h100-tp4",
+    replicas_small: Annotated[int, typer.Option(help="Engines in the small pool.")] = 4,
+    replicas_large: Annotated[int, typer.Option(help="Engines in the large pool.")] = 2,
+    think_time: Annotated[float, typer.Option(help="Seconds between a turn's end and the next turn.")] = 5.0,
+    seed: Annotated[Optional[list[str]], typer.Option(help="Seed(s); repeat or comma-separate.")] = None,
+    system_tokens: Annotated[int, typer.Option(help="System prompt tokens.")] = 2048,
+    user_tokens: Annotated[int, typer.Option(help="Mean user-turn tokens.")] = 512,
+    output_tokens: Annotated[int, typer.Option(help="Mean answer tokens (the client's max_tokens).")] = 256,
+    warm_fraction: Annotated[float, typer.Option(help="Warm-ahead threshold (share of the small window).")] = 0.6,
+    warm_cooldown: Annotated[float, typer.Option(help="Seconds between warm-ups of one session.")] = 300.0,
+    policy: Annotated[str, typer.Option(help="Replica-selection policy in both pools.")] = "kvroute",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """Context-window tiers: reactive vs proactive vs proactive+warm on the same sessions."""
+    from kvroute.bench.tiers_bench import TiersBenchSpec, run_tiers_bench
+    from kvroute.bench.tiers_bench import format_table as tiers_table
+
+    seeds = tuple(s for item in (seed or ["0"]) for s in _ints(item, "--seed"))
+    console = Console(stderr=True)
+    try:
+        spec = TiersBenchSpec(
+            sessions=sessions, small_window=small_window, large_window=large_window,
+            small_profile=small_profile, large_profile=large_profile,
+            replicas_small=replicas_small, replicas_large=replicas_large,
+            think_time_s=think_time, seeds=seeds, system_prompt_tokens=system_tokens,
+            user_tokens=user_tokens, output_tokens=output_tokens, policy=policy,
+            warm_fraction=warm_fraction, warm_cooldown_s=warm_cooldown)
+        report, _ = run_tiers_bench(spec)
+    except RouterError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    rows = tiers_table(report)
+    table = Table(title=f"tiers: {sessions} sessions, small {small_window} ({small_profile} x"
+                        f"{replicas_small}), large {large_window} ({large_profile} x{replicas_large})")
+    for head in rows[0]:
+        table.add_column(head, justify="left" if head == "mode" else "right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    out = Console(width=max(Console().width, 150))
+    out.print(table)
+    for name, goal in report["targets"].items():
+        out.print(f"target {name}: met={goal['met']} "
+                  + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))
+    sys.stdout.flush()
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    sys.stdout.flush()

@@ -25,16 +25,49 @@ Two runs with the same inputs give identical results.
 Prompt block digests are computed once per request (``DigestCache``) and shared by the router
 and the engine, and across the policies of one benchmark: they are the same vLLM hashes either
 way, and hashing a long trace is the most expensive part of a run.
+
+Context-window tiers (``FleetConfig.pools`` and ``tier_mode``)
+--------------------------------------------------------------
+
+Without ``pools`` the fleet is one pool of ``num_replicas`` identical engines and requests go
+straight to ``RouterCore.route`` (``TierMode.NONE``: an over-long prompt is simply rejected,
+as before). With ``pools`` (smallest window first, one ``RouterCore`` ``PoolSpec`` each) a
+request walks the tier logic of ``core/tiers.py`` and ``core/warm.py`` as the live shell does:
+
+* ``REACTIVE`` — no estimate: every request is sent to pool 0 first. An overflow rejection
+  is rendered exactly as vLLM 0.32 words it (``wire.overflow_styles.check_overflow``),
+  parsed back (``wire.overflow.parse_overflow``) and handed to ``plan_recovery``, which
+  clamps and retries, escalates, or gives up (bounded by ``max_attempts``). Each rejected
+  attempt costs ``overflow_rtt_s`` before the next one is sent (the doomed round trip).
+* ``PROACTIVE`` — the prompt is estimated (``from_session`` once the session's last
+  ``usage`` is known, else ``estimate_request`` over the request's ``messages``, or its token
+  ids when it has none) and ``plan_tier`` chooses the pool, with the session pinned to the
+  largest pool it reached. ``NeedExactCount`` is answered with the prompt's true token count
+  after ``tokenize_rtt_s`` (the ``/tokenize`` round trip). The reactive path stays below as
+  the backstop.
+* ``PROACTIVE_WARM`` — as ``PROACTIVE``, plus ``WarmPlanner.consider`` after each placement;
+  a ``WarmFire`` adds a ``max_tokens: 1`` copy of the prompt to the target pool, routed by
+  the same policy through ``RouterCore.route``, in the same instant and on another pool's
+  engine, so it never delays the triggering request. Warm-ups are kept out of the workload's
+  records (``FleetResult.warm_records``).
+
+The first request of each session that lands on a larger pool than pool 0 is marked
+``first_on_larger`` and gets ``cold_ttft_s``: the TTFT the same prompt would have on an idle
+engine of that pool with an empty cache, measured by running a private probe engine of the
+same configuration (same step-time model, same chunking) in the same run.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
+import math
 import random
 from array import array
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from kvroute.bench.workloads import WorkloadRequest
 from kvroute.core.clock import ManualClock
@@ -50,14 +83,44 @@ from kvroute.core.events import EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.peer_policies import make_policy
-from kvroute.core.router import PoolSpec, ReplicaSpec, RouteRequest, RouterCore
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
+from kvroute.core.tiers import (
+    DEFAULT_OUTPUT_FLOOR,
+    AttemptState,
+    Escalate,
+    NeedExactCount,
+    OverflowNumbers,
+    OverflowPart,
+    Place,
+    Retry,
+    TierPool,
+    learn_window,
+    plan_recovery,
+    plan_tier,
+    was_cut_short,
+)
+from kvroute.core.tokens import TokenEstimate, estimate_request, from_session
 from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
+from kvroute.core.warm import (
+    DEFAULT_COOLDOWN_S,
+    DEFAULT_FRACTION,
+    DEFAULT_MAX_SESSIONS,
+    WarmFire,
+    WarmPlanner,
+)
 from kvroute.sim.profiles import TimingProfile
+from kvroute.wire.overflow import parse_overflow
+from kvroute.wire.overflow_styles import check_overflow
 
 POOL = PoolName("sim")
 DEFAULT_TENANT = TenantName("default")
 
-_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE = 0, 1, 2, 3
+_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _REPLAN, _RESEND = 0, 1, 2, 3, 4, 5
+
+WARM_SUFFIX = "#warm"
+"""Appended to a request id to name its warm-up copy."""
+OVERFLOW_STYLE = "vllm-0.32"
+"""The engines' error wording: the engine model implements vLLM 0.32's admission checks."""
 
 # One character per token for text-matching peers (SGLang's char radix tree, production-
 # stack's 128-char chunks): the text then has exactly the token stream's prefix structure.
@@ -99,12 +162,66 @@ class DigestCache:
         return found
 
 
+class TierMode(enum.StrEnum):
+    """How a multi-pool fleet chooses the pool (module docstring, "Context-window tiers")."""
+
+    NONE = "none"
+    """No tier logic: every request goes to pool 0; an over-long prompt is rejected."""
+    REACTIVE = "reactive"
+    """Pool 0 first; an overflow rejection is parsed and recovered from (``plan_recovery``)."""
+    PROACTIVE = "proactive"
+    """``plan_tier`` chooses the pool before sending; the reactive path stays as backstop."""
+    PROACTIVE_WARM = "proactive+warm"
+    """As ``PROACTIVE``, plus warm-ahead of the next larger pool (``WarmPlanner``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimPool:
+    """One pool of identical simulated engines (one model, one window).
+
+    Attributes:
+        name: the pool's name (the router's ``PoolName``; replica names derive from it).
+        profile: timing and engine shape.
+        num_replicas: engines in the pool.
+        max_model_len: the window, overriding the profile's.
+        num_gpu_blocks: KV capacity, overriding the profile's.
+        served_model: the model name the pool serves (warm-ahead names it); defaults to the
+            profile's ``model``.
+    """
+
+    name: str
+    profile: TimingProfile
+    num_replicas: int
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None
+    served_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("SimPool.name must be a non-empty pool name")
+        if self.num_replicas < 1:
+            raise ConfigError(
+                f"pool {self.name!r}: num_replicas must be >= 1, got {self.num_replicas}"
+            )
+        self.engine_config()  # validates the window against the KV capacity
+
+    def engine_config(self) -> EngineConfig:
+        """The engines' configuration (the profile's shape with this pool's overrides)."""
+        return self.profile.engine_config(
+            max_model_len=self.max_model_len, num_gpu_blocks=self.num_gpu_blocks
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
     """One simulated fleet and how to drive it.
 
+    A single-pool fleet is ``num_replicas`` engines of ``profile``. A tiered fleet lists its
+    ``pools`` smallest window first; build it with :meth:`tiered`, which fills
+    ``num_replicas`` (their sum) and ``profile`` (pool 0's) so that the two never disagree.
+
     Attributes:
-        num_replicas: engines in the pool.
+        num_replicas: engines in the pool (with ``pools``: in all pools together).
         profile: timing and engine shape (block size, KV capacity, window, batch limits).
         policy: the routing policy's name; ``policy_params`` overrides its defaults.
         seed: seeds the policy's random choices.
@@ -117,6 +234,15 @@ class FleetConfig:
         salt_tenants: give each tenant its own ``cache_salt`` (tenant isolation on).
         max_virtual_s: stop the run at this virtual time (requests still open are counted
             as unfinished).
+        pools: the tiers, smallest window first (empty: one pool of ``profile``).
+        tier_mode: how the pool is chosen (:class:`TierMode`).
+        output_floor: the least output a placement leaves room for (``plan_tier``).
+        warm_fraction / warm_cooldown_s / warm_max_sessions: the ``WarmPlanner``'s settings
+            (used by ``PROACTIVE_WARM``; the other modes consult a disabled planner).
+        tokenize_rtt_s: the ``/tokenize`` round trip a ``NeedExactCount`` costs before the
+            request is planned again with its exact count.
+        overflow_rtt_s: the round trip of a request an engine rejects as too long (vLLM
+            rejects in its HTTP frontend, before scheduling: no engine time is used).
     """
 
     num_replicas: int
@@ -131,16 +257,67 @@ class FleetConfig:
     hash_algo: str = "sha256"
     salt_tenants: bool = False
     max_virtual_s: float = 7 * 24 * 3600.0
+    pools: tuple[SimPool, ...] = ()
+    tier_mode: TierMode = TierMode.NONE
+    output_floor: int = DEFAULT_OUTPUT_FLOOR
+    warm_fraction: float = DEFAULT_FRACTION
+    warm_cooldown_s: float = DEFAULT_COOLDOWN_S
+    warm_max_sessions: int = DEFAULT_MAX_SESSIONS
+    tokenize_rtt_s: float = 0.002
+    overflow_rtt_s: float = 0.01
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ConfigError(f"num_replicas must be >= 1, got {self.num_replicas}")
-        for name in ("event_latency_s", "ttft_slo_s", "sample_interval_s", "max_virtual_s"):
+        for name in ("event_latency_s", "ttft_slo_s", "sample_interval_s", "max_virtual_s",
+                     "tokenize_rtt_s", "overflow_rtt_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ConfigError(f"FleetConfig.{name} must be >= 0, got {value!r}")
         if self.sample_interval_s <= 0:
             raise ConfigError("FleetConfig.sample_interval_s must be > 0")
+        if self.tier_mode not in TierMode.__members__.values():
+            raise ConfigError(
+                f"FleetConfig.tier_mode={self.tier_mode!r} is not a tier mode; use one of "
+                f"{', '.join(m.value for m in TierMode)}"
+            )
+        if self.pools:
+            total = sum(p.num_replicas for p in self.pools)
+            if self.num_replicas != total or self.profile != self.pools[0].profile:
+                raise ConfigError(
+                    f"FleetConfig with pools needs num_replicas={total} (the pools' sum, got "
+                    f"{self.num_replicas}) and profile = pool 0's profile; build it with "
+                    "FleetConfig.tiered(pools, ...)"
+                )
+            names = [p.name for p in self.pools]
+            if len(set(names)) != len(names):
+                raise ConfigError(f"pool names must be unique, got {names}")
+            sizes = {p.profile.block_size for p in self.pools}
+            if len(sizes) > 1:
+                raise ConfigError(
+                    f"pools have block sizes {sorted(sizes)}; the simulator shares one digest "
+                    "cache between pools, so give every pool the same block_size"
+                )
+
+    @classmethod
+    def tiered(cls, pools: Sequence[SimPool], *, tier_mode: TierMode | str = TierMode.PROACTIVE,
+               **kwargs: Any) -> FleetConfig:
+        """A fleet of ``pools`` (smallest window first); ``kwargs`` are the other fields.
+
+        Raises:
+            ConfigError: no pools, or an invalid field.
+        """
+        if not pools:
+            raise ConfigError("FleetConfig.tiered needs at least one SimPool")
+        if tier_mode not in TierMode.__members__.values():
+            raise ConfigError(f"tier_mode={tier_mode!r} is not a tier mode; use one of "
+                              f"{', '.join(m.value for m in TierMode)}")  # fmt: skip
+        return cls(num_replicas=sum(p.num_replicas for p in pools), profile=pools[0].profile,
+                   pools=tuple(pools), tier_mode=TierMode(tier_mode), **kwargs)
+
+    def sim_pools(self) -> tuple[SimPool, ...]:
+        """The pools, smallest window first (one pool named ``sim`` without ``pools``)."""
+        return self.pools or (SimPool(POOL, self.profile, self.num_replicas),)
 
 
 @dataclass(slots=True)
@@ -159,6 +336,16 @@ class RequestRecord:
     expected_cached_tokens: int = 0
     finish_reason: str | None = None
     rejected: str | None = None
+    session_id: str | None = None
+    pool: str = ""
+    pool_index: int = 0
+    requested_max_tokens: int | None = None
+    clamped_max_tokens: int | None = None
+    num_doomed_attempts: int = 0
+    escalated: bool = False
+    first_on_larger: bool = False
+    cold_ttft_s: float | None = None
+    cut_short: str | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -178,6 +365,16 @@ class FleetResult:
     prefix_cache_hits: int
     preemptions: int
     end_s: float
+    pool_of: dict[str, str] = field(default_factory=dict)
+    """Replica name → pool name."""
+    pool_prefix_cache: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Pool name → the engines' own (prefix-cache queries, hits) counters, in tokens."""
+    counters: dict[str, int] = field(default_factory=dict)
+    """Tier events: ``doomed_attempts``, ``escalations``, ``clamp_retries``, ``give_ups``,
+    ``no_fit``, ``exact_counts``, ``warms_fired``, ``warms_rejected``, ``cut_short_<why>``."""
+    warm_skips: dict[str, int] = field(default_factory=dict)
+    """``WarmSkipReason`` value → count."""
+    warm_records: list[RequestRecord] = field(default_factory=list)
 
     def summary(self) -> dict[str, float | int | dict[str, int]]:
         """The benchmark's metrics (keys as ``kvroute bench sim --json`` writes them)."""
@@ -262,25 +459,29 @@ class FleetSimulation:
         ):
             raise ConfigError("the digest cache was built for another block size or algorithm")
         self.digests = digests or DigestCache(self.hasher)
-        engine_config = EngineConfig(
-            num_gpu_blocks=profile.num_gpu_blocks,
-            max_model_len=profile.max_model_len,
-            block_size=profile.block_size,
-            max_num_seqs=profile.max_num_seqs,
-            max_num_batched_tokens=profile.max_num_batched_tokens,
-            timing=profile.timing,
-        )
-        self.names = tuple(ReplicaId(f"r{i}") for i in range(config.num_replicas))
-        self.engines = {name: EngineModel(engine_config, hasher=self.hasher) for name in self.names}
-        rate = _profile_prefill_rate(profile)
+        self.pools = config.sim_pools()
+        self.pool_names = tuple(PoolName(p.name) for p in self.pools)
+        specs: list[PoolSpec] = []
+        self.engines: dict[ReplicaId, EngineModel] = {}
+        self.pool_of: dict[ReplicaId, PoolName] = {}
+        for pool in self.pools:
+            engine_config = pool.engine_config()
+            prefix = "r" if not config.pools else f"{pool.name}-r"
+            names = tuple(ReplicaId(f"{prefix}{i}") for i in range(pool.num_replicas))
+            for name in names:
+                self.engines[name] = EngineModel(engine_config, hasher=self.hasher)
+                self.pool_of[name] = PoolName(pool.name)
+            rate = _profile_prefill_rate(pool.profile)
+            specs.append(PoolSpec(PoolName(pool.name), tuple(ReplicaSpec(n, rate) for n in names),
+                                  block_size=engine_config.block_size, hash_algo=config.hash_algo))
+        self.names = tuple(self.engines)
         rng = random.Random(config.seed)
         self.router = RouterCore(
-            [PoolSpec(POOL, tuple(ReplicaSpec(n, rate) for n in self.names),
-                      block_size=profile.block_size, hash_algo=config.hash_algo)],
+            specs,
             lambda: make_policy(config.policy, rng, **config.policy_params),
             clock=self.clock,
         )
-        self._needs_text = self.router._pools[POOL].policy.needs_text  # noqa: SLF001
+        self._needs_text = self.router._pools[self.pool_names[0]].policy.needs_text
         self.workload = list(workload)
         self._progress = progress
         self._heap: list[tuple[float, int, int, object]] = []
@@ -293,6 +494,25 @@ class FleetSimulation:
         self._dependents: dict[str, list[WorkloadRequest]] = defaultdict(list)
         self._itl = array("d")
         self._samples: list[tuple[float, tuple[int, ...]]] = []
+        # Tier state (unused with TierMode.NONE).
+        self._mode = TierMode(config.tier_mode)
+        self._tier_pools = [
+            TierPool(p.name, window=p.engine_config().max_model_len, window_fetched_at_s=0.0,
+                     served_model=p.served_model or p.profile.model)
+            for p in self.pools
+        ]
+        self.planner = WarmPlanner(
+            config.warm_fraction, config.warm_cooldown_s, config.warm_max_sessions,
+            enabled=self._mode is TierMode.PROACTIVE_WARM,
+        )
+        self._counters: Counter[str] = Counter()
+        self._warm_skips: Counter[str] = Counter()
+        self._warm: dict[str, RequestRecord] = {}
+        self._pins: dict[str, int] = {}
+        self._landed: set[str] = set()
+        self._session_usage: dict[str, tuple[int, int, int]] = {}
+        self._num_messages: dict[str, int] = {}
+        self._probes: dict[int, EngineModel] = {}
 
     # -- driving ----------------------------------------------------------------------
 
@@ -312,21 +532,37 @@ class FleetSimulation:
                 break
             self.clock.set(max(when, self.clock.now()))
             if kind == _ARRIVE:
-                self._arrive(data)  # type: ignore[arg-type]
+                if self._mode is TierMode.NONE:
+                    self._arrive(data)  # type: ignore[arg-type]
+                else:
+                    self._arrive_tiered(data)  # type: ignore[arg-type]
+            elif kind == _REPLAN:
+                request, record = cast("tuple[WorkloadRequest, RequestRecord]", data)
+                exact = TokenEstimate.exact_count(len(request.prompt_token_ids))
+                self._plan(request, record, exact)
+            elif kind == _RESEND:
+                self._send(*cast("tuple[WorkloadRequest, RequestRecord, int, int | None, "
+                                 "AttemptState]", data))
             elif kind == _STEP_DONE:
-                replica, result = data  # type: ignore[misc]
+                replica, result = cast("tuple[ReplicaId, StepResult]", data)
                 finished = self._step_done(replica, result)
                 done += finished
                 if finished and self._progress is not None:
                     self._progress(finished)
             elif kind == _EVENTS:
-                replica, batch = data  # type: ignore[misc]
+                replica, batch = cast("tuple[ReplicaId, EventBatch]", data)
                 self.router.apply_events(replica, batch)
             elif kind == _SAMPLE:
                 self._sample()
                 if done + self._num_rejected() < open_requests:
                     self._push(when + self.config.sample_interval_s, _SAMPLE, None)
-        metrics = [engine.metrics() for engine in self.engines.values()]
+        by_replica = {name: engine.metrics() for name, engine in self.engines.items()}
+        metrics = list(by_replica.values())
+        per_pool: dict[str, tuple[int, int]] = {}
+        for name, m in by_replica.items():
+            queries, hits = per_pool.get(self.pool_of[name], (0, 0))
+            per_pool[self.pool_of[name]] = (queries + m.prefix_cache_queries_total,
+                                            hits + m.prefix_cache_hits_total)
         return FleetResult(
             config=self.config,
             records=[self._records[r.request_id] for r in self.workload if r.request_id in self._records],
@@ -337,6 +573,11 @@ class FleetSimulation:
             prefix_cache_hits=sum(m.prefix_cache_hits_total for m in metrics),
             preemptions=sum(m.num_preemptions_total for m in metrics),
             end_s=self.clock.now(),
+            pool_of={str(k): str(v) for k, v in self.pool_of.items()},
+            pool_prefix_cache=per_pool,
+            counters=dict(self._counters),
+            warm_skips=dict(self._warm_skips),
+            warm_records=list(self._warm.values()),
         )
 
     def _num_rejected(self) -> int:
@@ -356,7 +597,7 @@ class FleetSimulation:
         self._records[request.request_id] = record
         decision = self.router.route(RouteRequest(
             request_id=RequestId(request.request_id),
-            pool=POOL,
+            pool=self.pool_names[0],
             scope=TenantScope(tenant),
             num_prompt_tokens=len(tokens),
             prompt_token_ids=tokens,
@@ -387,6 +628,215 @@ class FleetSimulation:
         if replica not in self._busy:
             self._start_step(replica)
 
+    # -- tiers ----------------------------------------------------------------------------
+
+    def _arrive_tiered(self, request: WorkloadRequest) -> None:
+        """A workload request enters the tier walk (module docstring)."""
+        now = self.clock.now()
+        n = len(request.prompt_token_ids)
+        record = RequestRecord(request.request_id, now, num_prompt_tokens=n,
+                               session_id=request.session_id,
+                               requested_max_tokens=request.output_tokens)  # fmt: skip
+        self._records[request.request_id] = record
+        if request.messages is not None:
+            self._num_messages[request.request_id] = len(request.messages)
+        if self._mode is TierMode.REACTIVE:
+            # No estimate at all: pool 0 first, the engine's numbers decide the rest.
+            state = AttemptState(0, request.output_tokens, request.output_tokens, 0)
+            self._send(request, record, 0, request.output_tokens, state)
+            return
+        self._plan(request, record, self._estimate(request))
+
+    def _estimate(self, request: WorkloadRequest) -> TokenEstimate:
+        """The proactive estimate, as the shell makes it from the request body."""
+        if request.messages is None:
+            return estimate_request({"prompt": list(request.prompt_token_ids)},
+                                    endpoint="completions")  # fmt: skip
+        body = {"messages": request.messages, "max_tokens": request.output_tokens}
+        usage = self._session_usage.get(request.session_id) if request.session_id else None
+        if usage is not None:
+            return from_session(*usage, body)
+        return estimate_request(body, endpoint="chat")
+
+    def _plan(self, request: WorkloadRequest, record: RequestRecord,
+              estimate: TokenEstimate) -> None:  # fmt: skip
+        now = self.clock.now()
+        session = request.session_id
+        plan = plan_tier(
+            self._tier_pools, estimate, request.output_tokens, now_s=now,
+            output_floor=self.config.output_floor, window_ttl_s=math.inf,
+            min_pool_index=self._pins.get(session, 0) if session else 0,
+        )
+        if isinstance(plan, NeedExactCount):
+            # The simulator knows the exact count (the prompt's length); the /tokenize round
+            # trip is modelled as tokenize_rtt_s of delay before planning again.
+            self._counters["exact_counts"] += 1
+            self._push(now + self.config.tokenize_rtt_s, _REPLAN, (request, record))
+            return
+        if not isinstance(plan, Place):  # NoFit (a 400 with OpenAI's wording) or NoPool
+            self._counters["no_fit"] += 1
+            record.rejected = "no_fit"
+            self._release_dependents(request.request_id, now)
+            return
+        if plan.escalated:
+            self._counters["escalations"] += 1
+            record.escalated = True
+        sent = plan.clamped_max_tokens if plan.clamped_max_tokens is not None else (
+            request.output_tokens
+        )
+        state = AttemptState.first(plan, estimate, request.output_tokens)
+        self._send(request, record, plan.pool_index, sent, state)
+        warm = self.planner.consider(session, estimate.low, self._tier_pools, plan.pool_index,
+                                     now)  # fmt: skip
+        if isinstance(warm, WarmFire):
+            self._fire_warm(request, warm.target_pool_index)
+        else:
+            self._warm_skips[warm.reason.value] += 1
+
+    def _send(self, request: WorkloadRequest, record: RequestRecord, pool_index: int,
+              max_tokens: int | None, state: AttemptState) -> None:  # fmt: skip
+        """One attempt on ``pools[pool_index]``; an overflow rejection goes to
+        ``plan_recovery`` and the next attempt is scheduled ``overflow_rtt_s`` later."""
+        now = self.clock.now()
+        rid = request.request_id
+        replica, digests, admission = self._route_and_add(
+            request, rid, pool_index, max_tokens, request.output_tokens
+        )
+        if isinstance(admission, Rejection):
+            self.router.on_complete(replica, RequestId(rid))
+            numbers = _overflow_numbers(admission, prompt_is_text=request.messages is not None)
+            if numbers is None:  # not a window problem (an empty prompt): no recovery
+                record.rejected = admission.kind.value
+                self._release_dependents(rid, now)
+                return
+            record.num_doomed_attempts += 1
+            self._counters["doomed_attempts"] += 1
+            plan = plan_recovery(state, numbers, self._tier_pools,
+                                 output_floor=self.config.output_floor)  # fmt: skip
+            if plan.learned_window is not None:
+                current = self._tier_pools[state.pool_index]
+                self._tier_pools[state.pool_index] = learn_window(current, plan.learned_window,
+                                                                  now)  # fmt: skip
+            if isinstance(plan, Retry | Escalate):
+                self._counters["clamp_retries" if isinstance(plan, Retry) else "escalations"] += 1
+                if isinstance(plan, Escalate):
+                    record.escalated = True
+                self._push(now + self.config.overflow_rtt_s, _RESEND,
+                           (request, record, plan.pool_index, plan.max_tokens, plan.state))
+                return
+            self._counters["give_ups"] += 1
+            record.rejected = f"overflow_{plan.reason.value}"
+            self._release_dependents(rid, now + self.config.overflow_rtt_s)
+            return
+        record.replica = replica
+        record.pool = self.pool_names[pool_index]
+        record.pool_index = pool_index
+        record.clamped_max_tokens = max_tokens if max_tokens != request.output_tokens else None
+        session = request.session_id
+        if session is not None:
+            self._pins[session] = max(self._pins.get(session, 0), pool_index)
+        if pool_index > 0 and (session is None or session not in self._landed):
+            if session is not None:
+                self._landed.add(session)
+            record.first_on_larger = True
+            record.cold_ttft_s = self._cold_ttft(pool_index, request, digests)
+        self._where[rid] = replica
+        if replica not in self._busy:
+            self._start_step(replica)
+
+    def _route_and_add(
+        self, request: WorkloadRequest, rid: str, pool_index: int, max_tokens: int | None,
+        output_length: int,
+    ) -> tuple[ReplicaId, list[BlockHash], Rejection | None]:
+        """Route ``request``'s prompt in ``pools[pool_index]`` and hand it to the engine."""
+        now = self.clock.now()
+        tenant = TenantName(request.tenant) if request.tenant else DEFAULT_TENANT
+        salt = f"salt-{tenant}" if self.config.salt_tenants and request.tenant else None
+        digests, wire = self.digests.get(request, salt)
+        tokens = request.prompt_token_ids
+        decision = self.router.route(RouteRequest(
+            request_id=RequestId(rid),
+            pool=self.pool_names[pool_index],
+            scope=TenantScope(tenant),
+            num_prompt_tokens=len(tokens),
+            prompt_token_ids=tokens,
+            block_hashes=wire,
+            routing_text=tokens_as_text(tokens) if self._needs_text else "",
+            cache_salt=salt,
+            session_id=request.session_id,
+            expected_output_tokens=max_tokens if max_tokens is not None else output_length,
+        ))
+        admission = self.engines[decision.replica].add_request(EngineRequest(
+            request_id=rid,
+            prompt_token_ids=tokens,
+            max_tokens=max_tokens,
+            output_length=output_length,
+            cache_salt=salt,
+            prompt_block_hashes=digests,
+            arrival_s=now,
+        ))
+        rejection = admission if isinstance(admission, Rejection) else None
+        return decision.replica, digests, rejection
+
+    def _fire_warm(self, request: WorkloadRequest, target: int) -> None:
+        """Fire-and-forget ``max_tokens: 1`` copy of the prompt to ``pools[target]``."""
+        now = self.clock.now()
+        wid = request.request_id + WARM_SUFFIX  # a request is placed (and warmed) once
+        replica, _, rejection = self._route_and_add(request, wid, target, 1, 1)
+        if rejection is not None:
+            self.router.on_complete(replica, RequestId(wid))
+            self._counters["warms_rejected"] += 1
+            return
+        self._counters["warms_fired"] += 1
+        self._warm[wid] = RequestRecord(
+            wid, now, replica=replica, num_prompt_tokens=len(request.prompt_token_ids),
+            session_id=request.session_id, pool=self.pool_names[target], pool_index=target,
+            requested_max_tokens=1,
+        )
+        if replica not in self._busy:
+            self._start_step(replica)
+
+    def _finished_tiered(self, record: RequestRecord, prompt_tokens: int,
+                         output_tokens: int) -> None:  # fmt: skip
+        """Completion bookkeeping: the session's usage and the cut-short counter."""
+        why = was_cut_short(record.requested_max_tokens, record.clamped_max_tokens,
+                            record.finish_reason, output_tokens)  # fmt: skip
+        if why is not None:
+            record.cut_short = why.value
+            self._counters[f"cut_short_{why.value}"] += 1
+        num_messages = self._num_messages.pop(record.request_id, None)
+        if record.session_id is not None and num_messages is not None:
+            self._session_usage[record.session_id] = (prompt_tokens, output_tokens, num_messages)
+
+    def _cold_ttft(self, pool_index: int, request: WorkloadRequest,
+                   digests: Sequence[BlockHash]) -> float:  # fmt: skip
+        """TTFT of ``request``'s prompt on an idle engine of ``pools[pool_index]`` with an
+        empty cache: a private probe engine runs it alone, step by step."""
+        engine = self._probes.get(pool_index)
+        if engine is None:
+            engine = EngineModel(self.pools[pool_index].engine_config(), hasher=self.hasher)
+            self._probes[pool_index] = engine
+        tokens = request.prompt_token_ids
+        admission = engine.add_request(EngineRequest(
+            "cold-probe", tokens, max_tokens=1, output_length=1, prompt_block_hashes=digests,
+        ))
+        assert not isinstance(admission, Rejection), (
+            f"the cold probe of pool {pool_index} rejected a prompt its pool admitted: {admission}"
+        )
+        elapsed = 0.0
+        budget = engine.config.max_num_batched_tokens
+        for _ in range(len(tokens) // budget + 2):
+            step = engine.step()
+            elapsed += step.duration_s
+            if any(out.first_token for out in step.outputs):
+                break
+        else:
+            raise AssertionError("the cold probe produced no first token within its step bound")
+        if engine.has_work() or not engine.reset_prefix_cache():
+            raise AssertionError("the cold probe engine is not idle after its only request")
+        engine.take_events()
+        return elapsed
+
     def _start_step(self, replica: ReplicaId) -> None:
         engine = self.engines[replica]
         if not engine.has_work():
@@ -399,8 +849,11 @@ class FleetSimulation:
     def _step_done(self, replica: ReplicaId, result: StepResult) -> int:
         now = self.clock.now()
         finished = 0
+        records = self._records
         for out in result.outputs:
-            record = self._records[out.request_id]
+            found = records.get(out.request_id)
+            warm = found is None
+            record = self._warm[out.request_id] if found is None else found
             if out.new_token_ids:
                 if out.first_token:
                     record.first_token_s = now
@@ -417,6 +870,10 @@ class FleetSimulation:
                 record.finish_reason = out.finish_reason
                 self.router.on_complete(replica, RequestId(out.request_id))
                 self._where.pop(out.request_id, None)
+                if warm:
+                    continue
+                if self._mode is not TierMode.NONE:
+                    self._finished_tiered(record, out.num_prompt_tokens, out.num_output_tokens)
                 self._release_dependents(out.request_id, now)
                 finished += 1
         if result.events:
@@ -444,6 +901,29 @@ class FleetSimulation:
             m = self.engines[name].metrics()
             loads.append(m.num_requests_running + m.num_requests_waiting)
         self._samples.append((self.clock.now(), tuple(loads)))
+
+
+def _overflow_numbers(rejection: Rejection, *, prompt_is_text: bool) -> OverflowNumbers | None:
+    """The engine's rejection as the shell sees it: vLLM 0.32's error body for these numbers,
+    parsed back by ``wire.overflow`` (so the reactive path reads what a real engine says,
+    including the "at least" lower bound of a truncated text prompt). ``None`` when the
+    rejection is not about the window."""
+    response = check_overflow(
+        OVERFLOW_STYLE, window=rejection.max_model_len, prompt_tokens=rejection.prompt_tokens,
+        max_tokens=rejection.max_tokens, prompt_is_text=prompt_is_text,
+    )
+    if response is None:
+        return None
+    overflow = parse_overflow(response.status, response.body)
+    if overflow is None:
+        return None
+    return OverflowNumbers(
+        part=OverflowPart(overflow.kind.value),
+        window=overflow.window,
+        prompt_tokens=overflow.prompt_tokens,
+        prompt_is_lower_bound=overflow.prompt_is_lower_bound,
+        requested_output_tokens=overflow.requested_output_tokens,
+    )
 
 
 def _profile_prefill_rate(profile: TimingProfile) -> float:
