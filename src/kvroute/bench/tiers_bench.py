@@ -78,7 +78,8 @@ class TiersBenchSpec:
         system_prompt_tokens / user_tokens / output_tokens: the sessions' shape.
         session_interval_s: gap between session starts.
         policy: the replica-selection policy in both pools.
-        warm_fraction / warm_cooldown_s: the warm-ahead planner's settings.
+        warm_fraction / warm_cooldown_s / warm_rewarm_fraction: the warm-ahead planner's
+            settings (``warm_rewarm_fraction`` 1.0 = one warm-up per session per cooldown).
         modes: which of ``MODES`` to run.
         with_messages: give requests chat ``messages`` so the estimator reads text (else the
             prompt is token ids and every estimate is exact).
@@ -100,6 +101,7 @@ class TiersBenchSpec:
     policy: str = "kvroute"
     warm_fraction: float = 0.6
     warm_cooldown_s: float = 300.0
+    warm_rewarm_fraction: float = 0.1
     modes: tuple[str, ...] = MODES
     with_messages: bool = True
 
@@ -164,6 +166,7 @@ def run_tiers_bench(
             config = FleetConfig.tiered(
                 pools, tier_mode=mode, policy=spec.policy, seed=seed,
                 warm_fraction=spec.warm_fraction, warm_cooldown_s=spec.warm_cooldown_s,
+                warm_rewarm_fraction=spec.warm_rewarm_fraction,
             )
             started = time.perf_counter()
             result = FleetSimulation(config, workload, digests=digests).run()

@@ -217,7 +217,8 @@ def bench_tiers(
     user_tokens: Annotated[int, typer.Option(help="Mean user-turn tokens.")] = 512,
     output_tokens: Annotated[int, typer.Option(help="Mean answer tokens (the client's max_tokens).")] = 256,
     warm_fraction: Annotated[float, typer.Option(help="Warm-ahead threshold (share of the small window).")] = 0.6,
-    warm_cooldown: Annotated[float, typer.Option(help="Seconds between warm-ups of one session.")] = 300.0,
+    warm_cooldown: Annotated[float, typer.Option(help="Seconds between warm-ups of one session at one growth stage.")] = 300.0,
+    rewarm_fraction: Annotated[float, typer.Option(help="Growth (share of the small window) that allows another warm-up; 1 = once per cooldown.")] = 0.1,
     policy: Annotated[str, typer.Option(help="Replica-selection policy in both pools.")] = "kvroute",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
@@ -234,7 +235,8 @@ def bench_tiers(
             replicas_small=replicas_small, replicas_large=replicas_large,
             think_time_s=think_time, seeds=seeds, system_prompt_tokens=system_tokens,
             user_tokens=user_tokens, output_tokens=output_tokens, policy=policy,
-            warm_fraction=warm_fraction, warm_cooldown_s=warm_cooldown)
+            warm_fraction=warm_fraction, warm_cooldown_s=warm_cooldown,
+            warm_rewarm_fraction=rewarm_fraction)
         report, _ = run_tiers_bench(spec)
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")

@@ -21,7 +21,18 @@ Guards, checked in this order (each is a :class:`WarmSkipReason`):
 5. ``BELOW_THRESHOLD`` — ``estimate_low < fraction * window``;
 6. ``TARGET_MODEL_UNKNOWN`` — the target pool's served model is not known (the warm-up
    would have no ``model`` to name);
-7. ``COOLDOWN`` — this session was warmed less than ``cooldown_s`` ago.
+7. ``COOLDOWN`` — this session was warmed at its current growth stage less than
+   ``cooldown_s`` ago.
+
+Growth stages (re-warming a growing session): one warm-up at 0.6 of the window caches only
+what the session held then; when it escalates at 1.0, about 40% of the prompt is still cold,
+and the escalated turn pays ~0.4 of a cold prefill (measured with ``kvroute bench tiers``).
+So the cooldown is kept per *stage*: stage ``k`` covers estimates in
+``[fraction + k·rewarm_fraction, fraction + (k+1)·rewarm_fraction)`` of the window. A
+session is warmed at most once per stage per cooldown: with the defaults (0.6, 0.1) that is
+at most four warm-ups per session per cooldown before it leaves the pool, each one
+prefilling only the tokens added since the last (the earlier prefix is already cached on the
+target), so a chatty session still cannot flood the large pool.
 
 The cooldown is the only guard with state. Its rule lives in one place,
 :meth:`CooldownStore.try_claim`: *claim the session's warm slot for ``cooldown_s`` unless a
@@ -54,6 +65,7 @@ __all__ = [
     "DEFAULT_COOLDOWN_S",
     "DEFAULT_FRACTION",
     "DEFAULT_MAX_SESSIONS",
+    "DEFAULT_REWARM_FRACTION",
     "CooldownStore",
     "MemoryCooldownStore",
     "WarmFire",
@@ -66,12 +78,13 @@ __all__ = [
 DEFAULT_FRACTION: Final = 0.6
 DEFAULT_COOLDOWN_S: Final = 300.0
 DEFAULT_MAX_SESSIONS: Final = 256
+DEFAULT_REWARM_FRACTION: Final = 0.1
 COOLDOWN_KEY_PREFIX: Final = "kvroute:warm:"
 
 
-def cooldown_key(session_id: str) -> str:
-    """The shared key of a session's warm slot (the Redis store uses exactly this)."""
-    return COOLDOWN_KEY_PREFIX + session_id
+def cooldown_key(session_id: str, stage: int | None = None) -> str:
+    """The shared key of a session's warm slot at a growth stage (Redis uses exactly this)."""
+    return COOLDOWN_KEY_PREFIX + (session_id if stage is None else f"{session_id}#{stage}")
 
 
 class WarmSkipReason(enum.StrEnum):
@@ -98,6 +111,13 @@ class WarmFire:
     target_pool_name: str
     target_model: str
     log_line: str
+    stage: int = 0
+    """The growth stage this warm-up covers; ``cooldown_key(session_id, stage)`` is the
+    key to claim in a shared store."""
+
+    @property
+    def claim_key(self) -> str:
+        return cooldown_key(self.session_id, self.stage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +209,14 @@ class WarmPlanner:
         cooldown_s: at most one warm-up per session per this many seconds (>= 0).
         max_sessions: bound of the in-memory cooldown map.
         enabled: the config switch (``KVROUTE_WARM_AHEAD`` resolved by the shell).
+        rewarm_fraction: width of a growth stage as a share of the window, in (0, 1]; 1
+            keeps the original single warm-up per cooldown.
 
     Raises:
         ConfigError: a value out of range; the message names the key and the fix.
     """
 
-    __slots__ = ("cooldown_s", "enabled", "fraction", "memory")
+    __slots__ = ("cooldown_s", "enabled", "fraction", "memory", "rewarm_fraction")
 
     def __init__(
         self,
@@ -202,7 +224,13 @@ class WarmPlanner:
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         enabled: bool = True,
+        rewarm_fraction: float = DEFAULT_REWARM_FRACTION,
     ) -> None:
+        if not 0.0 < rewarm_fraction <= 1.0:
+            raise ConfigError(
+                f"warm_ahead.rewarm_fraction must be in (0, 1], got {rewarm_fraction}; 0.1 "
+                "re-warms a growing session every tenth of the window"
+            )
         if not 0.0 < fraction <= 1.0:
             raise ConfigError(
                 f"warm_ahead.fraction must be in (0, 1], got {fraction}; 0.6 warms early "
@@ -211,9 +239,12 @@ class WarmPlanner:
         if cooldown_s < 0:
             raise ConfigError(f"warm_ahead.cooldown_s must be >= 0 seconds, got {cooldown_s}")
         self.fraction = fraction
+        self.rewarm_fraction = rewarm_fraction
         self.cooldown_s = cooldown_s
         self.enabled = enabled
-        self.memory = MemoryCooldownStore(max_sessions)
+        # Up to one claim per growth stage plus the session's own record, per session.
+        stages = int((1.0 - fraction) / rewarm_fraction) + 2
+        self.memory = MemoryCooldownStore(max_sessions * stages)
 
     def consider(
         self,
@@ -261,15 +292,16 @@ class WarmPlanner:
         model = pools[target].served_model
         if model is None:
             return WarmSkip(WarmSkipReason.TARGET_MODEL_UNKNOWN)
-        if self.memory.is_cooling(session_id, now_s):
+        stage = int((estimate_low / current.window - self.fraction) / self.rewarm_fraction)
+        if self.memory.is_cooling(cooldown_key(session_id, stage), now_s):
             return WarmSkip(WarmSkipReason.COOLDOWN)
         if claim:
-            self.mark_fired(session_id, now_s, target_pool_index=target)
+            self.mark_fired(session_id, now_s, target_pool_index=target, stage=stage)
         line = (
             f"{LOG_TAG} warm-ahead: est≈{estimate_low}tok ≥ {self.fraction:g} × window "
-            f"{current.window} of {current.name!r} → warm {pools[target].name!r}"
+            f"{current.window} of {current.name!r} (stage {stage}) → warm {pools[target].name!r}"
         )
-        return WarmFire(session_id, target, pools[target].name, model, line)
+        return WarmFire(session_id, target, pools[target].name, model, line, stage)
 
     def mark_fired(
         self,
@@ -278,18 +310,22 @@ class WarmPlanner:
         *,
         target_pool_index: int | None = None,
         expires_at_s: float | None = None,
+        stage: int = 0,
     ) -> None:
-        """Record a warm-up claimed for ``session_id`` (here, or by the shared store).
+        """Record a warm-up claimed for ``session_id`` at ``stage`` (here, or by the shared
+        store).
 
         ``expires_at_s`` defaults to ``now_s + cooldown_s``; pass the shared store's expiry
         when a claim there failed because another router holds it.
         """
         expiry = now_s + self.cooldown_s if expires_at_s is None else expires_at_s
-        self.memory.record(session_id, expiry, target_pool_index)
+        self.memory.record(cooldown_key(session_id, stage), expiry, target_pool_index)
+        # The session's latest warmed target, for counting warmed-prefix hits.
+        self.memory.record(cooldown_key(session_id), expiry, target_pool_index)
 
     def warmed_target(self, session_id: str, now_s: float) -> int | None:
         """The pool this process warmed for the session within the cooldown, if any.
 
         An escalated request whose pool equals this counts as a warmed-prefix hit.
         """
-        return self.memory.target_of(session_id, now_s)
+        return self.memory.target_of(cooldown_key(session_id), now_s)

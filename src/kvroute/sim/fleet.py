@@ -103,6 +103,7 @@ from kvroute.core.tokens import TokenEstimate, estimate_request, from_session
 from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.core.warm import (
     DEFAULT_COOLDOWN_S,
+    DEFAULT_REWARM_FRACTION,
     DEFAULT_FRACTION,
     DEFAULT_MAX_SESSIONS,
     WarmFire,
@@ -237,7 +238,8 @@ class FleetConfig:
         pools: the tiers, smallest window first (empty: one pool of ``profile``).
         tier_mode: how the pool is chosen (:class:`TierMode`).
         output_floor: the least output a placement leaves room for (``plan_tier``).
-        warm_fraction / warm_cooldown_s / warm_max_sessions: the ``WarmPlanner``'s settings
+        warm_fraction / warm_cooldown_s / warm_max_sessions / warm_rewarm_fraction: the
+            ``WarmPlanner``'s settings
             (used by ``PROACTIVE_WARM``; the other modes consult a disabled planner).
         tokenize_rtt_s: the ``/tokenize`` round trip a ``NeedExactCount`` costs before the
             request is planned again with its exact count.
@@ -262,6 +264,7 @@ class FleetConfig:
     output_floor: int = DEFAULT_OUTPUT_FLOOR
     warm_fraction: float = DEFAULT_FRACTION
     warm_cooldown_s: float = DEFAULT_COOLDOWN_S
+    warm_rewarm_fraction: float = DEFAULT_REWARM_FRACTION
     warm_max_sessions: int = DEFAULT_MAX_SESSIONS
     tokenize_rtt_s: float = 0.002
     overflow_rtt_s: float = 0.01
@@ -504,6 +507,7 @@ class FleetSimulation:
         self.planner = WarmPlanner(
             config.warm_fraction, config.warm_cooldown_s, config.warm_max_sessions,
             enabled=self._mode is TierMode.PROACTIVE_WARM,
+            rewarm_fraction=config.warm_rewarm_fraction,
         )
         self._counters: Counter[str] = Counter()
         self._warm_skips: Counter[str] = Counter()

@@ -33,7 +33,7 @@ def test_fires_at_the_threshold_with_the_log_line() -> None:
     fire = planner.consider("s1", 9_831, POOLS, 0, 0.0)
     assert fire == WarmFire("s1", 1, "large", "qwen3-27b",
                             "[CONTEXT-ROUTE] warm-ahead: est≈9831tok ≥ 0.6 × window 16384 of "
-                            "'small' → warm 'large'")  # fmt: skip
+                            "'small' (stage 0) → warm 'large'")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -74,14 +74,30 @@ def test_cooldown_expires_at_exactly_cooldown_seconds() -> None:
 
 
 def test_cooldown_map_is_a_bounded_lru() -> None:
-    planner = WarmPlanner(max_sessions=2)
+    # rewarm_fraction 1.0: one stage, so each session holds two keys (stage claim + target).
+    planner = WarmPlanner(max_sessions=2, rewarm_fraction=1.0)
     for i, session in enumerate(("a", "b", "c")):
         assert isinstance(planner.consider(session, OVER, POOLS, 0, float(i)), WarmFire)
-    assert len(planner.memory) == 2
-    assert "a" not in planner.memory  # oldest evicted: it may warm again
-    assert planner.consider("b", OVER, POOLS, 0, 3.0) == skip(WarmSkipReason.COOLDOWN)
+    assert len(planner.memory) == 2 * 2
+    assert cooldown_key("a", 0) not in planner.memory  # oldest evicted: it may warm again
+    assert planner.consider("c", OVER, POOLS, 0, 3.0) == skip(WarmSkipReason.COOLDOWN)
     assert isinstance(planner.consider("a", OVER, POOLS, 0, 3.0), WarmFire)
-    assert "b" not in planner.memory and len(planner.memory) == 2
+    assert cooldown_key("b", 0) not in planner.memory and len(planner.memory) == 2 * 2
+
+
+def test_a_growing_session_is_rewarmed_once_per_stage() -> None:
+    """Each tenth of the window past 0.6 is one stage; one warm-up per stage per cooldown."""
+    planner = WarmPlanner()
+    window = 16_384
+    fired = []
+    for turn, est in enumerate(range(9_831, window, 400)):  # 400 tokens more a turn
+        decision = planner.consider("s", est, POOLS, 0, float(turn))
+        if isinstance(decision, WarmFire):
+            fired.append(decision.stage)
+        else:
+            assert decision == skip(WarmSkipReason.COOLDOWN)
+    assert fired == [0, 1, 2, 3]
+    assert planner.warmed_target("s", 20.0) == 1
 
 
 def test_expired_claims_are_dropped_on_lookup() -> None:

@@ -1,0 +1,372 @@
+"""The load generator of ``kvroute bench live``: one bounded request stream over real HTTP.
+
+Owns turning workload requests into OpenAI chat bodies, sending them to a router (or, for the
+``direct`` baseline, round robin over the engines) with aiohttp, and measuring each one on the
+client side: time to first token, inter-token gaps, whole-response latency, errors. It knows
+nothing about which router is behind the URL, nor about processes; ``bench/live.py`` does that.
+
+Bounds (every run ends, whatever the server does):
+
+* at most ``len(requests)`` requests, each sent once, never retried;
+* a per-request timeout (``request_timeout_s``) and a whole-run deadline (``duration_s``):
+  requests not yet started at the deadline are counted ``not_sent``, those still running are
+  cancelled and counted ``deadline``;
+* open loop: request *i* starts at ``t0 + arrival_s[i] / rate_scale``; beyond
+  ``max_in_flight`` concurrent requests a due request is not sent and counted
+  ``over_max_in_flight`` (the open loop stays open, as the overhead anchors' client did);
+* closed loop (``concurrency=N``): N workers send back to back in workload order.
+
+Latency definitions (every router is measured identically, so differences are the router's):
+TTFT runs from just before the request is written to the first SSE event carrying output text;
+ITL is every gap between consecutive text-carrying events of one response; E2E runs to the end
+of the body. A request is OK only with status 200, at least one text event and ``[DONE]``.
+
+NOTE: aiohttp sets ``TCP_NODELAY`` on every connection it makes; the client checks it on the
+first response and reports it, because a Nagle delay on a kept-alive connection adds ~40 ms
+to TTFT (the overhead anchors' sglang-router finding) and must never be the client's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+
+from kvroute.bench.workloads import WorkloadRequest, to_text
+from kvroute.core.errors import ConfigError
+from kvroute.wire.sse import SSEDecoder
+
+__all__ = [
+    "ClientRun",
+    "LiveRequest",
+    "RequestResult",
+    "build_live_requests",
+    "percentile",
+    "run_client",
+    "summarize",
+]
+
+_JSON_HEADERS: Final = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRequest:
+    """One request as sent on the wire: a streaming chat body, encoded once for every router."""
+
+    request_id: str
+    arrival_s: float
+    body: bytes
+    prompt_tokens: int
+    max_tokens: int
+    group: str | None = None
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw of one request. Times are seconds; ``start_s`` is from run start.
+
+    ``error`` is None for an OK request, else a short kind: ``http_<status>``, ``no_output``,
+    ``no_done``, ``timeout``, ``deadline``, ``not_sent``, ``over_max_in_flight``,
+    ``connect``, ``client:<ExceptionName>``.
+    """
+
+    request_id: str
+    start_s: float | None = None
+    lag_s: float | None = None
+    status: int | None = None
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_events: int = 0
+    usage_completion_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class ClientRun:
+    """One replay of the stream: per-request results, wall time, and what was checked."""
+
+    results: list[RequestResult]
+    wall_s: float
+    tcp_nodelay: bool | None
+
+
+def build_live_requests(
+    workload: Sequence[WorkloadRequest],
+    *,
+    model: str,
+    max_tokens_cap: int | None = None,
+) -> list[LiveRequest]:
+    """Encode each workload request as a streaming chat completion body.
+
+    Requests with ``messages`` (generators called with ``with_messages=True``) send them as
+    they are; others (trace replays) send their prompt as one user message of
+    :func:`~kvroute.bench.workloads.to_text` words, so the simulated engines' built-in
+    tokenizer sees the same ids. Closed-loop dependencies (``depends_on``) are ignored: the
+    live replay is open loop on ``arrival_s``.
+
+    Args:
+        workload: the requests, in arrival order.
+        model: the ``model`` field (the engines' served name; kvroute's route of that name).
+        max_tokens_cap: lower every request's output length to at most this.
+
+    Raises:
+        ConfigError: an empty workload or a cap below 1.
+    """
+    if not workload:
+        raise ConfigError("the live benchmark needs at least one request; the workload is empty")
+    if max_tokens_cap is not None and max_tokens_cap < 1:
+        raise ConfigError(f"max_tokens_cap={max_tokens_cap} must be >= 1 (or None for no cap)")
+    out = []
+    for req in workload:
+        messages = req.messages or [{"role": "user", "content": to_text(req.prompt_token_ids)}]
+        max_tokens = req.output_tokens if max_tokens_cap is None else min(req.output_tokens,
+                                                                           max_tokens_cap)
+        body = {
+            "model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0,
+        }
+        out.append(LiveRequest(req.request_id, req.arrival_s, json.dumps(body).encode(),
+                               req.num_prompt_tokens, max_tokens, req.group))
+    return out
+
+
+def _has_text(payload: Any) -> bool:
+    if not isinstance(payload, dict):
+        return False
+    for choice in payload.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            return True
+    return False
+
+
+def _nodelay(resp: aiohttp.ClientResponse) -> bool | None:
+    conn = resp.connection
+    transport = conn.transport if conn is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return None
+    return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    req: LiveRequest,
+    result: RequestResult,
+    timeout: aiohttp.ClientTimeout,
+    nodelay: list[bool | None],
+) -> None:
+    started = time.perf_counter()
+    try:
+        async with session.post(url, data=req.body, headers=_JSON_HEADERS,
+                                timeout=timeout) as resp:
+            result.status = resp.status
+            if not nodelay:
+                nodelay.append(_nodelay(resp))
+            if resp.status != 200:
+                await resp.read()
+                result.error = f"http_{resp.status}"
+                return
+            decoder = SSEDecoder()
+            last: float | None = None
+            done = False
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                for event in decoder.feed(chunk):
+                    if event.is_done:
+                        done = True
+                        continue
+                    try:
+                        payload = event.json()
+                    except ValueError:
+                        continue
+                    if isinstance(payload, dict) and isinstance(payload.get("usage"), dict):
+                        tokens = payload["usage"].get("completion_tokens")
+                        if isinstance(tokens, int):
+                            result.usage_completion_tokens = tokens
+                    if not _has_text(payload):
+                        continue
+                    result.output_events += 1
+                    if last is None:
+                        result.ttft_s = now - started
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+            result.e2e_s = time.perf_counter() - started
+            if result.output_events == 0:
+                result.error = "no_output"
+            elif not done:
+                result.error = "no_done"
+    except TimeoutError:
+        result.error = "timeout"
+    except aiohttp.ClientConnectorError:
+        result.error = "connect"
+    except aiohttp.ClientError as exc:
+        result.error = f"client:{type(exc).__name__}"
+
+
+async def run_client(
+    targets: Sequence[str],
+    requests: Sequence[LiveRequest],
+    *,
+    rate_scale: float = 1.0,
+    concurrency: int | None = None,
+    max_in_flight: int = 512,
+    request_timeout_s: float = 60.0,
+    duration_s: float = 300.0,
+    on_done: Callable[[int], None] | None = None,
+) -> ClientRun:
+    """Send ``requests`` once each and measure them (see the module docstring for bounds).
+
+    Args:
+        targets: base URLs; request *i* goes to ``targets[i % len(targets)]`` (one URL for a
+            router; the engines' URLs for the ``direct`` baseline).
+        requests: the stream, in arrival order.
+        rate_scale: arrival-rate multiplier of the open loop.
+        concurrency: closed loop with this many workers instead of the open loop.
+        max_in_flight: open-loop cap on concurrent requests.
+        request_timeout_s: bound on one request, start to last byte.
+        duration_s: bound on the whole run.
+        on_done: called with 1 after each request (progress bars).
+
+    Returns:
+        Per-request results in ``requests`` order, the wall time, the TCP_NODELAY check.
+
+    Raises:
+        ConfigError: no targets, or a non-positive bound.
+    """
+    if not targets:
+        raise ConfigError("run_client needs at least one target URL")
+    for name, value in (("rate_scale", rate_scale), ("max_in_flight", max_in_flight),
+                        ("request_timeout_s", request_timeout_s), ("duration_s", duration_s)):
+        if not value > 0:
+            raise ConfigError(f"{name}={value!r} must be > 0")
+    if concurrency is not None and concurrency < 1:
+        raise ConfigError(f"concurrency={concurrency} must be >= 1 (or None for open loop)")
+    urls = [t.rstrip("/") + "/v1/chat/completions" for t in targets]
+    results = [RequestResult(r.request_id) for r in requests]
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    nodelay: list[bool | None] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    started = time.perf_counter()
+    deadline = started + duration_s
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def send(i: int, scheduled: float) -> None:
+            res = results[i]
+            now = time.perf_counter()
+            res.start_s = now - started
+            res.lag_s = max(0.0, now - scheduled)
+            try:
+                await _one(session, urls[i % len(urls)], requests[i], res, timeout, nodelay)
+            finally:
+                if on_done is not None:
+                    on_done(1)
+
+        tasks: set[asyncio.Task[None]] = set()
+        if concurrency is None:
+            in_flight = 0
+
+            async def tracked(i: int, scheduled: float) -> None:
+                nonlocal in_flight
+                in_flight += 1
+                try:
+                    await send(i, scheduled)
+                finally:
+                    in_flight -= 1
+
+            for i, req in enumerate(requests):
+                scheduled = started + req.arrival_s / rate_scale
+                if scheduled >= deadline:
+                    break
+                delay = scheduled - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if in_flight >= max_in_flight:
+                    results[i].error = "over_max_in_flight"
+                    if on_done is not None:
+                        on_done(1)
+                    continue
+                task = asyncio.create_task(tracked(i, scheduled))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        else:
+            queue = iter(range(len(requests)))
+
+            async def worker() -> None:
+                for i in queue:
+                    if time.perf_counter() >= deadline:
+                        return
+                    await send(i, time.perf_counter())
+
+            for _ in range(min(concurrency, len(requests))):
+                task = asyncio.create_task(worker())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        if tasks:
+            _, pending = await asyncio.wait(set(tasks),
+                                            timeout=max(0.0, deadline - time.perf_counter()))
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - started
+    for res in results:
+        if res.error is None and res.start_s is None:
+            res.error = "not_sent"
+        elif res.error is None and res.e2e_s is None:
+            res.error = "deadline"
+    return ClientRun(results, wall, nodelay[0] if nodelay else None)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 3)
+
+
+def summarize(run: ClientRun) -> dict[str, Any]:
+    """Client-side figures of one run (milliseconds, nearest-rank percentiles over OK requests).
+
+    ``errors`` counts every non-OK request by kind; ``achieved_rps`` is OK requests over wall.
+    """
+    ok = [r for r in run.results if r.ok]
+    errors: dict[str, int] = {}
+    for r in run.results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    itl = [gap for r in ok for gap in r.itl_s]
+    lag = [r.lag_s for r in run.results if r.lag_s is not None]
+    out: dict[str, Any] = {"requests": len(run.results), "completed": len(ok), "errors": errors}
+    for name, values in (("ttft", ttft), ("e2e", e2e), ("itl", itl)):
+        out[f"{name}_mean_ms"] = _ms(sum(values) / len(values)) if values else None
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = _ms(percentile(values, q))
+    out["start_lag_p99_ms"] = _ms(percentile(lag, 99))
+    out["wall_s"] = round(run.wall_s, 3)
+    out["achieved_rps"] = round(len(ok) / run.wall_s, 2) if run.wall_s > 0 else None
+    out["tcp_nodelay"] = run.tcp_nodelay
+    return out

@@ -1,0 +1,421 @@
+"""The routers under test in ``kvroute bench live``: launch one, wait until it routes, stop it.
+
+Owns the router processes of a live benchmark and nothing else: their command lines, free
+loopback ports, readiness probes, CPU accounting and shutdown. Which requests they get and
+what is measured on the client side is ``bench/live_client.py``; the run order is
+``bench/live.py``.
+
+Routers (``RouterSpec.kind``):
+
+* ``direct``: no process; the client round-robins over the engines (the overhead baseline).
+* ``kvroute``: ``kvroute serve -c <generated yaml>``, one pool of the engines with their KV
+  event and replay endpoints, the policy under test, retries off, warm-ahead off.
+* ``sglang``: sglang-router 0.3.2's launcher, ``--backend`` left at its default (the HTTP
+  "regular" mode that balances; ``--backend openai`` sends everything to one worker).
+* ``vllm``: vllm-router 0.1.17.
+
+Both peers run as ``peer-routers.md`` prescribes for side-by-side runs: ``--host 127.0.0.1``,
+their own ``--port`` and ``--prometheus-port`` (both default to 29000), a quiet log level
+(INFO logs every request), ``--disable-retries --disable-circuit-breaker`` so failures show;
+they are ready when ``GET /workers`` lists every engine (``/health`` answers before the
+workers are registered). Their venv comes from ``scripts/peer_routers/setup.sh``; when it is
+missing, ``find_peer_routers`` says why and the caller skips the peers with that reason.
+
+Processes are started in their own session and stopped by PID only: SIGTERM, a grace period,
+SIGKILL, and any descendants found before the SIGTERM are killed by PID too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Literal, Self
+
+from kvroute.core.errors import ConfigError, RouterError
+from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.sim.launcher import ReplicaHandle
+
+__all__ = [
+    "PEER_VERSIONS",
+    "PeerRouters",
+    "RouterKind",
+    "RouterSpec",
+    "RouterStartError",
+    "RunningRouter",
+    "find_peer_routers",
+    "free_port",
+    "kvroute_yaml",
+    "parse_router_specs",
+    "process_tree_cpu_s",
+    "start_router",
+]
+
+RouterKind = Literal["direct", "kvroute", "sglang", "vllm"]
+
+PEER_VERSIONS: Final = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
+"""The pinned peer versions (``scripts/peer_routers/setup.sh`` installs exactly these)."""
+
+_STAMP: Final = " ".join(f"{name}=={version}" for name, version in PEER_VERSIONS.items())
+_KVROUTE_ENTRY: Final = "import sys; from kvroute.cli import main; sys.argv[0] = 'kvroute'; main()"
+_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+
+
+class RouterStartError(RouterError):
+    """A router process exited or was not ready in time; the message quotes its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """One router configuration under test.
+
+    Attributes:
+        name: the report key (``direct``, ``kvroute``, ``kvroute:cache_aware``,
+            ``sglang-router``, ``vllm-router``...).
+        kind: which program (module docstring).
+        policy: the policy it runs (``round_robin`` for direct).
+    """
+
+    name: str
+    kind: RouterKind
+    policy: str
+
+
+def parse_router_specs(routers: str, kvroute_policies: str = "kvroute") -> list[RouterSpec]:
+    """Router specs from the CLI's comma lists, in the order given.
+
+    ``routers`` names ``direct``, ``kvroute``, ``sglang-router``, ``vllm-router`` (a peer may
+    carry a policy: ``sglang-router:round_robin``; default ``cache_aware``). ``kvroute`` expands
+    to one spec per policy of ``kvroute_policies``, named ``kvroute`` for kvroute's own policy
+    and ``kvroute:<policy>`` otherwise.
+
+    Raises:
+        ConfigError: an unknown router or kvroute policy, or a duplicate.
+    """
+    specs: list[RouterSpec] = []
+    for item in (x.strip() for x in routers.split(",")):
+        if not item:
+            continue
+        base, _, policy = item.partition(":")
+        if base == "direct":
+            specs.append(RouterSpec("direct", "direct", "round_robin"))
+        elif base == "kvroute":
+            policies = [policy] if policy else [
+                p.strip() for p in kvroute_policies.split(",") if p.strip()]
+            for pol in policies:
+                if pol not in POLICY_NAMES:
+                    raise ConfigError(f"unknown kvroute policy {pol!r}; choose from: "
+                                      f"{', '.join(POLICY_NAMES)}")
+                specs.append(RouterSpec("kvroute" if pol == "kvroute" else f"kvroute:{pol}",
+                                        "kvroute", pol))
+        elif base in ("sglang-router", "vllm-router"):
+            pol = policy or "cache_aware"
+            name = base if pol == "cache_aware" else f"{base}:{pol}"
+            specs.append(RouterSpec(name, "sglang" if base == "sglang-router" else "vllm", pol))
+        else:
+            raise ConfigError(f"unknown router {item!r}; choose from: direct, kvroute, "
+                              "sglang-router, vllm-router (peers take :POLICY)")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"routers are listed twice: {names}")
+    if not specs:
+        raise ConfigError("give at least one router, e.g. --routers direct,kvroute")
+    return specs
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRouters:
+    """Where the peer routers are installed, or why they are not.
+
+    ``available`` is True only if the venv's stamp matches ``PEER_VERSIONS`` and both entry
+    points exist; otherwise ``reason`` says what is missing and how to fix it.
+    """
+
+    venv: Path
+    available: bool
+    reason: str
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def vllm_router(self) -> Path:
+        return self.venv / "bin" / "vllm-router"
+
+
+def find_peer_routers(cache_dir: str | Path | None = None) -> PeerRouters:
+    """Locate the venv ``scripts/peer_routers/setup.sh`` made.
+
+    Args:
+        cache_dir: the cache root; ``$KVROUTE_CACHE`` or ``~/.cache/kvroute`` when None.
+    """
+    root = Path(cache_dir or os.environ.get("KVROUTE_CACHE") or
+                Path.home() / ".cache" / "kvroute") / "peer-routers"
+    venv = root / "venv"
+    marker = root / "unavailable.txt"
+    if marker.is_file():
+        return PeerRouters(venv, False, marker.read_text().strip())
+    stamp = venv / ".kvroute-stamp"
+    if not stamp.is_file():
+        return PeerRouters(venv, False, f"peer routers are not installed under {venv}; "
+                                        "run: bash scripts/peer_routers/setup.sh")
+    if stamp.read_text().strip() != _STAMP:
+        return PeerRouters(venv, False, f"{venv} holds {stamp.read_text().strip()!r}, not "
+                                        f"{_STAMP!r}; rerun: bash scripts/peer_routers/setup.sh")
+    missing = [p for p in (venv / "bin" / "python", venv / "bin" / "vllm-router") if not p.exists()]
+    if missing:
+        return PeerRouters(venv, False, f"{missing[0]} is missing; rerun: "
+                                        "bash scripts/peer_routers/setup.sh")
+    return PeerRouters(venv, True, "")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (bound once by the kernel's choice, then freed)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, model: str,
+                 seed: int = 0) -> str:
+    """The ``kvroute serve`` config for one pool of ``engines`` with KV events wired.
+
+    The route is named after the engines' model, so the same request bodies go to every
+    router. Retries are off (as for the peers: failures must show), warm-ahead is off (one
+    pool has no larger tier), admission is wide enough never to queue a benchmark's burst.
+    """
+    lines = [
+        f"listen: {{host: 127.0.0.1, port: {port}}}",
+        "pools:",
+        "  sim:",
+        f"    model: {json.dumps(model)}",
+        "    tokenizer: engine",
+        "    replicas:",
+    ]
+    for i, eng in enumerate(engines):
+        entry = f'      - {{name: e{i}, url: "{eng.url}"'
+        if eng.kv_events:
+            entry += f', kv_events: "{eng.kv_events}"'
+            if eng.kv_replay:
+                entry += f', kv_replay: "{eng.kv_replay}"'
+        lines.append(entry + "}")
+    lines += [
+        "routes:",
+        f"  {json.dumps(model)}: {{pools: [sim]}}",
+        f"policy: {{name: {policy}, seed: {seed}}}",
+        "retries: {max_retries: 0}",
+        "admission: {max_in_flight: 4096, max_queue: 4096, queue_timeout_s: 60}",
+        "warm_ahead: {enabled: false}",
+        "log_level: warning",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after its last ")".
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _read_stat(int(entry))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of ``pid`` and all its descendants.
+
+    Live descendants are read one by one; descendants already reaped are in the parents'
+    ``cutime``/``cstime``. Fields after the command name of ``/proc/<pid>/stat``: utime is
+    index 11, stime 12, cutime 13, cstime 14.
+    """
+    total = 0
+    for p in (pid, *_descendants(pid)):
+        fields = _read_stat(p)
+        if fields is not None:
+            total += sum(int(x) for x in fields[11:15])
+    return total / _CLK_TCK
+
+
+def _http_json(url: str, timeout_s: float = 2.0) -> object:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
+        return json.loads(resp.read() or b"null")
+
+
+@dataclass(slots=True)
+class RunningRouter:
+    """A router ready to take requests (or the direct baseline, which has no process).
+
+    ``targets`` are the base URLs the client sends to. ``stop`` is idempotent.
+    """
+
+    spec: RouterSpec
+    targets: list[str]
+    command: list[str] = field(default_factory=list)
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    ready_s: float = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds of the router's process tree so far (None for direct)."""
+        return process_tree_cpu_s(self.process.pid) if self.process is not None else None
+
+    def log_tail(self, limit: int = 2000) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, wait ``grace_s``, SIGKILL; descendants are killed by PID afterwards."""
+        proc = self.process
+        if proc is None:
+            return
+        kids = _descendants(proc.pid) if proc.poll() is None else []
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for kid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGKILL)
+        self.process = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
+             work_dir: Path, peers: PeerRouters | None, model: str,
+             seed: int) -> tuple[list[str], str, Callable[[], bool]]:
+    urls = [e.url for e in engines]
+    base = f"http://127.0.0.1:{port}"
+
+    def workers_listed() -> bool:
+        body = _http_json(base + "/workers")
+        workers = body.get("workers") if isinstance(body, dict) else None
+        return isinstance(workers, list) and len(workers) >= len(urls)
+
+    if spec.kind == "kvroute":
+        cfg = work_dir / f"{spec.name.replace(':', '-')}.yaml"
+        cfg.write_text(kvroute_yaml(engines, port=port, policy=spec.policy, model=model,
+                                    seed=seed))
+
+        def healthy() -> bool:
+            body = _http_json(base + "/health")
+            if not isinstance(body, dict) or body.get("status") != "ok":
+                return False
+            counts = body.get("healthy_replicas")
+            return isinstance(counts, dict) and sum(counts.values()) >= len(urls)
+
+        return [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(cfg)], base, healthy
+    if peers is None or not peers.available:
+        reason = peers.reason if peers is not None else "no peer-router install given"
+        raise ConfigError(f"{spec.name} cannot run: {reason}")
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+              "--policy", spec.policy, "--prometheus-host", "127.0.0.1",
+              "--prometheus-port", str(free_port()), "--disable-retries",
+              "--disable-circuit-breaker"]
+    if spec.kind == "sglang":
+        cmd = [str(peers.python), "-m", "sglang_router.launch_router", *common,
+               "--log-level", "warn"]
+    else:
+        cmd = [str(peers.vllm_router), *common, "--log-level", "warning"]
+    return cmd, base, workers_listed
+
+
+def start_router(
+    spec: RouterSpec,
+    engines: Sequence[ReplicaHandle],
+    *,
+    work_dir: Path,
+    peers: PeerRouters | None = None,
+    model: str = "sim-model",
+    seed: int = 0,
+    timeout_s: float = 60.0,
+) -> RunningRouter:
+    """Start ``spec`` in front of ``engines`` and return once it lists them all.
+
+    Args:
+        spec: the router.
+        engines: the running simulated engines.
+        work_dir: where the config (kvroute) and the log (``<name>.log``) go.
+        peers: the peer install (needed for ``sglang``/``vllm``).
+        model: the model name requests carry.
+        seed: kvroute's policy seed.
+        timeout_s: how long start-up may take.
+
+    Raises:
+        ConfigError: a peer router without an install (the message says why).
+        RouterStartError: the process exited or was not ready in time; it has been stopped.
+    """
+    if spec.kind == "direct":
+        return RunningRouter(spec, [e.url for e in engines])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd, base, ready = _command(spec, engines, port=port, work_dir=work_dir, peers=peers,
+                                model=model, seed=seed)
+    log_path = work_dir / f"{spec.name.replace(':', '-')}.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    router = RunningRouter(spec, [base], cmd, proc, log_path)
+    deadline = started + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RouterStartError(f"{spec.name} exited with code {proc.returncode} during "
+                                       f"start-up; its log ends with:\n{router.log_tail()}")
+            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+                if ready():
+                    break
+            if time.monotonic() > deadline:
+                raise RouterStartError(f"{spec.name} did not list {len(engines)} engines within "
+                                       f"{timeout_s:g} s; its log ends with:\n{router.log_tail()}")
+            time.sleep(0.1)
+    except BaseException:
+        router.stop()
+        raise
+    router.ready_s = time.monotonic() - started
+    return router

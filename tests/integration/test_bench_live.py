@@ -1,0 +1,290 @@
+"""``kvroute bench live``: real routers on loopback in front of 4 simulated engines.
+
+The integration runs are bounded (192 hot-prefix requests; 48 distinct-prefix requests) and
+check the report's shape and the hot-spot reproduction of ``reference/peer-routers.md`` §9:
+``cache_aware`` — the real sglang-router 0.3.2 and vllm-router 0.1.17, and kvroute's
+reimplementation — sends every request sharing a system prompt to one engine; kvroute's own
+policy is reported but not asserted (see the NOTE in the hot-spot test), and
+distinct prefixes go 12/12/12/12.
+
+The peers come from ``scripts/peer_routers/setup.sh``; when they are not installed, their
+tests skip with the reason the script recorded. ``KVROUTE_REQUIRE_PEERS=1`` turns those skips
+into failures (for a CI job that must exercise the peers).
+
+The fast tests at the top need no process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvroute.bench.live import (
+    FIDELITY_SCENARIOS,
+    LiveBenchSpec,
+    build_workload,
+    format_table,
+    run_fidelity,
+    run_live_bench,
+)
+from kvroute.bench.live_client import (
+    ClientRun,
+    RequestResult,
+    build_live_requests,
+    percentile,
+    run_client,
+    summarize,
+)
+from kvroute.bench.live_routers import (
+    PeerRouters,
+    RouterSpec,
+    find_peer_routers,
+    kvroute_yaml,
+    parse_router_specs,
+    process_tree_cpu_s,
+)
+from kvroute.bench.workloads import hot_prefix_bursts
+from kvroute.config import parse_config
+from kvroute.core.errors import ConfigError
+from kvroute.sim.launcher import ReplicaHandle
+
+# 48 concurrent requests per burst need engine time to overlap: ~6 ms per step and 32 output
+# tokens keep each request in flight for a few hundred milliseconds.
+PROFILE = "llama-3.1-8b-h100"
+
+
+def require_peers() -> PeerRouters:
+    peers = find_peer_routers()
+    if not peers.available:
+        if os.environ.get("KVROUTE_REQUIRE_PEERS") == "1":
+            pytest.fail(f"KVROUTE_REQUIRE_PEERS=1 but {peers.reason}")
+        pytest.skip(peers.reason)
+    return peers
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast tests: no processes
+
+
+def test_parse_router_specs_expands_kvroute_policies_in_order() -> None:
+    specs = parse_router_specs("direct,kvroute,sglang-router,vllm-router:round_robin",
+                               "kvroute,cache_aware")
+    assert specs == [
+        RouterSpec("direct", "direct", "round_robin"),
+        RouterSpec("kvroute", "kvroute", "kvroute"),
+        RouterSpec("kvroute:cache_aware", "kvroute", "cache_aware"),
+        RouterSpec("sglang-router", "sglang", "cache_aware"),
+        RouterSpec("vllm-router:round_robin", "vllm", "round_robin"),
+    ]
+
+
+@pytest.mark.parametrize(("routers", "policies", "message"), [
+    ("nginx", "kvroute", "unknown router 'nginx'"),
+    ("kvroute", "kvroute,nope", "unknown kvroute policy 'nope'"),
+    ("direct,direct", "kvroute", "listed twice"),
+    ("", "kvroute", "at least one router"),
+])
+def test_parse_router_specs_rejects_bad_input(routers: str, policies: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_router_specs(routers, policies)
+
+
+def test_kvroute_yaml_is_a_valid_config_with_events_wired() -> None:
+    engines = [ReplicaHandle(f"e{i}", "default", "sim-model", f"http://127.0.0.1:{9000 + i}",
+                             f"tcp://127.0.0.1:{9100 + i}", f"tcp://127.0.0.1:{9200 + i}",
+                             4096, 16) for i in range(3)]
+    text = kvroute_yaml(engines, port=8123, policy="cache_aware", model="sim-model", seed=7)
+    config = parse_config(yaml.safe_load(text), env={})
+    assert config.listen.port == 8123
+    assert config.policy.name == "cache_aware" and config.policy.seed == 7
+    assert config.retries.max_retries == 0
+    assert not config.warm_ahead.enabled
+    assert list(config.routes) == ["sim-model"]
+    reps = [rep for _, rep in config.replicas()]
+    assert [r.url for r in reps] == [e.url for e in engines]
+    assert [r.kv_events for r in reps] == [e.kv_events for e in engines]
+    assert [r.kv_replay for r in reps] == [e.kv_replay for e in engines]
+
+
+def test_find_peer_routers_reports_the_marker_or_missing_install(tmp_path: Path) -> None:
+    missing = find_peer_routers(tmp_path)
+    assert not missing.available and "scripts/peer_routers/setup.sh" in missing.reason
+    (tmp_path / "peer-routers").mkdir()
+    (tmp_path / "peer-routers" / "unavailable.txt").write_text("peer routers unavailable: offline\n")
+    marked = find_peer_routers(tmp_path)
+    assert not marked.available and marked.reason == "peer routers unavailable: offline"
+
+
+def test_build_live_requests_encodes_streaming_chat_with_capped_output() -> None:
+    workload = hot_prefix_bursts(num_bursts=1, burst_size=2, system_prompt_tokens=5,
+                                 suffix_tokens=2, output_tokens=64, with_messages=True)
+    reqs = build_live_requests(workload, model="m", max_tokens_cap=16)
+    body = json.loads(reqs[0].body)
+    assert body["model"] == "m" and body["stream"] is True and body["max_tokens"] == 16
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]
+    assert reqs[0].prompt_tokens == 7 and reqs[0].max_tokens == 16
+    with pytest.raises(ConfigError, match="empty"):
+        build_live_requests([], model="m")
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([], 50) is None
+
+
+def test_summarize_counts_errors_and_uses_ok_requests_only() -> None:
+    ok = RequestResult("a", start_s=0.0, lag_s=0.0, status=200, ttft_s=0.010, e2e_s=0.030,
+                       itl_s=[0.005, 0.015], output_events=3)
+    bad = RequestResult("b", start_s=0.0, lag_s=0.002, status=503, error="http_503",
+                        ttft_s=9.0, e2e_s=9.0)
+    out = summarize(ClientRun([ok, bad], wall_s=2.0, tcp_nodelay=True))
+    assert out["requests"] == 2 and out["completed"] == 1
+    assert out["errors"] == {"http_503": 1}
+    assert out["ttft_p50_ms"] == 10.0 and out["e2e_p99_ms"] == 30.0
+    assert out["itl_p50_ms"] == 5.0 and out["itl_p99_ms"] == 15.0
+    assert out["achieved_rps"] == 0.5 and out["start_lag_p99_ms"] == 2.0
+
+
+def test_process_tree_cpu_counts_this_process() -> None:
+    before = process_tree_cpu_s(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert process_tree_cpu_s(os.getpid()) >= before + 0.03
+
+
+def test_client_counts_refused_connections_without_hanging() -> None:
+    from kvroute.bench.live_routers import free_port
+
+    reqs = build_live_requests(hot_prefix_bursts(num_bursts=1, burst_size=3, with_messages=True),
+                               model="m")
+    run = asyncio.run(run_client([f"http://127.0.0.1:{free_port()}"], reqs,
+                                 request_timeout_s=5, duration_s=10))
+    assert [r.error for r in run.results] == ["connect"] * 3
+
+
+def test_spec_validation_names_the_bad_field() -> None:
+    spec = LiveBenchSpec(routers=(RouterSpec("direct", "direct", "round_robin"),),
+                         workload="nope")
+    with pytest.raises(ConfigError, match="unknown workload 'nope'"):
+        spec.validate()
+    spec = LiveBenchSpec(routers=(RouterSpec("direct", "direct", "round_robin"),),
+                         workload="hot_prefix_bursts", workload_params={"burst_sise": 3})
+    with pytest.raises(ConfigError, match="burst_sise"):
+        build_workload(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integration: real processes
+
+ROUTER_KEYS = {
+    "kind", "policy", "requests", "completed", "errors",
+    *(f"{m}_{s}_ms" for m in ("ttft", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")),
+    "token_hit_rate", "hit_tokens", "query_tokens",
+    "requests_per_replica", "max_replica_share", "router_cpu_s", "router_cpu_ms_per_req",
+    "ready_s", "wall_s", "achieved_rps", "start_lag_p99_ms", "tcp_nodelay",
+    "overhead_vs_direct", "command",
+}
+HOT_REQUESTS = 4 * 48
+
+
+@pytest.fixture(scope="module")
+def hot_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One bounded run: 4 bursts of 48 requests sharing a system prompt, every router."""
+    spec = LiveBenchSpec(
+        routers=tuple(parse_router_specs("direct,kvroute,sglang-router,vllm-router",
+                                         "kvroute,cache_aware")),
+        workload="hot_prefix_bursts",
+        workload_params={"num_bursts": 4, "burst_size": 48, "system_prompt_tokens": 345,
+                         "suffix_tokens": 8, "output_tokens": 32, "burst_interval_s": 1.5},
+        engines=4, profile=PROFILE, duration_s=120.0, request_timeout_s=60.0,
+        log_dir=tmp_path_factory.mktemp("live"),
+    )
+    return run_live_bench(spec)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_live_report_shape(hot_report: dict[str, Any]) -> None:
+    assert set(hot_report) == {"routers", "skipped", "config"}
+    ran = set(hot_report["routers"])
+    assert {"direct", "kvroute", "kvroute:cache_aware"} <= ran
+    assert ran | set(hot_report["skipped"]) == {"direct", "kvroute", "kvroute:cache_aware",
+                                                "sglang-router", "vllm-router"}
+    cfg = hot_report["config"]
+    assert cfg["requests"] == HOT_REQUESTS and cfg["engines"] == 4 and cfg["profile"] == PROFILE
+    for name, entry in hot_report["routers"].items():
+        assert set(entry) == ROUTER_KEYS, name
+        assert entry["errors"] == {}, (name, entry["errors"])
+        assert entry["completed"] == entry["requests"] == HOT_REQUESTS, name
+        assert sum(entry["requests_per_replica"].values()) == HOT_REQUESTS, name
+        assert list(entry["requests_per_replica"]) == ["e0", "e1", "e2", "e3"]
+        assert entry["tcp_nodelay"] is True, name
+        assert 0 < entry["ttft_p50_ms"] <= entry["ttft_p99_ms"] <= entry["e2e_p99_ms"], name
+        assert entry["itl_p50_ms"] is not None, name
+        # One shared system prompt: every router sees hits once the prompt is cached somewhere.
+        assert entry["token_hit_rate"] > 0.5, (name, entry["token_hit_rate"])
+        if name == "direct":
+            assert entry["overhead_vs_direct"] is None
+            assert entry["router_cpu_s"] is None and entry["command"] is None
+        else:
+            assert set(entry["overhead_vs_direct"]) == {"ttft_p50_ms", "ttft_p99_ms",
+                                                        "e2e_p50_ms", "e2e_p99_ms"}
+            assert entry["router_cpu_s"] > 0, name
+    # The client's round robin is exact.
+    assert list(hot_report["routers"]["direct"]["requests_per_replica"].values()) == [48] * 4
+    rows = format_table(hot_report)
+    assert rows[0][0] == "router" and [r[0] for r in rows[1:]] == list(hot_report["routers"])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_kvroute_cache_aware_reproduces_the_hot_spot(hot_report: dict[str, Any]) -> None:
+    routers = hot_report["routers"]
+    assert routers["kvroute:cache_aware"]["max_replica_share"] == 1.0, \
+        routers["kvroute:cache_aware"]["requests_per_replica"]
+    # NOTE: kvroute's own policy is not asserted to spread this burst: whether its cost model
+    # keeps 48 short requests on the cached engine depends on engine timing and on the load it
+    # has seen at each decision (measured 24/8/8/8, 42/0/0/6 and 192/0/0/0 on this workload;
+    # docs/peer-fidelity.md). Its distribution is in the report for the reader.
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_real_peers_send_a_shared_prefix_to_one_engine(hot_report: dict[str, Any]) -> None:
+    require_peers()
+    for name in ("sglang-router", "vllm-router"):
+        entry = hot_report["routers"][name]
+        assert entry["max_replica_share"] == 1.0, (name, entry["requests_per_replica"])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_distinct_prefixes_are_spread_evenly_by_cache_aware(tmp_path: Path) -> None:
+    peers = find_peer_routers()
+    out = run_fidelity(routers=parse_router_specs("kvroute,sglang-router,vllm-router",
+                                                  "cache_aware"),
+                       scenarios=("distinct_48",), profile=PROFILE, log_dir=tmp_path)
+    dist = out["scenarios"]["distinct_48"]
+    assert dist["kvroute:cache_aware"] == [12, 12, 12, 12], dist
+    report = out["reports"]["distinct_48"]
+    assert report["config"]["workload_params"] == FIDELITY_SCENARIOS["distinct_48"][1]
+    assert all(e["token_hit_rate"] == 0.0 for e in report["routers"].values()), dist
+    if peers.available:
+        assert dist["sglang-router"] == [12, 12, 12, 12], dist
+        assert dist["vllm-router"] == [12, 12, 12, 12], dist
+    else:
+        assert report["skipped"] == {"sglang-router": peers.reason,
+                                     "vllm-router": peers.reason}
+        require_peers()  # skips (or fails under KVROUTE_REQUIRE_PEERS=1) with the reason
