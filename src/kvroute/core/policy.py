@@ -12,6 +12,7 @@ would give this request, plus a small charge for the prefill work it would cause
     cached_r    = min(credit_r·B, ⌊(n−1)/B⌋·B)        a hit never covers the last token
     prefill_r   = n − cached_r                        tokens this replica would still compute
     queue_r     = outstanding prefill tokens already sent to r
+                  + step_tokens · (requests waiting for their first token on r)
     ttft_r      = (queue_r + prefill_r) / rate_r · (1 + decode_slowdown · decoding_r)
     cost_r      = ttft_r + work_weight · prefill_r / rate_r
 
@@ -28,6 +29,18 @@ vllm-router. Cache affinity expressed in seconds trades off against queueing aut
 a hot replica loses as soon as its queue costs more than the prefill another would redo, a
 fresh replica wins as soon as it is faster, and prompts with no shared prefix reduce to
 least-outstanding-work balancing.
+
+Why ``step_tokens`` exists and is 0 by default: it charges every request still waiting for
+its first token a fixed number of tokens, as if each cost an engine step of its own. That is
+not how vLLM v1 behaves: waiting requests that fit the step's token budget are prefilled in
+the same step (and a request can hit blocks another one in the same step is computing, since
+blocks are registered at allocation), so a burst of siblings or of short suffixes behind a
+cached prompt shares one step's fixed cost. Charging it per request split sibling bursts that
+the engine would have served together faster. It stays available for engines whose
+per-request overhead (an API server that is CPU-bound on many streams) dominates.
+
+Why ``decode_slowdown``: every running sequence adds its decode to each step that prefills
+the new request (default 0.002: 50 decoding sequences slow its prefill by 10%).
 
 Why the ``work_weight`` term: when the time to first token ties (sibling requests sent in one
 burst: waiting behind the first sibling's prefill on A costs as much as computing it anew on
@@ -207,19 +220,21 @@ class KvrouteCostPolicy:
         rng: random.Random,
         *,
         work_weight: float = 0.5,
-        decode_slowdown: float = 0.0,
+        decode_slowdown: float = 0.002,
         predicted_credit: float = 1.0,
+        step_tokens: float = 0.0,
     ) -> None:
-        if work_weight < 0 or decode_slowdown < 0 or predicted_credit < 0:
+        if min(work_weight, decode_slowdown, predicted_credit, step_tokens) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
-                f"predicted_credit={predicted_credit})"
+                f"predicted_credit={predicted_credit}, step_tokens={step_tokens})"
             )
         self._rng = rng
         self.work_weight = work_weight
         self.decode_slowdown = decode_slowdown
         self.predicted_credit = predicted_credit
+        self.step_tokens = step_tokens
 
     def predicted_ttft_s(self, request: PolicyInput, cand: Candidate) -> tuple[float, float]:
         """Return ``(ttft_s, prefill_tokens)`` this replica would give the request."""
@@ -231,7 +246,9 @@ class KvrouteCostPolicy:
         load = cand.load
         rate = max(load.prefill_rate_tps, 1e-9)
         slowdown = 1.0 + self.decode_slowdown * load.num_decoding
-        ttft = (load.outstanding_prefill_tokens + prefill) / rate * slowdown
+        waiting = max(0, load.num_in_flight - load.num_decoding)
+        queue = load.outstanding_prefill_tokens + self.step_tokens * waiting
+        ttft = (queue + prefill) / rate * slowdown
         return ttft, prefill
 
     def select(self, request: PolicyInput, candidates: Sequence[Candidate]) -> Selection:

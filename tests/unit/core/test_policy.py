@@ -30,7 +30,8 @@ def cand(name: str, *, queue: int = 0, gpu: int = 0, predicted: int = 0, rate: f
 
 
 def test_worked_example_from_the_docstring() -> None:
-    policy = KvrouteCostPolicy(random.Random(0), work_weight=0.5)
+    policy = KvrouteCostPolicy(random.Random(0), work_weight=0.5, decode_slowdown=0.0,
+                               step_tokens=0.0)
     req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
     sel = policy.select(req, [cand("A", queue=9000, gpu=62), cand("B"), cand("C", queue=2000, gpu=31)])
     assert sel.ranking == ("B", "C", "A")
@@ -97,3 +98,14 @@ def test_a_session_pin_wins_ties_but_not_costs() -> None:
     assert all(policy.select(req, [cand("a"), cand("b"), cand("c")]).replica == "c"
                for _ in range(20))
     assert policy.select(req, [cand("a"), cand("c", queue=5000)]).replica == "a"
+
+
+def test_waiting_requests_cost_a_step_each() -> None:
+    """A burst of short suffixes behind a cached prefix moves on once its steps add up."""
+    policy = KvrouteCostPolicy(random.Random(0), step_tokens=64.0)
+    req = PolicyInput("r", num_prompt_tokens=632, block_size=16)
+    # 'hot' holds 600 cached tokens; 8 requests of 32 new tokens each already wait there.
+    hot = cand("hot", queue=8 * 32, gpu=37, in_flight=8)
+    assert policy.select(req, [hot, cand("cold")]).replica == "hot"
+    hotter = cand("hot", queue=12 * 32, gpu=37, in_flight=12)
+    assert policy.select(req, [hotter, cand("cold")]).replica == "cold"
