@@ -16,7 +16,10 @@ Start-up order (each step needs the previous one):
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
    core needs no locks;
 5. session state, tokenizers, then the HTTP site (handler cancellation on, so a client that
-   disconnects cancels its upstream request).
+   disconnects cancels its upstream request). A refused connection seen by the proxy or a
+   warm-up goes to ``Discovery.report_failure``, which takes that replica out of routing at
+   once; the tier logic (``shell/tiering.py``) reads windows and served models from the same
+   ``Discovery`` and tells it to re-read a window an engine contradicted.
 
 Shutdown runs the same list backwards; every step runs even if an earlier one failed, and the
 first error is raised at the end.
@@ -134,6 +137,7 @@ class RouterRuntime:
                 sub = EventSubscriber(
                     rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
                     replay_endpoint=rep.kv_replay, topic=rep.kv_topic, bind=rep.kv_events_bind,
+                    token_ids=False,
                 )
                 self.subscribers[rep.name] = sub
                 self._seen[rep.name] = SubscriberStats()
@@ -144,6 +148,7 @@ class RouterRuntime:
             config, core=self.core, upstream=Upstream(self.session, config.timeouts),
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
             tokenizers=tokenizers, extra_state=self._extra_state, on_scrape=self.sync_metrics,
+            on_replica_failure=self.discovery.report_failure,
         )
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()

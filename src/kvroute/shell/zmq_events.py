@@ -113,6 +113,8 @@ class EventSubscriber:
         catch_up: replay the engine's buffer when the first message is not seq 0.
         hwm: receive high-water mark of the SUB socket (vLLM's PUB default is 100 000).
         context: a ``zmq.asyncio.Context``; the process-wide instance when None.
+        token_ids: decode ``BlockStored.token_ids`` of live messages; the router turns it off
+            (its index needs only hashes, and skipping them roughly halves decode time).
         bind: bind the SUB socket at ``endpoint`` instead of connecting. vLLM's publisher
             binds only wildcard (``tcp://*:5557``), ipc and inproc endpoints; given a concrete
             ``tcp://127.0.0.1:5601`` it connects, and the router must bind that address.
@@ -132,6 +134,7 @@ class EventSubscriber:
         hwm: int = 100_000,
         context: zmq.asyncio.Context | None = None,
         bind: bool = False,
+        token_ids: bool = True,
     ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
@@ -145,6 +148,7 @@ class EventSubscriber:
         self._catch_up = catch_up
         self._hwm = hwm
         self._bind = bind
+        self._token_ids = token_ids
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._stats = SubscriberStats()
         self._expected: int | None = None
@@ -202,7 +206,8 @@ class EventSubscriber:
             while True:
                 frames = await sub.recv_multipart()
                 try:
-                    batch = decode_message(frames, on_unknown=self._count_unknown)
+                    batch = decode_message(frames, on_unknown=self._count_unknown,
+                                           token_ids=self._token_ids)
                 except MalformedEventError as exc:
                     self._stats.malformed += 1
                     log.warning(

@@ -167,6 +167,27 @@ class _SlowArrRemoved(_SlowMapRemoved, array_like=True, gc=False):
     pass
 
 
+class _MapStoredLean(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    """``_MapStored`` with ``token_ids`` skipped, not decoded: the router's index needs only
+    the hashes, and token ids are about half of a batch's decode time."""
+
+    block_hashes: tuple[_U64, ...]
+    parent_block_hash: _U64 | None
+    token_ids: msgspec.Raw
+    block_size: _Size
+    lora_id: int | None = None
+    medium: str | None = "GPU"
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+
+
 _MapEvent = _MapStored | _MapRemoved | _MapCleared
 _ArrEvent = _ArrStored | _ArrRemoved | _ArrCleared
 
@@ -174,6 +195,12 @@ _ArrEvent = _ArrStored | _ArrRemoved | _ArrCleared
 class _MapBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class _MapLeanBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapStoredLean | _MapRemoved | _MapCleared]
     data_parallel_rank: int | None = None
 
 
@@ -202,6 +229,7 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 _MAP_BATCH = msgspec.msgpack.Decoder(_MapBatch)
+_MAP_LEAN_BATCH = msgspec.msgpack.Decoder(_MapLeanBatch)
 _ARR_BATCH = msgspec.msgpack.Decoder(_ArrBatch)
 _MAP_ANY_BATCH = msgspec.msgpack.Decoder(_MapAnyBatch)
 _ARR_ANY_BATCH = msgspec.msgpack.Decoder(_ArrAnyBatch)
@@ -226,11 +254,11 @@ def _to_domain(event: Any) -> KVEvent:
         return BlockRemoved(
             event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership
         )
-    if isinstance(event, _MapStored):
+    if isinstance(event, (_MapStored, _MapStoredLean)):
         return BlockStored(
             event.block_hashes,
             event.parent_block_hash,
-            event.token_ids,
+            event.token_ids if isinstance(event, _MapStored) else (),
             event.block_size,
             event.lora_id,
             event.medium,
@@ -322,7 +350,11 @@ def _slow_event(raw: msgspec.Raw, index: int, on_unknown: OnUnknown | None) -> K
 
 
 def decode_payload(
-    payload: bytes | bytearray | memoryview, seq: int, *, on_unknown: OnUnknown | None = None
+    payload: bytes | bytearray | memoryview,
+    seq: int,
+    *,
+    on_unknown: OnUnknown | None = None,
+    token_ids: bool = True,
 ) -> EventBatch:
     """Decode one msgpack batch payload into an ``EventBatch`` carrying ``seq``.
 
@@ -330,6 +362,9 @@ def decode_payload(
         payload: the third frame of a live message (or the last of a replay reply).
         seq: the batch's sequence number, from its own frame.
         on_unknown: called with the type tag of every skipped event of an unknown type.
+        token_ids: with False, ``BlockStored.token_ids`` of the current (map) form is left
+            empty instead of decoded — the router's index needs only hashes. The bytes are
+            still checked to be one well-formed msgpack value.
 
     Returns:
         The batch, its events in publication order, hashes as ``WireHash`` ints.
@@ -338,7 +373,7 @@ def decode_payload(
         MalformedEventError: the payload is not a valid vLLM KV-event batch.
     """
     try:
-        fast = _MAP_BATCH.decode(payload)
+        fast = (_MAP_BATCH if token_ids else _MAP_LEAN_BATCH).decode(payload)
     except msgspec.ValidationError:
         pass
     except _DecodeErrors as exc:
@@ -397,11 +432,15 @@ def decode_seq(frame: bytes | bytearray | memoryview) -> int:
 
 
 def decode_message(
-    frames: Sequence[bytes | bytearray | memoryview], *, on_unknown: OnUnknown | None = None
+    frames: Sequence[bytes | bytearray | memoryview],
+    *,
+    on_unknown: OnUnknown | None = None,
+    token_ids: bool = True,
 ) -> EventBatch:
     """Decode one live PUB message ``[topic, seq8, payload]``.
 
-    The topic is not checked here: the SUB socket already filtered on it.
+    The topic is not checked here: the SUB socket already filtered on it. ``token_ids`` as
+    for ``decode_payload``.
 
     Raises:
         MalformedEventError: wrong frame count, bad sequence frame or bad payload.
@@ -411,7 +450,7 @@ def decode_message(
             f"a KV-event message has 3 frames [topic, seq, payload], got {len(frames)}"
         )
     seq = decode_seq(frames[1])
-    return decode_payload(frames[2], seq, on_unknown=on_unknown)
+    return decode_payload(frames[2], seq, on_unknown=on_unknown, token_ids=token_ids)
 
 
 # ---------------------------------------------------------------------------------------

@@ -400,3 +400,21 @@ def test_replay_reply_malformed(frames: list[bytes], fragment: str) -> None:
 def test_encode_rejects_bad_form() -> None:
     with pytest.raises(ValueError, match="form"):
         encode_payload(make_batch(), form="json")  # type: ignore[arg-type]
+
+
+def test_decoding_without_token_ids_keeps_everything_else() -> None:
+    """The router's lean decode: same events, token ids left empty."""
+    from kvroute.wire.vllm_events import decode_message, encode_message
+
+    stored = BlockStored((WireHash(1), WireHash(2)), WireHash(9), tuple(range(32)), 16, None,
+                         "GPU", "lora-a", (("lora-a", "salt"), ("lora-a",)), 0, "full_attention")
+    batch = EventBatch(seq=3, ts=1.5, events=(stored, BlockRemoved((WireHash(7),), "GPU", 0),
+                                              AllBlocksCleared()), data_parallel_rank=0)
+    frames = encode_message(batch, "kv")
+    full = decode_message(frames)
+    lean = decode_message(frames, token_ids=False)
+    assert full.events[0].token_ids == stored.token_ids  # type: ignore[union-attr]
+    assert lean.events[1:] == full.events[1:]
+    first = lean.events[0]
+    assert isinstance(first, BlockStored) and first.token_ids == ()
+    assert msgspec.structs.replace(first, token_ids=stored.token_ids) == full.events[0]
