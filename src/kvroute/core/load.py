@@ -176,13 +176,17 @@ class LoadTracker:
             return
         prefill_tokens = max(0, prefill_tokens)
         kv_tokens = max(0, prompt_tokens) + max(0, expected_output_tokens)
+        ahead = record.drained_backlog(now_s)
         record.in_flight[request_id] = _InFlight(
             prefill_tokens=prefill_tokens,
-            queue_ahead_tokens=record.outstanding_prefill_tokens,
+            # The work really ahead of it (drained backlog), not the raw outstanding count:
+            # the raw count would credit the replica with tokens it computed before this
+            # request arrived and inflate its learned rate.
+            queue_ahead_tokens=int(ahead),
             kv_tokens=kv_tokens,
             dispatched_s=now_s,
         )
-        backlog = record.drained_backlog(now_s) + prefill_tokens
+        backlog = ahead + prefill_tokens
         record.outstanding_prefill_tokens += prefill_tokens
         record.set_backlog(backlog, now_s)
         record.active_kv_tokens += kv_tokens
