@@ -147,10 +147,22 @@ class PoolConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouteConfig:
-    """A model name clients send, and the pools (tiers) behind it, smallest window first."""
+    """A model name clients send, and the pools (tiers) behind it, smallest window first.
+
+    Attributes:
+        name: the model name clients send.
+        pools: the tiers, smallest window first (``core/tiers.py`` picks among them).
+        output_floor: the least output a placement must leave room for (``plan_tier``); a
+            route that must always get the full requested output sets it to its usual
+            ``max_tokens``.
+        tokenize_margin: how far below the under-estimate a window may lie and still be
+            worth an exact ``/tokenize`` count, in [0, 1).
+    """
 
     name: str
     pools: tuple[PoolName, ...]
+    output_floor: int = 256
+    tokenize_margin: float = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,11 +259,19 @@ class WarmAheadConfig:
 
     The cooldown map's bound is ``state.max_warm``. ``KVROUTE_WARM_AHEAD=0`` in the
     environment switches warm-ahead off whatever the file says (``=1`` forces it on).
+    ``rewarm_fraction`` is the growth (share of the window) after which a growing session
+    may be warmed again within the cooldown (``core/warm.py``'s growth stages; 1 = once per
+    cooldown). ``timeout_s`` bounds one warm-up request (it runs in the background; a warm-up that
+    takes longer is abandoned and counted as failed); ``max_in_flight`` bounds how many run
+    at once (beyond it a warm-up is skipped, reason ``busy``).
     """
 
     enabled: bool = True
     fraction: float = 0.6
     cooldown_s: float = 300.0
+    rewarm_fraction: float = 0.1
+    timeout_s: float = 30.0
+    max_in_flight: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,7 +507,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
 def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteConfig:
     key = f"routes.{name}"
     d = _mapping(key, data, "{pools: [small]}")
-    _check_keys(key, d, ("pools",))
+    _check_keys(key, d, ("pools", "output_floor", "tokenize_margin"))
     names = d.get("pools")
     if not isinstance(names, list) or not names:
         raise _fail(f"{key}.pools", names, "must be a non-empty list of pool names", f"Write e.g. pools: [{next(iter(pools))}].")
@@ -500,7 +520,12 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
         if pool in out:
             raise _fail(f"{key}.pools[{i}]", pool, "is listed twice", "List each pool once, smallest window first.")
         out.append(PoolName(pool))
-    return RouteConfig(name=name, pools=tuple(out))
+    floor = _int(f"{key}.output_floor", d.get("output_floor", 256), minimum=1)
+    margin = _num(f"{key}.tokenize_margin", d.get("tokenize_margin", 0.2), strict=False)
+    if margin >= 1.0:
+        raise _fail(f"{key}.tokenize_margin", margin, "must be below 1",
+                    "Use the share below the estimate still worth an exact count, e.g. 0.2.")
+    return RouteConfig(name=name, pools=tuple(out), output_floor=floor, tokenize_margin=margin)
 
 
 def _policy(data: Any) -> PolicyConfig:
@@ -627,7 +652,8 @@ def _discovery(data: Any) -> DiscoveryConfig:
 
 def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
     d = _mapping("warm_ahead", data, "{enabled: true, fraction: 0.6, cooldown_s: 300}")
-    _check_keys("warm_ahead", d, ("enabled", "fraction", "cooldown_s"))
+    _check_keys("warm_ahead", d, ("enabled", "fraction", "cooldown_s", "rewarm_fraction",
+                                  "timeout_s", "max_in_flight"))
     base = WarmAheadConfig()
     enabled = _bool("warm_ahead.enabled", d.get("enabled", base.enabled))
     fraction = _num("warm_ahead.fraction", d.get("fraction", base.fraction))
@@ -642,7 +668,18 @@ def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
         enabled=enabled,
         fraction=fraction,
         cooldown_s=_num("warm_ahead.cooldown_s", d.get("cooldown_s", base.cooldown_s), strict=False),
+        rewarm_fraction=_rewarm(d.get("rewarm_fraction", base.rewarm_fraction)),
+        timeout_s=_num("warm_ahead.timeout_s", d.get("timeout_s", base.timeout_s)),
+        max_in_flight=_int("warm_ahead.max_in_flight", d.get("max_in_flight", base.max_in_flight), minimum=1),
     )
+
+
+def _rewarm(value: Any) -> float:
+    share = _num("warm_ahead.rewarm_fraction", value)
+    if share > 1.0:
+        raise _fail("warm_ahead.rewarm_fraction", value, "must be at most 1",
+                    "Use the growth (share of the window) that allows another warm-up, e.g. 0.1; 1 = once per cooldown.")
+    return share
 
 
 _RESERVED_ROUTES: Final = frozenset({"admin", "health", "metrics"})

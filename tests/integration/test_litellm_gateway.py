@@ -59,24 +59,6 @@ SMALL_WINDOW = 2048
 LARGE_WINDOW = 8192
 CHAT_REPLICAS = ("c0", "c1")
 
-TIERS_PENDING = (
-    "waits for context-window tiers in kvroute serve (shell/tiering.py wiring core/tiers.py "
-    "into shell/app.py: proactive tier choice and OpenAI-worded overflow 400s)"
-)
-"""Reason of the strict xfails below; remove them when that work lands (they then XPASS)."""
-
-
-def _tiers_landed() -> bool:
-    try:
-        import kvroute.shell.tiering  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_tiers = pytest.mark.xfail(not _tiers_landed(), reason=TIERS_PENDING, strict=True)
-
-
 def words(rng: random.Random, n: int, tag: str = "w") -> str:
     """``n`` distinct words: ``n`` tokens for the simulated tokenizer."""
     return " ".join(f"{tag}{rng.getrandbits(40):x}" for _ in range(n))
@@ -343,7 +325,6 @@ def test_a_short_prompt_stays_on_the_small_tier(stack: Stack) -> None:
     assert headers["llm_provider-x-kvroute-pool"] == "small"
 
 
-@needs_tiers
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_kvroute_tiers_escalate_an_overlong_prompt(stack: Stack, stream: bool) -> None:
     """3,000 prompt tokens do not fit the 2,048 pool: kvroute serves them from the 8,192 one,
@@ -360,7 +341,6 @@ def test_kvroute_tiers_escalate_an_overlong_prompt(stack: Stack, stream: bool) -
         assert json.loads(raw)["usage"]["completion_tokens"] == 8
 
 
-@needs_tiers
 def test_kvroute_answers_an_openai_worded_400_when_no_pool_fits(stack: Stack) -> None:
     """With a single small pool, kvroute's answer is OpenAI's overflow 400 — the wording
     LiteLLM's ``context_window_fallbacks`` recognises — whatever the engine's own text."""
@@ -376,7 +356,6 @@ def test_kvroute_answers_an_openai_worded_400_when_no_pool_fits(stack: Stack) ->
     assert "You passed" not in error["message"]  # not the engine's vLLM 0.16 text
 
 
-@needs_tiers
 def test_litellm_context_window_fallback_reacts_to_kvroute_400(stack: Stack) -> None:
     rng = random.Random(18)
     status, headers, raw = stack.proxy.post(

@@ -16,25 +16,33 @@ The request walk (``Router.handle``)
 2. read the body with a size limit and ``wire.openai.parse_request`` it; resolve the route
    (the ``model`` field) — every bad input ends here with OpenAI's error shape;
 3. admission: a slot among ``max_in_flight``, or a bounded wait, or 429 + ``Retry-After``;
-4. choose the pool (``choose_pool``: today the route's first pool; the tier logic of
-   ``core/tiers.py`` replaces this one function);
-5. tokens: the pool's ``PromptTokenizer`` (engine ``/tokenize`` or local), or the prompt's own
-   token ids, or nothing (the request is then routed approximately, and says so);
-6. ``core.route`` in the tenant's ``TenantScope``; for the ``session`` policy a live pin
-   restricts the choice to the pinned replica;
-7. forward: ``Upstream.open``; a failure before the first byte goes to ``_recover`` (today:
-   next replica of the ranking, bounded by ``retries.max_retries``; later: the overflow
-   recovery plan of ``core/tiers.py``); after the first byte the stream is relayed and a
-   failure ends it with an error event;
+4. choose the tier (``shell/tiering.py`` over ``core/tiers.py``): estimate the prompt (from
+   the session's last usage when known), pick the first pool whose window holds it plus the
+   output floor, asking the pool's ``/tokenize`` when the estimate straddles a window, clamp
+   ``max_tokens``; no pool fits → 400 in OpenAI's overflow wording, with the numbers;
+5. tokens: the pool's ``PromptTokenizer`` (engine ``/tokenize`` or local; asked once per
+   pool per request), or the prompt's own token ids, or nothing (the request is then routed
+   approximately, and says so);
+6. ``core.route`` in the tenant's ``TenantScope``, with the session's pin (memory or Redis)
+   as ``preferred_replica`` when it is in the chosen pool; then warm-ahead is decided (pure)
+   and, if it fires, sent by ``shell/warm.py`` in the background;
+7. forward: ``Upstream.open``; an overflow rejection (a 400/413/422 body, or an error event
+   opening a 200 stream) goes to ``_overflow`` (``core/tiers.plan_recovery``: clamp and
+   retry, escalate to a larger pool, or give up with a 400), bounded by ``2 × pools``
+   attempts; any other failure before the first byte goes to ``_recover`` (next replica of
+   the ranking, bounded by ``retries.max_retries``; a refused connection takes the replica
+   out of routing through ``on_replica_failure``); after the first byte the stream is
+   relayed and a failure ends it with an error event;
 8. account: ``core.on_first_token`` / ``core.on_complete`` on every exit path, metrics, the
-   decision log line, the session pin (refreshed TTL).
+   decision log line, the session pin (refreshed TTL), the session's usage and cut-short
+   answers (``finish_reason``/``usage`` read from the answer; for a stream, only the chunks
+   that carry them are decoded).
 
-Session pins, kept simple: a request with a session id pins its session to the replica that
-served it (TTL ``state.session_ttl_s``, refreshed each time). The ``session`` policy honours a
-live pin on a healthy replica (so sessions stay put when the fleet changes, which rendezvous
-hashing alone would not guarantee). The cost-based policies do not read pins: their tie-break
-is least-recently-chosen inside ``core``, and a pin hint there needs a ``RouteRequest`` field
-(``preferred_replica``) that ``core/router.py`` does not have yet.
+Session pins: a request with a session id pins its session to the replica that served it
+(TTL ``state.session_ttl_s``, refreshed each time). Every policy receives the live pin as
+``RouteRequest.preferred_replica``: the cost policies use it to break ties, the ``session``
+policy follows it while the replica is healthy (so sessions stay put when the fleet changes,
+which rendezvous hashing alone would not guarantee).
 """
 
 from __future__ import annotations
@@ -44,25 +52,32 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Protocol, TypeVar
 
+import aiohttp
+import msgspec
 from aiohttp import web
 
-from kvroute.config import DEFAULT_TENANT, PoolConfig, RouteConfig, RouterConfig, Secrets
+from kvroute.config import DEFAULT_TENANT, RouteConfig, RouterConfig, Secrets
+from kvroute.core.clock import Clock
 from kvroute.core.errors import NoEligibleReplica
 from kvroute.core.index import AdminCapability, TenantScope
 from kvroute.core.peer_policies import POLICY_FACTORIES
 from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
+from kvroute.core.tiers import GiveUp, Retry
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.shell.admission import Admission, AdmissionRejected
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
-from kvroute.shell.state import SessionState
+from kvroute.shell.state import MonotonicClock, SessionState
+from kvroute.shell.tiering import Tiering, TierRefused, TierView, TierWalk, session_key
 from kvroute.shell.tokenizer import PromptTokenizer
+from kvroute.shell.warm import WarmSender
 from kvroute.wire.openai import (
     Endpoint,
     ParsedRequest,
@@ -73,7 +88,9 @@ from kvroute.wire.openai import (
     models_response,
     parse_request,
     session_from_request,
+    warm_request_body,
 )
+from kvroute.wire.overflow import Overflow, parse_overflow
 
 __all__ = [
     "ROUTER_KEY",
@@ -81,7 +98,6 @@ __all__ = [
     "PromptTokenizer",
     "Router",
     "build_app",
-    "choose_pool",
     "routing_text",
 ]
 
@@ -93,28 +109,17 @@ HDR_POOL: Final = "x-kvroute-pool"
 HDR_CACHED: Final = "x-kvroute-cached-tokens"
 HDR_APPROX: Final = "x-kvroute-approximate"
 _JSON: Final = "application/json"
-_CHARS_PER_TOKEN_ESTIMATE: Final = 4
+_JSON_DECODER: Final = msgspec.json.Decoder()
 
 
-class DiscoveryView(Protocol):
-    """What the HTTP layer reads from discovery (``shell/discovery.py``)."""
-
-    def pool_window(self, pool: PoolName) -> int | None:
-        ...
+class DiscoveryView(TierView, Protocol):
+    """What the HTTP layer reads from discovery (``shell/discovery.py``): windows for
+    ``/v1/models`` and everything the tier logic reads (``shell/tiering.TierView``)."""
 
 
 # --------------------------------------------------------------------------------------------
-# Seams for the next issues
+# Request shapes
 # --------------------------------------------------------------------------------------------
-
-
-def choose_pool(route: RouteConfig, parsed: ParsedRequest, num_prompt_tokens: int | None) -> PoolName:
-    """The pool (tier) a request of ``route`` goes to.
-
-    Today: the route's first pool. ``core/tiers.py`` will replace this with the first pool
-    whose window fits ``num_prompt_tokens`` plus an output floor (DESIGN.md step 3).
-    """
-    return route.pools[0]
 
 
 def routing_text(parsed: ParsedRequest) -> str:
@@ -151,6 +156,106 @@ def _prompt_ids_from_body(parsed: ParsedRequest) -> list[int] | None:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return [int(t) for t in prompt if isinstance(t, int)]
     return None
+
+
+_FINISH_OR_USAGE: Final = re.compile(rb'"finish_reason":\s*"|"usage":\s*\{')
+"""A relayed SSE piece worth decoding: a choice's end, or the usage chunk. Every other
+chunk (one per engine step) is passed through without being parsed."""
+
+
+class _StreamWatcher:
+    """Reads ``finish_reason`` and ``usage`` out of a relayed stream, cheaply.
+
+    Invariant: only pieces matching ``_FINISH_OR_USAGE`` are decoded, so a long answer costs
+    one regex scan per chunk; undecodable events are ignored (they are relayed regardless).
+    """
+
+    __slots__ = ("_reasons", "usage")
+
+    def __init__(self) -> None:
+        self._reasons: dict[int, str] = {}
+        self.usage: Mapping[str, Any] | None = None
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [self._reasons.get(i) for i in range(max(self._reasons, default=-1) + 1)]
+
+    def feed(self, piece: bytes) -> None:
+        if _FINISH_OR_USAGE.search(piece) is None:
+            return
+        for line in piece.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if not data or data == b"[DONE]":
+                continue
+            try:
+                doc = _JSON_DECODER.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(doc, dict):
+                _read_completion(doc, self._reasons)
+                usage = doc.get("usage")
+                if isinstance(usage, dict):
+                    self.usage = usage
+
+
+def _read_completion(doc: Mapping[str, Any], reasons: dict[int, str]) -> None:
+    choices = doc.get("choices")
+    if not isinstance(choices, list):
+        return
+    for pos, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            continue
+        reason = choice.get("finish_reason")
+        index = choice.get("index", pos)
+        if isinstance(reason, str) and isinstance(index, int):
+            reasons[index] = reason
+
+
+def _completion_of(body: bytes) -> tuple[list[str | None], Mapping[str, Any] | None]:
+    """``finish_reason`` of each choice and the ``usage`` of a whole (non-streamed) answer."""
+    try:
+        doc = _JSON_DECODER.decode(body)
+    except msgspec.DecodeError:
+        return [], None
+    if not isinstance(doc, dict):
+        return [], None
+    reasons: dict[int, str] = {}
+    _read_completion(doc, reasons)
+    usage = doc.get("usage")
+    return ([reasons.get(i) for i in range(max(reasons, default=-1) + 1)],
+            usage if isinstance(usage, dict) else None)
+
+
+def _streamed_overflow(reply: UpstreamReply) -> Overflow | None:
+    """An overflow sent as the first SSE event of a 200 stream (SGLang 0.4), before any token.
+
+    Only the first chunk is looked at (an overflow after content cannot be retried), and only
+    parsed when it mentions an error at all, so normal streams pay one substring search.
+    """
+    if reply.response is None or b"error" not in reply.body:
+        return None
+    return parse_overflow(reply.status, reply.body)
+
+
+def _is_connect_failure(error: UpstreamError) -> bool:
+    """No connection to the replica: refused, unreachable, or a connect (not read) timeout."""
+    if error.kind == "connect":
+        return True
+    return error.kind == "timeout" and isinstance(error.__cause__, aiohttp.ConnectionTimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """What the forwarding loop needs to plan another attempt after an overflow."""
+
+    walk: TierWalk
+    tenant: TenantName
+    session: str | None
+    salt: str | None
+    pinned: str | None
+    pin_key: str | None
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,6 +295,7 @@ class Router:
     admission: Admission
     secrets: Secrets
     metrics: RouterMetrics
+    tiering: Tiering
     state: SessionState | None = None
     discovery: DiscoveryView | None = None
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
@@ -197,6 +303,7 @@ class Router:
     extra_state: Callable[[], Mapping[str, Any]] | None = None
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None
     on_scrape: Callable[[], None] | None = None
+    warm: WarmSender | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     # -- entry points ---------------------------------------------------------------------
@@ -287,43 +394,25 @@ class Router:
         request_id = RequestId(request.headers.get("x-request-id") or uuid.uuid4().hex)
         session_ref = session_from_request(request.headers.items(), parsed.body)
         session = session_ref.session_id if session_ref is not None else None
-        pool_name = choose_pool(route, parsed, None)
-        pool = self.config.pools[pool_name]
-
+        try:
+            walk = await self.tiering.plan(route, parsed,
+                                           session_key(tenant, route.name, session))
+        except TierRefused as exc:
+            self._log(_Attempt(request_id, route.name, PoolName("none"), tenant, session, 0,
+                               False, outcome="no_fit"), None)
+            return _error(exc.status, exc.body)
+        pool_name = walk.pool_name
         salt = self._cache_salt(tenant, parsed.cache_salt)
-        token_ids = _prompt_ids_from_body(parsed)
-        if token_ids is None:
-            tokenizer = self.tokenizers.get(pool_name)
-            if tokenizer is not None:
-                token_ids = await tokenizer.token_ids(parsed)
-        needs_text = getattr(POLICY_FACTORIES[self.config.policy.name], "needs_text", False)
-        text = routing_text(parsed) if token_ids is None or needs_text else ""
-        if token_ids is not None:
-            num_tokens = len(token_ids)
-        else:
-            num_tokens = max(1, len(text) // _CHARS_PER_TOKEN_ESTIMATE)
-        attempt = _Attempt(request_id, route.name, pool_name, tenant, session, num_tokens,
-                           token_ids is not None)
-
-        exclude: frozenset[ReplicaId] = frozenset()
         pin_key = f"{tenant}\x1f{session}" if session is not None else None
-        if pin_key is not None and self.state is not None and self.config.policy.name == "session":
+        pinned: str | None = None
+        if pin_key is not None and self.state is not None:
             pinned = await self.state.get_pin(pin_key)
-            exclude = self._pin_exclusion(pool, pinned)
-            attempt.pinned = bool(exclude)
-
-        route_request = RouteRequest(
-            request_id=request_id,
-            pool=pool_name,
-            scope=TenantScope(tenant),
-            num_prompt_tokens=num_tokens,
-            prompt_token_ids=token_ids,
-            routing_text=text,
-            cache_salt=salt,
-            session_id=session,
-            expected_output_tokens=parsed.max_tokens or 256,
-            exclude=exclude,
-        )
+        route_request = await self._route_request(walk, pool_name, request_id, tenant,
+                                                  session, salt, pinned)
+        attempt = _Attempt(request_id, route.name, pool_name, tenant, session,
+                           route_request.num_prompt_tokens,
+                           route_request.prompt_token_ids is not None,
+                           pinned=route_request.preferred_replica is not None)
         started = time.perf_counter()
         try:
             decision = self.core.route(route_request)
@@ -333,18 +422,64 @@ class Router:
             return _error(503, error_body(str(exc), status=503), pool=pool_name)
         attempt.routing_us = (time.perf_counter() - started) * 1e6
         self._decided(attempt, decision)
-
-        body = encode_request(parsed, model=pool.model, cache_salt=salt)
+        self._maybe_warm(walk, tenant, session, salt, pinned)
+        body = encode_request(parsed, max_tokens=walk.max_tokens,
+                              model=self.config.pools[pool_name].model, cache_salt=salt)
         headers = {"X-Request-Id": request_id}
-        return await self._forward(request, parsed, attempt, decision, body, headers, pin_key)
+        ctx = _Forward(walk, tenant, session, salt, pinned, pin_key)
+        return await self._forward(request, parsed, attempt, decision, body, headers, ctx)
 
-    def _pin_exclusion(self, pool: PoolConfig, pinned: str | None) -> frozenset[ReplicaId]:
-        if pinned is None:
-            return frozenset()
-        names = [rep.name for rep in pool.replicas]
-        if pinned not in names or not self.core.is_healthy(ReplicaId(pinned)):
-            return frozenset()
-        return frozenset(name for name in names if name != pinned)
+    async def _route_request(self, walk: TierWalk, pool_name: PoolName, request_id: RequestId,
+                             tenant: TenantName, session: str | None, salt: str | None,
+                             pinned: str | None) -> RouteRequest:
+        """The ``RouteRequest`` for ``pool_name``: its exact tokens if its tokenizer gives them
+        (asked once per walk), else the text; the session's pin if it is in this pool."""
+        token_ids = _prompt_ids_from_body(walk.parsed)
+        if token_ids is None:
+            token_ids = await self.tiering.tokens(walk, pool_name)
+        needs_text = getattr(POLICY_FACTORIES[self.config.policy.name], "needs_text", False)
+        text = routing_text(walk.parsed) if token_ids is None or needs_text else ""
+        num_tokens = len(token_ids) if token_ids is not None else max(1, walk.estimate.low)
+        preferred: ReplicaId | None = None
+        if pinned is not None and any(
+            rep.name == pinned for rep in self.config.pools[pool_name].replicas
+        ):
+            preferred = ReplicaId(pinned)
+        max_tokens = walk.state.max_tokens
+        return RouteRequest(
+            request_id=request_id,
+            pool=pool_name,
+            scope=TenantScope(tenant),
+            num_prompt_tokens=num_tokens,
+            prompt_token_ids=token_ids,
+            routing_text=text,
+            cache_salt=salt,
+            session_id=session,
+            expected_output_tokens=max_tokens if max_tokens is not None else 256,
+            preferred_replica=preferred,
+        )
+
+    def _maybe_warm(self, walk: TierWalk, tenant: TenantName, session: str | None,
+                    salt: str | None, pinned: str | None) -> None:
+        """Warm-ahead (DESIGN.md step 4): decide here (pure), send in the background."""
+        if self.warm is None:
+            return
+        fire = self.tiering.consider_warm(walk)
+        if fire is None:
+            return
+        parsed = walk.parsed
+        warm_parsed = parsed if salt is None else replace(
+            parsed, body={**parsed.body, "cache_salt": salt}, cache_salt=salt)
+        body = warm_request_body(warm_parsed, model=fire.target_model)
+        target = PoolName(fire.target_pool_name)
+        path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
+
+        async def build(request_id: RequestId) -> RouteRequest:
+            req = await self._route_request(walk, target, request_id, tenant, session, salt,
+                                            pinned)
+            return replace(req, expected_output_tokens=1)
+
+        self.warm.fire(fire, body, path, fire.claim_key, build)
 
     def _cache_salt(self, tenant: TenantName, client_salt: str | None) -> str | None:
         """The salt the engine must hash into block 0.
@@ -369,75 +504,116 @@ class Router:
 
     async def _forward(self, request: web.Request, parsed: ParsedRequest, attempt: _Attempt,
                        decision: RoutingDecision, body: bytes, headers: Mapping[str, str],
-                       pin_key: str | None) -> web.StreamResponse:
+                       ctx: _Forward) -> web.StreamResponse:
         path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
         current = decision
         active: ReplicaId | None = decision.replica  # the replica whose load is open
         try:
             while True:
                 url = self.config.replica(current.replica).url + path
+                overflow: Overflow | None = None
                 try:
                     reply = await self.upstream.open(url, body, stream=parsed.stream,
                                                      headers=headers)
                 except UpstreamError as exc:
-                    self.metrics.upstream_error(current.replica, exc.kind)
-                    nxt, released = self._recover(attempt, current, exc)
-                    if released:
-                        active = None
-                    if nxt is None:
-                        attempt.outcome = f"upstream_{exc.kind}"
-                        return self._upstream_failure(current, exc)
-                    self.metrics.retry(current.replica)
-                    attempt.retries += 1
-                    current = nxt
-                    active = nxt.replica
+                    if exc.kind == "status" and exc.status is not None:
+                        overflow = parse_overflow(exc.status, exc.body)
+                    if overflow is None:
+                        self.metrics.upstream_error(current.replica, exc.kind)
+                        nxt, released = self._recover(attempt, current, exc)
+                        if released:
+                            active = None
+                        if nxt is None:
+                            attempt.outcome = f"upstream_{exc.kind}"
+                            return self._upstream_failure(current, exc)
+                        self.metrics.retry(current.replica)
+                        attempt.retries += 1
+                        current = nxt
+                        active = nxt.replica
+                        continue
+                else:
+                    overflow = _streamed_overflow(reply)
+                    if overflow is not None:
+                        reply.close()
+                if overflow is not None:
+                    # The reactive backstop (DESIGN.md step 7): clamp, escalate or give up.
+                    self.metrics.upstream_error(current.replica, "overflow")
+                    self.core.on_complete(current.replica, attempt.request_id)
+                    active = None
+                    step = await self._overflow(attempt, current, overflow, ctx)
+                    if isinstance(step, web.Response):
+                        return step
+                    current, body = step
+                    active = current.replica
                     continue
                 break
             self.core.on_first_token(current.replica, attempt.request_id)
-            if pin_key is not None and self.state is not None:
-                self._spawn(self.state.set_pin(pin_key, current.replica,
+            if ctx.pin_key is not None and self.state is not None:
+                self._spawn(self.state.set_pin(ctx.pin_key, current.replica,
                                                self.config.state.session_ttl_s))
             if reply.response is None:
+                self.tiering.on_complete(ctx.walk, *_completion_of(reply.body))
                 return self._whole(reply, current)
-            return await self._stream(request, reply, attempt, current)
+            watcher = _StreamWatcher()
+            response = await self._stream(request, reply, attempt, current, watcher)
+            self.tiering.on_complete(ctx.walk, watcher.finish_reasons, watcher.usage)
+            return response
         finally:
             if active is not None:
                 self.core.on_complete(active, attempt.request_id)
-            self._log(attempt, current)
+            self._log(attempt, current, ctx.walk)
+
+    async def _overflow(self, attempt: _Attempt, failed: RoutingDecision, overflow: Overflow,
+                        ctx: _Forward) -> tuple[RoutingDecision, bytes] | web.Response:
+        """Plan the next attempt after an overflow rejection (``core/tiers.plan_recovery``).
+
+        Returns the next decision and body, or the 400 to answer (give up, or no replica).
+        """
+        walk = ctx.walk
+        plan = self.tiering.recover(walk, overflow, failed.replica)
+        if isinstance(plan, GiveUp):
+            attempt.outcome = f"overflow_{plan.reason.value}"
+            return _routed(web.Response(status=400, body=Tiering.give_up_body(plan),
+                                        content_type=_JSON), failed)
+        pool_name = walk.pool_name
+        attempt.pool = pool_name
+        attempt.retries += 1
+        req = await self._route_request(walk, pool_name, attempt.request_id, ctx.tenant,
+                                        ctx.session, ctx.salt, ctx.pinned)
+        if isinstance(plan, Retry):
+            req = replace(req, preferred_replica=failed.replica)
+        try:
+            decision = self.core.route(req)
+        except NoEligibleReplica as exc:
+            attempt.outcome = "no_replica"
+            return _error(503, error_body(str(exc), status=503), pool=pool_name)
+        attempt.num_prompt_tokens = req.num_prompt_tokens
+        attempt.exact = req.prompt_token_ids is not None
+        self._decided(attempt, decision)
+        body = encode_request(walk.parsed, max_tokens=walk.max_tokens,
+                              model=self.config.pools[pool_name].model, cache_salt=ctx.salt)
+        return decision, body
 
     def _recover(self, attempt: _Attempt, decision: RoutingDecision,
                  error: UpstreamError) -> tuple[RoutingDecision | None, bool]:
-        """The one place a failure before the first byte is handled.
+        """The one place a transport failure (or a 5xx) before the first byte is handled.
 
-        Today: a retryable failure moves the request to the next replica of the same ranking
-        (``core.reroute``), or, if the ranking is exhausted, to any other healthy replica of
-        the pool, at most ``retries.max_retries`` times; a connection refused also tells the
-        failure hook (discovery takes the replica out until its ``/health`` answers again).
-        A non-retryable answer (4xx) is relayed as is.
-
-        NOTE: ``core/tiers.py`` plugs in here: a context-overflow 400 (``wire/overflow.py``)
-        becomes a plan to clamp ``max_tokens`` and retry, or to escalate to the next tier.
+        A retryable failure moves the request to the next replica of the same ranking
+        (``core.reroute``), at most ``retries.max_retries`` times; a refused connection or a
+        connect timeout also tells the failure hook (discovery takes the replica out at once,
+        until its ``/health`` answers again). A non-retryable answer (4xx) is relayed as is.
+        Context overflows never come here: ``_overflow`` plans those.
 
         Returns:
             ``(next decision or None, whether the failed replica's load was released)``.
         """
         attempt.failed.add(decision.replica)
-        if error.kind == "connect" and self.on_replica_failure is not None:
+        if _is_connect_failure(error) and self.on_replica_failure is not None:
             self.on_replica_failure(decision.replica, str(error))
         if not error.retryable or attempt.retries >= self.config.retries.max_retries:
             return None, False
         nxt = self.core.reroute(decision, decision.replica)  # releases the failed load
-        if nxt is not None:
-            return nxt, True
-        # The ranking was narrowed to a pinned replica: fall back to the rest of the pool.
-        if not attempt.pinned:
-            return None, True
-        attempt.pinned = False
-        try:
-            moved = self.core.route(replace(decision.request, exclude=frozenset(attempt.failed)))
-        except NoEligibleReplica:
-            return None, True
-        return replace(moved, reason="retry"), True
+        return nxt, True
 
     def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError) -> web.Response:
         if exc.kind == "status" and exc.status is not None:
@@ -458,7 +634,7 @@ class Router:
         return _routed(response, decision)
 
     async def _stream(self, request: web.Request, reply: UpstreamReply, attempt: _Attempt,
-                      decision: RoutingDecision) -> web.StreamResponse:
+                      decision: RoutingDecision, watcher: _StreamWatcher) -> web.StreamResponse:
         response = web.StreamResponse(status=reply.status)
         for key, value in reply.headers.items():
             response.headers[key] = value
@@ -474,7 +650,8 @@ class Router:
             self.metrics.upstream_error(decision.replica, f"stream_{kind}")
 
         try:
-            await relay_stream(reply, response, replica=decision.replica, on_error=failed)
+            await relay_stream(reply, response, replica=decision.replica, on_error=failed,
+                               on_chunk=watcher.feed)
             await response.write_eof()
         except ConnectionResetError:
             attempt.outcome = "client_gone"
@@ -493,7 +670,8 @@ class Router:
         if not task.cancelled() and task.exception() is not None:
             log.error("background state update failed", exc_info=task.exception())
 
-    def _log(self, attempt: _Attempt, decision: RoutingDecision | None) -> None:
+    def _log(self, attempt: _Attempt, decision: RoutingDecision | None,
+             walk: TierWalk | None = None) -> None:
         if not decision_log.isEnabledFor(logging.INFO):
             return
         record = {
@@ -513,6 +691,11 @@ class Router:
             "retries": attempt.retries,
             "outcome": attempt.outcome,
         }
+        if walk is not None:
+            record["tier"] = walk.place.reason.value
+            record["estimate_tokens"] = walk.estimate.low
+            record["max_tokens_sent"] = walk.state.max_tokens
+            record["overflows"] = walk.num_overflows
         if self.config.log_format == "json":
             decision_log.info(json.dumps(record, separators=(",", ":")))
         else:
@@ -713,6 +896,7 @@ def build_app(
     extra_state: Callable[[], Mapping[str, Any]] | None = None,
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None,
     on_scrape: Callable[[], None] | None = None,
+    clock: Clock | None = None,
 ) -> web.Application:
     """The composition root of the HTTP layer: wire the collaborators into an aiohttp app.
 
@@ -733,22 +917,36 @@ def build_app(
         extra_state: adds sections (subscribers, discovery) to ``/admin/state``.
         on_replica_failure: told when a replica refuses connections (discovery's hook).
         on_scrape: called before ``/metrics`` renders (to sync counters kept elsewhere).
+        clock: monotonic seconds for window ages and warm cooldowns (the clock discovery
+            stamps windows with); ``time.monotonic`` when None.
     """
     adm = admission or Admission(
         config.admission.max_in_flight, config.admission.max_queue,
         config.admission.queue_timeout_s, config.admission.retry_after_s,
     )
+    metrics = metrics or RouterMetrics()
+    tokenizers = dict(tokenizers or {})
+    tiering = Tiering(config, discovery=discovery, tokenizers=tokenizers, metrics=metrics,
+                      clock=clock or MonotonicClock())
+    warm = WarmSender(config, core=core, upstream=upstream, metrics=metrics, state=state,
+                      on_replica_failure=on_replica_failure)
     router = Router(
         config=config, core=core, upstream=upstream, admission=adm, secrets=secrets,
-        metrics=metrics or RouterMetrics(), state=state, discovery=discovery,
-        tokenizers=dict(tokenizers or {}),
+        metrics=metrics, tiering=tiering, state=state, discovery=discovery,
+        tokenizers=tokenizers,
         admin=AdminCapability() if secrets.admin_key is not None else None,
         extra_state=extra_state, on_replica_failure=on_replica_failure, on_scrape=on_scrape,
+        warm=warm,
     )
     # The body limit is enforced by Router._read_body with an OpenAI-shaped 413; aiohttp's
     # own limit is set just above it so it never answers first with its plain-text error.
     app = web.Application(client_max_size=config.max_body_bytes + 1024 * 1024)
     app[ROUTER_KEY] = router
+
+    async def stop_warm(_: web.Application) -> None:
+        await warm.close()
+
+    app.on_cleanup.append(stop_warm)
     app.router.add_post("/v1/chat/completions", router.chat)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_get("/v1/models", router.models)

@@ -144,7 +144,8 @@ class Discovery:
     """Polls the fleet and keeps ``RouterCore`` told about health, hashing, windows and load.
 
     Invariant: ``RouterCore`` is only changed from the task that runs rounds (or from
-    ``refresh_now`` before that task starts), so the core keeps a single writer.
+    ``refresh_now`` before that task starts), or synchronously by ``report_failure`` on the
+    same event loop, so every change is serialised by the loop and the core needs no locks.
 
     Args:
         config: the router config (pools, replicas, ``discovery`` intervals).
@@ -272,6 +273,32 @@ class Discovery:
         for rep in self._replicas.values():
             if rep.pool.name == pool:
                 rep.models_due = True
+        self._wake.set()
+
+    def report_failure(self, replica: str, reason: str) -> None:
+        """The proxy could not connect to ``replica`` (refused, or connect timeout).
+
+        Counts as a failed health probe, and, because nothing answering on the port is a
+        stronger sign than one lost probe, takes the replica out of routing at once instead
+        of after ``unhealthy_after`` probes: requests stop going to a dead engine now, not at
+        the next probe. Its next ``/health`` probe is made due, so a replica that was only
+        restarting comes back after ``healthy_after`` good probes as usual. Unknown replica
+        names are ignored (the caller may hold a name from an older config).
+
+        Safe from any task on this loop: it changes ``RouterCore`` synchronously, between
+        awaits, like the round task does.
+        """
+        rep = self._replicas.get(ReplicaId(replica))
+        if rep is None:
+            return
+        was_up = rep.up is not False
+        self._on_health(rep, ok=False, error=f"connect_error: {reason}")
+        rep.up = False  # _on_health keeps a replica up for one failure; a refusal is enough
+        rep.next_health_s = self._clock.now()
+        if was_up:
+            log.error("replica %s refused a connection (%s); taken out of routing until its "
+                      "/health answers again", replica, reason)
+        self._settle_replica(rep)
         self._wake.set()
 
     # -- the loop -------------------------------------------------------------------------
