@@ -276,22 +276,73 @@ def _stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
         raise RealVllmError(f"could not stop {len(errors)} engine(s): {errors}")
 
 
+class RealVllmEngines(list[RealVllmEngine]):
+    """The engines ``real_vllm_engines`` yields: a plain list, plus ``restart``.
+
+    ``restart`` stops one engine's process group and starts it again with the same command
+    line, ports and environment, so whatever was bound to its endpoints (a router's SUB
+    socket at ``events_endpoint``) sees a real engine restart: a new process whose KV-event
+    sequence numbers start again at 0 and whose prefix cache is empty.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._cmds: list[list[str]] = []
+        self._env: dict[str, str] = {}
+        self._cwd: Path = Path(".")
+
+    def restart(self, index: int, *, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> RealVllmEngine:
+        """Stop engine ``index``, start it again on the same ports, wait until it answers.
+
+        Returns the new record (new ``pid``), which also replaces ``self[index]``.
+
+        Raises:
+            RealVllmError: it could not be stopped, exited during start-up, or was not ready.
+        """
+        old = self[index]
+        _stop(self._procs[index])
+        with open(old.log_path, "ab") as log:
+            log.write(b"\n--- restarted by the test ---\n")
+            log.flush()
+            proc = _spawn(self._cmds[index], self._env, self._cwd, log)
+        self._procs[index] = proc
+        new = dataclasses.replace(old, pid=proc.pid)
+        self[index] = new
+        _wait_ready([new], [proc], ready_timeout_s)
+        return new
+
+
+def _spawn(
+    cmd: Sequence[str], env: Mapping[str, str], cwd: Path, log: Any
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        list(cmd),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
 @contextlib.contextmanager
 def real_vllm_engines(
     count: int = 1,
     *,
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    max_model_len: int | Sequence[int] = DEFAULT_MAX_MODEL_LEN,
     ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     log_dir: Path | None = None,
     install: RealVllmInstall | None = None,
-) -> Iterator[list[RealVllmEngine]]:
+) -> Iterator[RealVllmEngines]:
     """Start ``count`` engines in parallel, wait until all answer, yield them, stop them.
 
     Args:
         count: number of engines (two fit on the 2-core CI machine).
-        max_model_len: ``--max-model-len`` for each engine.
+        max_model_len: ``--max-model-len`` for every engine, or one value per engine.
         ready_timeout_s: one deadline for all engines to answer ``GET /v1/models``.
         extra_args: more ``vllm serve`` arguments, appended to the recipe's.
         extra_env: more environment variables for the engines.
@@ -305,34 +356,32 @@ def real_vllm_engines(
     """
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
+    windows = [max_model_len] * count if isinstance(max_model_len, int) else list(max_model_len)
+    if len(windows) != count:
+        raise ValueError(f"max_model_len lists {len(windows)} windows for {count} engines")
     install = install or require_real_vllm()
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="realvllm-")))
         ports = _distinct_ports(3 * count)
-        engines: list[RealVllmEngine] = []
-        procs: list[subprocess.Popen[bytes]] = []
+        engines = RealVllmEngines()
+        procs = engines._procs  # restart() swaps entries in place, so cleanup stops the new one
         # Registered first, so it runs last: engines stop even if a later step raises.
         stack.callback(_stop_all, procs)
         env = engine_env(extra_env)
+        engines._env = env
+        engines._cwd = log_dir
         for i in range(count):
             http_port, events_port, replay_port = ports[3 * i : 3 * i + 3]
             name = f"e{i}"
             log_path = log_dir / f"{name}.log"
             events = f"tcp://127.0.0.1:{events_port}"
             replay = f"tcp://127.0.0.1:{replay_port}"
-            cmd = engine_command(install, http_port, events, replay, max_model_len, extra_args)
+            cmd = engine_command(install, http_port, events, replay, windows[i], extra_args)
             with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    cmd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=log_dir,
-                    start_new_session=True,
-                )
+                proc = _spawn(cmd, env, log_dir, log)
             procs.append(proc)
+            engines._cmds.append(cmd)
             engines.append(
                 RealVllmEngine(
                     name=name,
@@ -342,7 +391,7 @@ def real_vllm_engines(
                     topic=EVENTS_TOPIC,
                     model=SERVED_MODEL,
                     model_dir=install.model_dir,
-                    max_model_len=max_model_len,
+                    max_model_len=windows[i],
                     pid=proc.pid,
                     log_path=log_path,
                 )
@@ -444,13 +493,26 @@ def _serve_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON file describing the engines")
     ap.add_argument("--log-dir", type=Path, default=None)
     ap.add_argument("--max-seconds", type=float, default=3600.0, help="stop after this long")
+    ap.add_argument(
+        "--max-model-len", type=int, nargs="+", default=[DEFAULT_MAX_MODEL_LEN],
+        help="one window for all engines, or one per engine",
+    )
+    ap.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE",
+        help="extra engine environment (e.g. VLLM_SERVER_DEV_MODE=1); repeatable",
+    )
     args = ap.parse_args(argv)
+    windows = args.max_model_len if len(args.max_model_len) > 1 else args.max_model_len[0]
+    extra_env = dict(item.split("=", 1) for item in args.env)
     install, reason = find_install()
     if install is None:
         print(reason)
         return 1
     started = time.monotonic()
-    with real_vllm_engines(args.count, log_dir=args.log_dir, install=install) as engines:
+    with real_vllm_engines(
+        args.count, max_model_len=windows, extra_env=extra_env, log_dir=args.log_dir,
+        install=install,
+    ) as engines:
         dump_engines(engines, args.out)
         print(f"ready after {time.monotonic() - started:.1f} s; engines in {args.out}", flush=True)
         try:

@@ -20,9 +20,11 @@ import zmq.asyncio
 
 from kvroute.bench.workloads import to_text
 from kvroute.core.engine_model import StepTiming
+from kvroute.core.errors import ConfigError
 from kvroute.core.events import AllBlocksCleared, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.sim.server import SimServer, SimServerConfig
+from kvroute.sim.tokenizer import BuiltinTokenizer
 from kvroute.wire.overflow_styles import STYLES, check_overflow, style_rejects_overlong_total
 from kvroute.wire.prom import parse_vllm_metrics
 from kvroute.wire.sse import SSEDecoder
@@ -469,10 +471,21 @@ def test_admin_routes_and_probes() -> None:
         _, out = await post(s, server, "/tokenize", {"model": "tiny", "prompt": "da di",
                                                      "return_token_strs": True})
         assert out["token_strs"] == ["da", "di"]
-        status, out = await post(s, server, "/tokenize", {
-            "model": "tiny", "messages": [{"role": "user", "content": "x"}],
-            "continue_final_message": True})
-        assert status == 400 and "Cannot set both" in out["error"]["message"]
+        # vLLM words the flag conflict by where it is caught: explicit flags by the request
+        # validator, the default add_generation_prompt by the chat-template code.
+        msgs = [{"role": "user", "content": "x"}]
+        for path in ("/tokenize", "/v1/chat/completions"):
+            status, out = await post(s, server, path, {
+                "model": "tiny", "messages": msgs, "continue_final_message": True,
+                "add_generation_prompt": True})
+            assert (status, out["error"]["message"], out["error"]["param"]) == (
+                400, ("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                      "to True."), None)
+            status, out = await post(s, server, path, {
+                "model": "tiny", "messages": msgs, "continue_final_message": True})
+            assert status == 400 and out["error"]["param"] is None
+            assert out["error"]["message"].startswith(
+                "continue_final_message and add_generation_prompt are not compatible. Use ")
 
         # sglang-router's HTTP/2 prior-knowledge probe: a 400, and the server carries on.
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -494,3 +507,306 @@ def test_render_routes_answer_vllms_403_when_disabled() -> None:
         assert out["error"]["message"].startswith("Scale-out endpoints are disabled.")
 
     run(config(render_endpoints=False), body)
+
+
+# ------------------------------------------------------------------------------ vLLM's checks
+
+
+def test_text_precheck_rejects_long_text_with_vllms_input_text_error() -> None:
+    """vLLM's character pre-check: more than window x max_chars_per_token characters of text."""
+
+    def text_error(chars: int) -> dict[str, Any]:
+        return {"error": {
+            "message": "This model's maximum context length is 128 tokens. However, your prompt "
+                       f"contains {chars} characters (more than 384 characters, which is the "
+                       "upper bound for 128 input tokens). Please reduce the length of the "
+                       f"input prompt. (parameter=input_text, value={chars})",
+            "type": "BadRequestError", "param": "input_text", "code": 400}}
+
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        assert server.max_chars_per_token == 3
+        text = "ab " * 200  # 600 characters, 200 tokens
+        status, out = await post(s, server, "/v1/completions",
+                                 {"model": "tiny", "prompt": text, "max_tokens": 4})
+        assert (status, out) == (400, text_error(600))
+        msgs = [{"role": "user", "content": text}]
+        rendered = server.tokenizer.render_chat(msgs)  # chat: the template's text is checked
+        status, out = await post(s, server, "/v1/chat/completions",
+                                 {"model": "tiny", "messages": msgs, "max_tokens": 4})
+        assert (status, out) == (400, text_error(len(rendered)))
+        # max_tokens over the window is checked first, as in vLLM.
+        status, out = await post(s, server, "/v1/completions",
+                                 {"model": "tiny", "prompt": text, "max_tokens": 129})
+        assert status == 400 and out["error"]["param"] == "max_tokens"
+        # Under the character bound but over the window: the token-count error.
+        status, out = await post(s, server, "/v1/completions",
+                                 {"model": "tiny", "prompt": "a " * 150, "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "input_tokens"
+        assert "at least 129 input tokens" in out["error"]["message"]
+        # Token ids are never character-checked.
+        status, out = await post(s, server, "/v1/completions",
+                                 {"model": "tiny", "prompt": [300] * 200, "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "input_tokens"
+
+    run(config(max_chars_per_token=3), body)
+
+
+def test_builtin_tokenizer_has_no_character_bound_by_default() -> None:
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        assert server.max_chars_per_token is None
+        status, out = await post(s, server, "/v1/completions",
+                                 {"model": "tiny", "prompt": "abcdefgh " * 200, "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "input_tokens"
+
+    run(config(), body)
+
+
+@pytest.mark.parametrize(("root", "tokenizer", "expected"), [
+    (None, None, "tiny"),
+    (None, "/models/tiny-llama", "/models/tiny-llama"),
+    ("Qwen/Qwen3-8B", "/models/tiny-llama", "Qwen/Qwen3-8B"),
+])
+def test_models_card_root(root: str | None, tokenizer: str | None, expected: str) -> None:
+    async def main() -> None:
+        # The tokenizer path only names the root here; the tokenizer object is the built-in.
+        cfg = config(root=root, tokenizer=tokenizer, aliases=("tiny-alias",), kv_events=None,
+                     kv_replay=None)
+        async with SimServer(cfg, tokenizer=BuiltinTokenizer()) as server, \
+                aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/v1/models") as resp:
+                cards = (await resp.json())["data"]
+            assert [(c["id"], c["root"], c["parent"]) for c in cards] == [
+                ("tiny", expected, None), ("tiny-alias", expected, None)]
+            assert server.ready_info()["root"] == expected
+
+    asyncio.run(asyncio.wait_for(main(), TEST_SECONDS))
+
+
+# ------------------------------------------------------------------------------ publisher socket
+
+
+def test_vllm_socket_mode_connects_to_a_bound_subscriber() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.bind("tcp://127.0.0.1:0")
+        endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            cfg = config(kv_events=endpoint, kv_events_socket="vllm")
+            async with SimServer(cfg) as server, aiohttp.ClientSession() as s:
+                assert server.kv_events_endpoint == endpoint and server.kv_events_connect
+                assert server.ready_info()["kv_events_connect"] is True
+                async with s.get(server.url + "/kv_event_sources") as resp:
+                    assert (await resp.json())["0"]["endpoint"] == endpoint
+                batch = None
+                for i in range(50):  # bounded: the connect completes asynchronously
+                    await post(s, server, "/v1/completions",
+                               {"model": "tiny", "prompt": [5000 + i] * 16, "max_tokens": 1})
+                    try:
+                        batch = decode_message(await asyncio.wait_for(sub.recv_multipart(), 0.1))
+                        break
+                    except TimeoutError:
+                        continue
+                assert batch is not None and stored([batch])
+        finally:
+            sub.close()
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(main(), TEST_SECONDS))
+
+
+def test_vllm_socket_mode_still_binds_wildcard_free_and_ipc_endpoints(tmp_path: Any) -> None:
+    async def main() -> None:
+        ipc = f"ipc://{tmp_path}/kv.sock"
+        async with SimServer(config(kv_events=ipc, kv_events_socket="vllm")) as server:
+            assert server.kv_events_endpoint == ipc and not server.kv_events_connect
+        async with SimServer(config()) as server:  # "bind": a free port on loopback
+            assert server.kv_events_endpoint is not None and not server.kv_events_connect
+            assert server.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+
+    asyncio.run(asyncio.wait_for(main(), TEST_SECONDS))
+
+
+def test_vllm_socket_mode_refuses_to_connect_to_port_zero() -> None:
+    with pytest.raises(ConfigError, match="connect"):
+        config(kv_events="tcp://127.0.0.1:0", kv_events_socket="vllm")
+    with pytest.raises(ConfigError, match="'bind' .* or 'vllm'"):
+        config(kv_events_socket="connect")
+
+
+# ------------------------------------------------------------------------------ fault injection
+
+
+async def arm(s: aiohttp.ClientSession, server: SimServer, **faults: Any) -> dict[str, Any]:
+    status, state = await post(s, server, "/sim/faults", faults)
+    assert status == 200, state
+    return dict(state)
+
+
+def test_faults_endpoint_is_off_by_default() -> None:
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        status, _ = await post(s, server, "/sim/faults", {"fail_next": 1})
+        assert status == 404
+        status, _ = await post(s, server, "/v1/completions",
+                               {"model": "tiny", "prompt": [1, 2], "max_tokens": 1})
+        assert status == 200
+
+    run(config(), body)
+
+
+def test_fault_requests_are_validated_and_nothing_changes_on_error() -> None:
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        async with s.get(server.url + "/sim/faults") as resp:
+            initial = await resp.json()
+        assert initial["fail_next"] == 0 and initial["drop_events"] == 0
+        assert initial["fired"] == {"events_dropped": 0, "requests_failed": 0,
+                                    "requests_stalled": 0, "requests_killed": 0}
+        status, out = await post(s, server, "/sim/faults", {"fail_next": 2, "drop_evnts": 1})
+        assert status == 400 and "unknown key(s) ['drop_evnts']" in out["error"]["message"]
+        status, out = await post(s, server, "/sim/faults", {"fail_next": 2, "status": 200})
+        assert status == 400 and "'status' must be an integer >= 400" in out["error"]["message"]
+        status, out = await post(s, server, "/sim/faults", {"stall_first_byte_s": -1})
+        assert status == 400 and "stall_first_byte_s" in out["error"]["message"]
+        status, out = await post(s, server, "/sim/faults", {"drop_events": True})
+        assert status == 400 and "'drop_events' must be an integer >= 0" in out["error"]["message"]
+        async with s.get(server.url + "/sim/faults") as resp:
+            assert await resp.json() == initial
+        state = await arm(s, server, fail_next=1, drop_events=3)
+        assert (state["fail_next"], state["drop_events"]) == (1, 3)
+        async with s.delete(server.url + "/sim/faults") as resp:
+            assert (await resp.json())["fail_next"] == 0
+        state = await arm(s, server, fail_next=1, clear=True, kill_mid_stream_after_tokens=2)
+        assert (state["fail_next"], state["kill_mid_stream_after_tokens"]) == (1, 2)
+
+    run(config(fault_injection=True), body)
+
+
+def test_fail_next_answers_before_the_first_byte_and_the_engine_never_sees_it() -> None:
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        await arm(s, server, fail_next=2, status=503)
+        req = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
+        status, out = await post(s, server, "/v1/completions", req)
+        assert status == 503 and out["error"]["code"] == 503
+        assert out["error"]["message"].startswith("Simulated failure: /sim/faults armed fail_next")
+        async with s.post(server.url + "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                "stream": True}) as resp:
+            assert resp.status == 503
+            assert resp.headers["Content-Type"] == "application/json"
+        status, out = await post(s, server, "/v1/completions", req)
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+        assert server.engine.metrics().request_success_total == {"length": 1}
+        async with s.get(server.url + "/sim/faults") as resp:
+            state = await resp.json()
+        assert state["fail_next"] == 0 and state["fired"]["requests_failed"] == 2
+
+    run(config(fault_injection=True), body)
+
+
+def test_stall_delays_the_first_byte_for_the_next_requests_only() -> None:
+    stall = 0.4
+
+    async def first_byte_s(s: aiohttp.ClientSession, server: SimServer) -> float:
+        t0 = asyncio.get_running_loop().time()
+        async with s.post(server.url + "/v1/completions", json={
+                "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True}) as resp:
+            assert resp.status == 200
+            await resp.content.readline()
+            elapsed = asyncio.get_running_loop().time() - t0
+            await resp.read()
+        return elapsed
+
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        await arm(s, server, stall_first_byte_s=stall, stall_next=1)
+        assert await first_byte_s(s, server) >= stall
+        assert await first_byte_s(s, server) < stall
+        # Without stall_next it holds until disarmed; a client giving up costs the engine nothing.
+        await arm(s, server, stall_first_byte_s=stall)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(first_byte_s(s, server), stall / 2)
+        assert await first_byte_s(s, server) >= stall
+        state = await arm(s, server, stall_first_byte_s=0)
+        assert await first_byte_s(s, server) < stall
+        assert state["fired"]["requests_stalled"] == 3
+        # 5 requests, 4 completed: the one abandoned during its stall never reached the engine.
+        assert server.engine.metrics().request_success_total == {"length": 4}
+
+    run(config(fault_injection=True), body)
+
+
+def test_kill_mid_stream_closes_the_connection_after_k_tokens_and_aborts() -> None:
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        await arm(s, server, kill_mid_stream_after_tokens=3, kill_next=2)
+        decoder = SSEDecoder()
+        events: list[Any] = []
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with s.post(server.url + "/v1/completions", json={
+                    "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 10,
+                    "stream": True}) as resp:
+                assert resp.status == 200
+                async for chunk in resp.content.iter_any():
+                    events.extend(decoder.feed(chunk))
+        assert [e.is_done for e in events] == [False] * 3  # 3 token chunks, no [DONE]
+        # Unary: the connection closes with no response at all.
+        with pytest.raises(aiohttp.ClientError):
+            await post(s, server, "/v1/completions",
+                       {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 10})
+        for _ in range(200):
+            if server.engine.metrics().request_success_total.get("abort") == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert server.engine.metrics().request_success_total == {"abort": 2}
+        # kill_next=2 is used up: the next stream completes.
+        events = await stream_events(s, server, "/v1/completions", {
+            "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 10, "stream": True})
+        assert len(events) == 10
+        async with s.get(server.url + "/sim/faults") as resp:
+            state = await resp.json()
+        assert state["kill_mid_stream_after_tokens"] is None
+        assert state["fired"]["requests_killed"] == 2
+
+    run(config(fault_injection=True, timing=StepTiming(fixed_s=0.002)), body)
+
+
+def test_drop_events_makes_a_gap_on_pub_that_replay_fills() -> None:
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        assert server.kv_events_endpoint is not None
+        sub.connect(server.kv_events_endpoint)
+        try:
+            first: EventBatch | None = None
+            for i in range(50):  # close the slow-joiner window
+                await post(s, server, "/v1/completions",
+                           {"model": "tiny", "prompt": [7000 + i] * 16, "max_tokens": 1})
+                try:
+                    first = decode_message(await asyncio.wait_for(sub.recv_multipart(), 0.1))
+                    break
+                except TimeoutError:
+                    continue
+            assert first is not None
+            await arm(s, server, drop_events=2)
+            for i in range(3):  # one new block each: one batch each
+                status, _ = await post(s, server, "/v1/completions",
+                                       {"model": "tiny", "prompt": [8000 + i] * 16,
+                                        "max_tokens": 1})
+                assert status == 200
+            after = decode_message(await asyncio.wait_for(sub.recv_multipart(), 3.0))
+            assert after.seq == first.seq + 3  # first.seq + 1 and + 2 were never sent
+            batches = await settled_replay(server, after.seq + 1)
+        finally:
+            sub.close()
+            ctx.term()
+        assert [b.seq for b in batches] == list(range(after.seq + 1))
+        assert batches[after.seq] == after
+        gap = stored(batches[first.seq + 1:after.seq])
+        assert [list(e.token_ids) for e in gap] == [[8000] * 16, [8001] * 16]
+        async with s.get(server.url + "/sim/faults") as resp:
+            state = await resp.json()
+        assert state["drop_events"] == 0 and state["fired"]["events_dropped"] == 2
+
+    run(config(fault_injection=True), body)

@@ -9,7 +9,13 @@
   --pool large:2:qwen3-32b:8192``. It prints the endpoints and a ``pools:`` YAML block, and
   stops every child on Ctrl-C / SIGTERM (exit 0).
 * ``kvroute sim calibrate --url http://127.0.0.1:8000`` fits a timing profile to a running
-  OpenAI-compatible engine (loopback only).
+  OpenAI-compatible engine (loopback only): token-id prompts, a sweep bounded by the engine's
+  ``max_model_len``, ITL from its ``vllm:inter_token_latency_seconds`` histogram, a
+  relative-error fit (``sim.calibrate``).
+
+Sim-only switches of ``serve`` (and ``fleet``): ``--fault-injection`` serves ``/sim/faults``
+(``sim.server.SimFaults``); ``--kv-events-socket vllm`` binds or connects the PUB socket by
+vLLM's rule instead of always binding.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import threading
 from typing import Annotated
 
+import aiohttp
 import typer
 
 from kvroute.core.engine_model import StepTiming
@@ -57,6 +64,7 @@ def serve(
     max_num_batched_tokens: Annotated[int | None, typer.Option(help="Per-step token budget.")] = None,
     profile: Annotated[str, typer.Option(help=f"Timing profile: {', '.join(profile_names())}.")] = "zero",
     kv_events: Annotated[str, typer.Option(help="KV-event PUB endpoint ('none' disables).")] = "tcp://127.0.0.1:5557",
+    kv_events_socket: Annotated[str, typer.Option(help="'bind': the PUB socket always binds (free ports work); 'vllm': vLLM's rule, bind *, ::, ipc and inproc endpoints, connect to any other.")] = "bind",
     kv_replay: Annotated[str | None, typer.Option(help="Replay ROUTER endpoint.")] = None,
     kv_topic: Annotated[str, typer.Option(help="KV-event topic.")] = "kv",
     tokenizer: Annotated[str | None, typer.Option(help="Local Hugging Face tokenizer directory (needs kvroute[hf]).")] = None,
@@ -68,6 +76,9 @@ def serve(
     eos_after: Annotated[int | None, typer.Option(help="Every request stops ('stop') after this many tokens.")] = None,
     vocab_size: Annotated[int, typer.Option(help="Built-in tokenizer vocabulary.")] = 32000,
     timing: Annotated[str | None, typer.Option(help="Override the profile's step constants: FIXED_S,PREFILL_TOKEN_S,DECODE_SEQ_S,CONTEXT_TOKEN_S.")] = None,
+    root: Annotated[str | None, typer.Option(help="'root' of the /v1/models card, vLLM's model path (default: --tokenizer if given, else --model).")] = None,
+    max_chars_per_token: Annotated[int | None, typer.Option(help="Factor of vLLM's character pre-check (default: the tokenizer's longest vocabulary string; none for the built-in tokenizer).")] = None,
+    fault_injection: Annotated[bool, typer.Option(help="Serve POST/GET/DELETE /sim/faults (drop events, fail, stall, kill mid-stream).")] = False,
 ) -> None:
     """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -82,6 +93,8 @@ def serve(
             error_style=error_style, hash_algo=hash_algo,
             enable_prompt_tokens_details=enable_prompt_tokens_details,
             render_endpoints=not no_render, eos_after_tokens=eos_after, timing=step_timing,
+            kv_events_socket=kv_events_socket,  # type: ignore[arg-type]  # checked by the config
+            root=root, max_chars_per_token=max_chars_per_token, fault_injection=fault_injection,
         )
 
         def ready(server: SimServer) -> None:
@@ -134,11 +147,16 @@ def fleet(
     error_style: Annotated[str, typer.Option(help="Context-error wording.")] = "vllm-0.32",
     tokenizer: Annotated[str | None, typer.Option(help="Local HF tokenizer directory.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for every replica.")] = 60.0,
+    kv_events_socket: Annotated[str, typer.Option(help="'bind' or 'vllm' (connect to base-port endpoints; needs --base-port > 0 and subscribers bound there).")] = "bind",
+    fault_injection: Annotated[bool, typer.Option(help="Every replica serves /sim/faults.")] = False,
 ) -> None:
     """Start a fleet of simulated engines and keep it up until Ctrl-C / SIGTERM."""
+    if kv_events_socket not in ("bind", "vllm"):
+        raise typer.BadParameter(f"--kv-events-socket must be 'bind' or 'vllm', got {kv_events_socket!r}")
     specs: list[ReplicaSpec] = []
     common = {"block_size": block_size, "num_gpu_blocks": num_gpu_blocks,
-                  "error_style": error_style, "tokenizer": tokenizer}
+              "error_style": error_style, "tokenizer": tokenizer,
+              "kv_events_socket": kv_events_socket, "fault_injection": fault_injection}
     if pool:
         for text in pool:
             name, count, pool_model, window, pool_profile = _parse_pool(text)
@@ -182,22 +200,37 @@ def calibrate_cmd(
     model: Annotated[str | None, typer.Option(help="Model name (default: the first of /v1/models).")] = None,
     max_requests: Annotated[int, typer.Option(help="Upper bound on requests sent.")] = 200,
     timeout: Annotated[float, typer.Option(help="Upper bound on the whole run, seconds.")] = 120.0,
-    max_prompt: Annotated[int, typer.Option(help="Longest prompt of the TTFT sweep.")] = 2048,
+    max_prompt: Annotated[int | None, typer.Option(help="Longest prompt of the TTFT sweep, tokens (default: up to the engine's max_model_len).")] = None,
+    decode_tokens: Annotated[int, typer.Option(help="Tokens per decode stream.")] = 32,
+    weighting: Annotated[str, typer.Option(help="Least squares on 'relative' errors (default) or 'absolute' seconds.")] = "relative",
+    client_itl: Annotated[bool, typer.Option(help="Measure inter-token gaps on the client even when the engine exports vllm:inter_token_latency_seconds.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
-    """Fit StepTiming(fixed, prefill/token, decode/seq, context/token) to a running engine."""
-    lengths = tuple(n for n in (16, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= max_prompt)
-    plan = CalibrationPlan(prompt_lengths=lengths, max_requests=max_requests, timeout_s=timeout)
+    """Fit StepTiming(fixed, prefill/token, decode/seq, context/token) to a running engine.
+
+    Prompts are token ids sized in tokens; the sweep stays inside the engine's window.
+    """
+    lengths: tuple[int, ...] = (16, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+    if max_prompt is not None:
+        lengths = tuple(n for n in lengths if n < max_prompt) + (max_prompt,)
+    if weighting not in ("relative", "absolute"):
+        raise _fail(ConfigError(f"--weighting must be 'relative' or 'absolute', got {weighting!r}"))
     try:
-        result = asyncio.run(calibrate(url, model=model, plan=plan))
-    except (TimeoutError, ConfigError, OSError) as exc:
+        plan = CalibrationPlan(prompt_lengths=lengths, max_requests=max_requests,
+                               timeout_s=timeout, decode_tokens=decode_tokens,
+                               engine_itl=not client_itl)
+        result = asyncio.run(calibrate(url, model=model, plan=plan,
+                                       weighting=weighting))  # type: ignore[arg-type]
+    except (TimeoutError, ConfigError, OSError, aiohttp.ClientError) as exc:
         raise _fail(exc) from exc
     if json_out:
         typer.echo(json.dumps(result.as_dict()))
         return
     typer.echo(result.python())
     typer.echo(json.dumps(result.as_dict(), indent=2))
-    typer.echo(f"fit: R^2={result.r2:.4f}  rmse={result.rmse_s * 1e3:.3f} ms  "
+    typer.echo(f"fit ({result.weighting} errors): R^2={result.r2:.4f}  "
+               f"rmse={result.rmse_s * 1e3:.3f} ms  "
+               f"median relative error={result.median_rel_error:.1%}  "
                f"max relative error={result.max_rel_error:.1%}  "
                f"observations={len(result.observations)}  "
                f"http overhead={result.overhead_s * 1e3:.3f} ms")

@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.server import SimServer, SimServerConfig
@@ -63,6 +63,14 @@ class ReplicaSpec:
         name: replica name (``<pool>-<i>`` when empty).
         pool: the pool (model tier) it belongs to, for the YAML block.
         replay: bind a replay ROUTER as well as the PUB socket.
+        kv_events_socket: ``"bind"`` (default: the PUB socket binds, free ports work) or
+            ``"vllm"`` (vLLM's rule: bind ``*``/``::``/ipc/inproc endpoints, otherwise
+            connect). With ``"vllm"`` the replica connects to ``kv_events_endpoint``, or to
+            ``tcp://<host>:<base_port + 3i + 1>``; the subscriber must bind there first.
+        kv_events_endpoint: the PUB endpoint to use instead of the launcher's choice.
+        root: the ``root`` of the model card (``kvroute sim serve --root``).
+        fault_injection: serve ``/sim/faults`` (``SimFaults``).
+        max_chars_per_token: bound for vLLM's character pre-check (``--max-chars-per-token``).
         extra_args: further ``kvroute sim serve`` options, passed as given.
     """
 
@@ -80,14 +88,27 @@ class ReplicaSpec:
     replay: bool = True
     enable_prompt_tokens_details: bool = False
     eos_after_tokens: int | None = None
+    kv_events_socket: Literal["bind", "vllm"] = "bind"
+    kv_events_endpoint: str | None = None
+    root: str | None = None
+    fault_injection: bool = False
+    max_chars_per_token: int | None = None
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kv_events_socket not in ("bind", "vllm"):
+            raise ConfigError(
+                f"ReplicaSpec.kv_events_socket={self.kv_events_socket!r} must be 'bind' or "
+                "'vllm'"
+            )
 
     def serve_args(self, *, host: str, port: int, kv_port: int, replay_port: int) -> list[str]:
         """The ``kvroute sim`` arguments (from ``serve`` on) for this replica."""
+        kv_events = self.kv_events_endpoint or f"tcp://{host}:{kv_port}"
         args = [
             "serve", "--host", host, "--port", str(port), "--model", self.model,
             "--profile", self.profile, "--error-style", self.error_style,
-            "--kv-events", f"tcp://{host}:{kv_port}",
+            "--kv-events", kv_events, "--kv-events-socket", self.kv_events_socket,
         ]  # fmt: skip
         if self.replay:
             args += ["--kv-replay", f"tcp://{host}:{replay_port}"]
@@ -99,17 +120,26 @@ class ReplicaSpec:
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
             ("--tokenizer", self.tokenizer),
             ("--eos-after", self.eos_after_tokens),
+            ("--root", self.root),
+            ("--max-chars-per-token", self.max_chars_per_token),
         ):
             if value is not None:
                 args += [flag, str(value)]
         if self.enable_prompt_tokens_details:
             args.append("--enable-prompt-tokens-details")
+        if self.fault_injection:
+            args.append("--fault-injection")
         return args + list(self.extra_args)
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaHandle:
-    """A running replica's coordinates."""
+    """A running replica's coordinates.
+
+    ``kv_events_connect`` is True when the replica's PUB socket *connects* to ``kv_events``
+    (``kv_events_socket="vllm"`` with a concrete tcp endpoint): the subscriber binds there,
+    which a kvroute config says with ``kv_events_bind: true``.
+    """
 
     name: str
     pool: str
@@ -120,12 +150,13 @@ class ReplicaHandle:
     max_model_len: int
     block_size: int
     pid: int | None = None
+    kv_events_connect: bool = False
 
     @classmethod
     def from_ready(cls, name: str, pool: str, info: dict[str, Any], pid: int | None) -> ReplicaHandle:
         return cls(name, pool, str(info["model"]), str(info["url"]), info.get("kv_events"),
                    info.get("kv_replay"), int(info["max_model_len"]), int(info["block_size"]),
-                   pid)
+                   pid, bool(info.get("kv_events_connect", False)))
 
 
 def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
@@ -148,6 +179,8 @@ def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
             lines.append(f"        url: {r.url}")
             if r.kv_events:
                 lines.append(f"        kv_events: {r.kv_events}")
+                if r.kv_events_connect:
+                    lines.append("        kv_events_bind: true")
             if r.kv_replay:
                 lines.append(f"        kv_replay: {r.kv_replay}")
     return "\n".join(lines) + "\n"
@@ -279,6 +312,14 @@ def start_fleet(
         names.append(spec.name or f"{spec.pool}-{index}")
     if len(set(names)) != len(names):
         raise ConfigError(f"replica names must be unique, got {names}")
+    for spec, name in zip(specs, names, strict=True):
+        if spec.kv_events_socket == "vllm" and not base_port and spec.kv_events_endpoint is None:
+            raise ConfigError(
+                f"replica {name!r}: kv_events_socket='vllm' connects the PUB socket to a "
+                "concrete endpoint, which base_port=0 cannot name; set "
+                "ReplicaSpec.kv_events_endpoint to where your subscriber binds, give a "
+                "base_port, or use kv_events_socket='bind'"
+            )
     own = log_dir is None
     logs = Path(tempfile.mkdtemp(prefix="kvroute-fleet-")) if own else Path(str(log_dir))
     logs.mkdir(parents=True, exist_ok=True)

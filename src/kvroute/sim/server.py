@@ -27,6 +27,9 @@ Routes (what a router or gateway can observe of vLLM 0.32):
 ``POST /reset_prefix_cache``            vLLM dev-mode route, always on here; 200 and an
                                         ``AllBlocksCleared`` batch, or 500 while requests hold
                                         blocks (the engine refuses, as vLLM's does)
+``GET|POST|DELETE /sim/faults``         fault injection, sim only, served only with
+                                        ``fault_injection=True`` (``--fault-injection``);
+                                        see ``SimFaults``
 ======================================  ===================================================
 
 Anything else is aiohttp's 404 (sglang-router's ``/server_info``-style probes are answered
@@ -35,7 +38,11 @@ Anything else is aiohttp's 404 (sglang-router's ``/server_info``-style probes ar
 Context errors are worded by ``wire.overflow_styles.check_overflow`` for the configured
 ``error_style``: with ``vllm-0.32`` an over-long prompt + ``max_tokens`` is clamped (200,
 ``finish_reason: "length"``), with styles whose engines reject it, it is rejected. vLLM's
-character pre-check is not simulated (the built-in tokenizer has no ``max_chars_per_token``).
+character pre-check (``param: "input_text"``) runs on text prompts (the completion string, or
+the rendered chat template) when a ``max_chars_per_token`` is known: the Hugging Face
+tokenizer's longest vocabulary string, as vLLM computes it, or
+``SimServerConfig.max_chars_per_token``. The built-in tokenizer has no such bound (any word is
+one token), so without the option it skips the pre-check.
 
 Completions accept one prompt per request (a string, token ids, or a one-element list of
 either); a batch of several prompts is refused with a 400 that says so.
@@ -57,7 +64,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Self
+from typing import Any, Final, Literal, Self
 
 import msgspec
 from aiohttp import web
@@ -72,7 +79,7 @@ from kvroute.core.engine_model import (
 )
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
-from kvroute.shell.kv_publisher import KVEventPublisher
+from kvroute.shell.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.tokenizer import BuiltinTokenizer, ChatTemplateError, Tokenizer, load_tokenizer
@@ -86,7 +93,8 @@ from kvroute.wire.overflow_styles import (
 from kvroute.wire.prom import render_vllm_metrics
 from kvroute.wire.sse import DONE, encode_data
 
-__all__ = ["VLLM_VERSION", "SimServer", "SimServerConfig", "run_sim_server"]
+__all__ = ["VLLM_VERSION", "FaultSpecError", "RequestFault", "SimFaults", "SimServer",
+           "SimServerConfig", "run_sim_server"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,15 @@ _THINKING_MESSAGE: Final = (
 _BOTH_FLAGS_MESSAGE: Final = (
     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 )
+_IMPLICIT_FLAGS_MESSAGE: Final = (
+    "continue_final_message and add_generation_prompt are not compatible. Use "
+    "continue_final_message when you want the model to continue the final message, and "
+    "add_generation_prompt when you want to add a header that will prompt it to start a new "
+    "assistant message instead."
+)
+"""vLLM's request validator sees only explicit fields, so when ``add_generation_prompt`` is
+left at its default (true) the conflict is caught later, by the chat-template code, in these
+words (verified against vLLM 0.32.0, ``tests/conformance/test_sim_vs_real.py``)."""
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
 
 
@@ -112,12 +129,20 @@ class SimServerConfig:
     Engine shape arguments left ``None`` come from the timing profile.
 
     Attributes:
-        model: the served model name (``--served-model-name``); also the ``root`` of its card.
+        model: the served model name (``--served-model-name``).
         aliases: further names the server answers to (vLLM's extra served names).
+        root: the ``root`` of every ``/v1/models`` card, which vLLM fills with the model path
+            (``vllm serve <path>``). None: the ``tokenizer`` directory if given (vLLM's
+            ``--tokenizer`` defaults to the model path, so a sim borrowing a model's
+            directory stands in for ``vllm serve`` of that directory), else ``model``.
         profile: timing profile name (``sim.profiles``).
         host / port: where HTTP listens; port 0 picks a free port.
         kv_events: the PUB endpoint (``tcp://127.0.0.1:0`` picks a free port); None disables
             KV events.
+        kv_events_socket: ``"bind"`` (default) always binds the PUB socket, so free ports
+            work in test fleets; ``"vllm"`` follows vLLM's ``ZmqEventPublisher``: bind only
+            ``*``, ``::``, ``ipc://`` and ``inproc://`` endpoints, otherwise *connect* to a
+            subscriber that binds there (the replay ROUTER always binds).
         kv_replay: the replay ROUTER endpoint, or None (vLLM's default: no replay).
         kv_topic / kv_buffer_steps: vLLM's ``topic`` and ``buffer_steps``.
         tokenizer: a local Hugging Face tokenizer directory, or None for the built-in one.
@@ -129,10 +154,15 @@ class SimServerConfig:
         eos_after_tokens: every request "emits EOS" after this many tokens (None: never).
         sleep_scale: multiplies modelled step durations (1.0 = real time).
         timing: step constants that replace the profile's (calibration tests, what-ifs).
+        max_chars_per_token: the factor of vLLM's character pre-check; None takes the
+            tokenizer's (HF: its longest vocabulary string; built-in: none, no pre-check).
+        fault_injection: serve ``/sim/faults`` (``SimFaults``); off by default, and the
+            faults themselves are all off until armed.
     """
 
     model: str = "sim-model"
     aliases: tuple[str, ...] = ()
+    root: str | None = None
     profile: str = "zero"
     max_model_len: int | None = None
     block_size: int | None = None
@@ -142,6 +172,7 @@ class SimServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     kv_events: str | None = "tcp://127.0.0.1:0"
+    kv_events_socket: Literal["bind", "vllm"] = "bind"
     kv_replay: str | None = None
     kv_topic: str = "kv"
     kv_buffer_steps: int = 10_000
@@ -157,6 +188,8 @@ class SimServerConfig:
     timing: StepTiming | None = None
     data_parallel_rank: int = 0
     extra_cache_labels: Mapping[str, str] = field(default_factory=dict)
+    max_chars_per_token: int | None = None
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -169,6 +202,27 @@ class SimServerConfig:
             )
         if not self.sleep_scale >= 0.0:
             raise ConfigError(f"sleep_scale={self.sleep_scale!r} must be a number >= 0")
+        if self.max_chars_per_token is not None and self.max_chars_per_token < 1:
+            raise ConfigError(
+                f"max_chars_per_token={self.max_chars_per_token} must be >= 1, or None to use "
+                "the tokenizer's longest vocabulary string"
+            )
+        if self.kv_events_socket not in ("bind", "vllm"):
+            raise ConfigError(
+                f"kv_events_socket={self.kv_events_socket!r} must be 'bind' (always bind the "
+                "PUB socket) or 'vllm' (bind *, ::, ipc and inproc endpoints, connect otherwise)"
+            )
+        if (
+            self.kv_events_socket == "vllm"
+            and self.kv_events is not None
+            and not vllm_pub_binds(self.kv_events)
+            and self.kv_events.endswith(":0")
+        ):
+            raise ConfigError(
+                f"kv_events={self.kv_events!r} with kv_events_socket='vllm' would *connect* to "
+                "port 0; vLLM connects to concrete endpoints, so give the port where your "
+                "subscriber binds, or use kv_events_socket='bind' for a free port"
+            )
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -187,6 +241,199 @@ class _BadRequest(Exception):
 
 def _error(message: str, *, status: int = 400, param: str | None = None) -> _BadRequest:
     return _BadRequest(status, oa.error_body(message, status=status, param=param))
+
+
+class FaultSpecError(ValueError):
+    """A ``/sim/faults`` body that cannot be applied; the message names the key and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFault:
+    """What the armed faults do to one generation request (decided when it arrives)."""
+
+    fail_status: int | None = None
+    stall_s: float = 0.0
+    kill_after_tokens: int | None = None
+
+
+_FAULT_KEYS: Final = (
+    "clear", "drop_events", "fail_next", "status", "stall_first_byte_s", "stall_next",
+    "kill_mid_stream_after_tokens", "kill_next",
+)  # fmt: skip
+
+
+def _count(body: Mapping[str, Any], key: str, *, minimum: int, nullable: bool) -> int | None:
+    value = body[key]
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an integer >= {minimum}" + (" or null" if nullable else "")
+        raise FaultSpecError(f"/sim/faults: {key!r} must be {allowed}, got {value!r}")
+    return value
+
+
+class SimFaults:
+    """Faults armed on one simulated engine: the router's failure paths, on demand.
+
+    Everything is off until armed. ``POST /sim/faults`` takes a JSON object with any of these
+    keys (keys not sent keep their current value) and answers with ``state()``; ``GET``
+    returns ``state()``; ``DELETE`` (or ``{"clear": true}``) disarms everything.
+
+    ================================  ======================================================
+    ``drop_events: N``                the next N KV-event batches get their sequence number
+                                      and go to the replay buffer but are not sent on the
+                                      PUB socket (``KVEventPublisher.publish(skip_send=
+                                      True)``): a subscriber sees a sequence gap it can
+                                      recover by replay
+    ``fail_next: N``, ``status: S``   the next N generation requests are answered with
+                                      status S (default 500, 400-599) and a vLLM-shaped
+                                      error body before the first byte; the engine never
+                                      sees them
+    ``stall_first_byte_s: S``         generation requests wait S seconds before they reach
+    ``stall_next: N`` (optional)      the engine, so no byte is sent for S seconds; only the
+                                      next N requests with ``stall_next``, every request
+                                      until cleared (``0``) without it
+    ``kill_mid_stream_after_tokens:   the connection is closed after K generated tokens
+    K``, ``kill_next: N`` (opt.)      (streamed: K tokens' chunks are sent, then the socket
+                                      closes without the end of the stream; unary: closed
+                                      with no response); the engine aborts the request; a
+                                      request that ends within K tokens is not cut;
+                                      ``null`` disarms; ``kill_next`` as ``stall_next``
+    ================================  ======================================================
+
+    "Generation requests" are ``/v1/chat/completions`` and ``/v1/completions``; precedence
+    per request: a failure consumes nothing else, otherwise a stall and a kill may both
+    apply. The ``*_fired`` counters in ``state()`` count what happened (never reset, so
+    tests can assert exact numbers). Invariant: every counter is >= 0; a fault that is not
+    armed has no effect. The object belongs to the server's event loop, except
+    ``take_drop``, which the engine driver calls from the same loop.
+    """
+
+    __slots__ = (
+        "drop_events", "events_dropped", "fail_next", "fail_status", "kill_after_tokens",
+        "kill_next", "requests_failed", "requests_killed", "requests_stalled", "stall_next",
+        "stall_s",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.drop_events = 0
+        self.fail_next = 0
+        self.fail_status = 500
+        self.stall_s = 0.0
+        self.stall_next: int | None = None
+        self.kill_after_tokens: int | None = None
+        self.kill_next: int | None = None
+        self.events_dropped = 0
+        self.requests_failed = 0
+        self.requests_stalled = 0
+        self.requests_killed = 0
+
+    def clear(self) -> None:
+        """Disarm every fault (the ``*_fired`` counters are kept)."""
+        self.drop_events = 0
+        self.fail_next = 0
+        self.fail_status = 500
+        self.stall_s = 0.0
+        self.stall_next = None
+        self.kill_after_tokens = None
+        self.kill_next = None
+
+    def apply(self, body: Mapping[str, Any]) -> None:
+        """Arm the faults ``body`` names (all checked before any is applied).
+
+        Raises:
+            FaultSpecError: an unknown key or a bad value; nothing was changed.
+        """
+        unknown = sorted(set(body) - set(_FAULT_KEYS))
+        if unknown:
+            raise FaultSpecError(
+                f"/sim/faults: unknown key(s) {unknown}; valid keys are {list(_FAULT_KEYS)}"
+            )
+        clear = body.get("clear", False)
+        if not isinstance(clear, bool):
+            raise FaultSpecError(f"/sim/faults: 'clear' must be true or false, got {clear!r}")
+        new: dict[str, Any] = {}
+        if "drop_events" in body:
+            new["drop_events"] = _count(body, "drop_events", minimum=0, nullable=False)
+        if "fail_next" in body:
+            new["fail_next"] = _count(body, "fail_next", minimum=0, nullable=False)
+        if "status" in body:
+            status = _count(body, "status", minimum=400, nullable=False)
+            assert status is not None
+            if status > 599:
+                raise FaultSpecError(f"/sim/faults: 'status' must be 400-599, got {status}")
+            new["fail_status"] = status
+        if "stall_first_byte_s" in body:
+            stall = body["stall_first_byte_s"]
+            if (isinstance(stall, bool) or not isinstance(stall, (int, float))
+                    or not 0.0 <= stall <= 3600.0):
+                raise FaultSpecError(
+                    "/sim/faults: 'stall_first_byte_s' must be seconds between 0 and 3600 "
+                    f"(0 disarms), got {stall!r}"
+                )
+            new["stall_s"] = float(stall)
+        if "stall_next" in body:
+            new["stall_next"] = _count(body, "stall_next", minimum=1, nullable=True)
+        if "kill_mid_stream_after_tokens" in body:
+            new["kill_after_tokens"] = _count(
+                body, "kill_mid_stream_after_tokens", minimum=0, nullable=True)
+        if "kill_next" in body:
+            new["kill_next"] = _count(body, "kill_next", minimum=1, nullable=True)
+        if clear:
+            self.clear()
+        for name, value in new.items():
+            setattr(self, name, value)
+
+    def state(self) -> dict[str, Any]:
+        """What is armed and what has fired (the body of every ``/sim/faults`` answer)."""
+        return {
+            "drop_events": self.drop_events,
+            "fail_next": self.fail_next,
+            "status": self.fail_status,
+            "stall_first_byte_s": self.stall_s,
+            "stall_next": self.stall_next,
+            "kill_mid_stream_after_tokens": self.kill_after_tokens,
+            "kill_next": self.kill_next,
+            "fired": {
+                "events_dropped": self.events_dropped,
+                "requests_failed": self.requests_failed,
+                "requests_stalled": self.requests_stalled,
+                "requests_killed": self.requests_killed,
+            },
+        }
+
+    def take_drop(self) -> bool:
+        """Whether the batch being published now is to be dropped (consumes one)."""
+        if self.drop_events <= 0:
+            return False
+        self.drop_events -= 1
+        self.events_dropped += 1
+        return True
+
+    def take_request(self) -> RequestFault:
+        """The faults for one arriving generation request (consumes counted ones)."""
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            self.requests_failed += 1
+            return RequestFault(fail_status=self.fail_status)
+        stall = 0.0
+        if self.stall_s > 0.0 and (self.stall_next is None or self.stall_next > 0):
+            stall = self.stall_s
+            self.requests_stalled += 1
+            if self.stall_next is not None:
+                self.stall_next -= 1
+                if self.stall_next == 0:
+                    self.stall_s, self.stall_next = 0.0, None
+        kill = self.kill_after_tokens
+        if kill is not None and self.kill_next is not None:
+            self.kill_next -= 1
+            if self.kill_next == 0:
+                self.kill_after_tokens, self.kill_next = None, None
+        return RequestFault(stall_s=stall, kill_after_tokens=kill)
+
+
+class _Killed(Exception):
+    """The kill fault closed the connection; the handler ends without a response."""
 
 
 @dataclass(slots=True)
@@ -271,6 +518,12 @@ class SimServer:
         self._ids = itertools.count()
         self._in_flight = 0
         self.port = 0
+        self.faults = SimFaults()
+        """The armed faults (``/sim/faults``); in-process tests may arm them directly."""
+        mcpt = config.max_chars_per_token
+        self.max_chars_per_token: int | None = (
+            mcpt if mcpt is not None else self.tokenizer.max_chars_per_token
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -280,8 +533,23 @@ class SimServer:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     @property
+    def root(self) -> str:
+        """The ``root`` of the model cards (see ``SimServerConfig.root``)."""
+        cfg = self.config
+        if cfg.root is not None:
+            return cfg.root
+        return cfg.tokenizer if cfg.tokenizer is not None else cfg.model
+
+    @property
     def kv_events_endpoint(self) -> str | None:
         return self._publisher.endpoint if self._publisher is not None else None
+
+    @property
+    def kv_events_connect(self) -> bool:
+        """True when the PUB socket connects to ``kv_events`` (a subscriber binds there)."""
+        cfg = self.config
+        return (cfg.kv_events is not None and cfg.kv_events_socket == "vllm"
+                and not vllm_pub_binds(cfg.kv_events))
 
     @property
     def kv_replay_endpoint(self) -> str | None:
@@ -293,9 +561,11 @@ class SimServer:
             "ready": True,
             "url": self.url,
             "model": self.config.model,
+            "root": self.root,
             "max_model_len": self.engine_config.max_model_len,
             "block_size": self.engine_config.block_size,
             "kv_events": self.kv_events_endpoint,
+            "kv_events_connect": self.kv_events_connect,
             "kv_replay": self.kv_replay_endpoint,
             "kv_topic": self.config.kv_topic,
         }
@@ -315,10 +585,16 @@ class SimServer:
                 topic=cfg.kv_topic,
                 buffer_steps=cfg.kv_buffer_steps,
                 data_parallel_rank=cfg.data_parallel_rank,
+                socket_mode=cfg.kv_events_socket,
             )
             pub.start()
             self._publisher = pub
-            publish = pub.publish
+            faults = self.faults
+
+            def publish_batch(events: Sequence[Any]) -> int:
+                return pub.publish(events, skip_send=faults.take_drop())
+
+            publish = publish_batch
         self.driver = EngineDriver(self.engine, publish=publish, sleep_scale=cfg.sleep_scale)
         self.driver.start()
         app = self.build_app()
@@ -375,6 +651,10 @@ class SimServer:
         r.add_get("/metrics", self._metrics)
         r.add_get("/kv_event_sources", self._kv_event_sources)
         r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        if self.config.fault_injection:
+            r.add_get("/sim/faults", self._faults_get)
+            r.add_post("/sim/faults", self._faults_post)
+            r.add_delete("/sim/faults", self._faults_delete)
         return app
 
     # ------------------------------------------------------------------ helpers
@@ -388,12 +668,14 @@ class SimServer:
                 param="model",
             )
 
-    def _chat_ids(self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
-                  tools: Sequence[Any] | None) -> list[int]:
+    def _chat_text(self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                   tools: Sequence[Any] | None) -> str:
+        """The chat template applied as the request asks (the text vLLM then tokenizes)."""
         add_gen = body.get("add_generation_prompt", True)
         cont = body.get("continue_final_message", False)
         if add_gen and cont:
-            raise _error(_BOTH_FLAGS_MESSAGE)
+            explicit = bool(body.get("add_generation_prompt"))
+            raise _error(_BOTH_FLAGS_MESSAGE if explicit else _IMPLICIT_FLAGS_MESSAGE)
         kwargs = body.get("chat_template_kwargs")
         try:
             text = self.tokenizer.render_chat(
@@ -405,10 +687,16 @@ class SimServer:
             )
         except ChatTemplateError as exc:
             raise _error(str(exc)) from exc
+        return text
+
+    def _chat_ids(self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Any] | None) -> list[int]:
+        text = self._chat_text(body, messages, tools)
         return self.tokenizer.encode(text, add_special_tokens=bool(
             body.get("add_special_tokens", False)))
 
-    def _completion_ids(self, body: Mapping[str, Any], prompt: Any) -> tuple[list[int], bool]:
+    def _completion_ids(self, body: Mapping[str, Any], prompt: Any) -> tuple[list[int], int | None]:
+        """The prompt's ids and, for a text prompt, its length in characters."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise _error(
@@ -419,8 +707,8 @@ class SimServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             add = bool(body.get("add_special_tokens", True))
-            return self.tokenizer.encode(prompt, add_special_tokens=add), True
-        return [int(t) for t in prompt], False
+            return self.tokenizer.encode(prompt, add_special_tokens=add), len(prompt)
+        return [int(t) for t in prompt], None
 
     def _prepare(self, raw: bytes, endpoint: oa.Endpoint) -> _Prepared:
         try:
@@ -432,15 +720,19 @@ class SimServer:
         budget = body.get("thinking_token_budget")
         if budget is not None and budget != -1:
             raise _error(_THINKING_MESSAGE)
+        chars: int | None
         if endpoint == "chat":
             assert parsed.messages is not None, "parse_request checked messages"
-            ids = self._chat_ids(body, parsed.messages, parsed.tools)
-            is_text = True
+            text = self._chat_text(body, parsed.messages, parsed.tools)
+            ids = self.tokenizer.encode(
+                text, add_special_tokens=bool(body.get("add_special_tokens", False)))
+            chars = len(text)
         else:
             if parsed.prompt is None:
                 raise _error("prompt_embeds are not supported by the simulated engine",
                              param="prompt_embeds")
-            ids, is_text = self._completion_ids(body, parsed.prompt)
+            ids, chars = self._completion_ids(body, parsed.prompt)
+        is_text = chars is not None
         if not ids:
             raise _error("The decoder prompt cannot be empty")
         window = self.engine_config.max_model_len
@@ -451,6 +743,8 @@ class SimServer:
             prompt_tokens=len(ids),
             max_tokens=asked,
             max_tokens_param=parsed.max_tokens_param or "max_tokens",
+            prompt_chars=chars,
+            max_chars_per_token=self.max_chars_per_token,
             prompt_is_text=is_text,
             stream=parsed.stream,
         )
@@ -529,6 +823,16 @@ class SimServer:
 
     async def _generate(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         raw = await request.read()
+        fault = self.faults.take_request()
+        if fault.fail_status is not None:
+            return self._answer(_error(
+                f"Simulated failure: /sim/faults armed fail_next, so this request is answered "
+                f"with {fault.fail_status} before the first byte. Disarm it with DELETE "
+                "/sim/faults.",
+                status=fault.fail_status,
+            ))
+        if fault.stall_s > 0.0:
+            await asyncio.sleep(fault.stall_s)
         try:
             prep = self._prepare(raw, endpoint)
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -539,16 +843,29 @@ class SimServer:
         assert driver is not None
         stream = submitted.stream
         self._in_flight += 1
+        kill = fault.kill_after_tokens
         try:
             if prep.parsed.stream:
-                return await self._stream(request, prep, rid, stream)
-            return await self._unary(prep, rid, stream)
+                return await self._stream(request, prep, rid, stream, kill)
+            return await self._unary(request, prep, rid, stream, kill)
+        except _Killed:
+            # The connection is closed: aiohttp's attempt to send this fails quietly.
+            return web.Response(status=500)
         finally:
             self._in_flight -= 1
             if not stream.done:
                 driver.abort(stream)  # client went away (handler cancelled or write failed)
 
-    async def _unary(self, prep: _Prepared, rid: str, stream: RequestStream) -> web.Response:
+    def _kill(self, request: web.Request) -> None:
+        """The kill fault: close the connection now (after flushing what was written)."""
+        self.faults.requests_killed += 1
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        raise _Killed
+
+    async def _unary(self, request: web.Request, prep: _Prepared, rid: str,
+                     stream: RequestStream, kill: int | None) -> web.Response:
         parsed = prep.parsed
         n = parsed.n
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -564,6 +881,8 @@ class SimServer:
                     cached = out.num_cached_tokens
                 if out.finished:
                     reasons[index] = out.finish_reason
+            if kill is not None and not stream.done and sum(len(t) for t in tokens) >= kill:
+                self._kill(request)
         created = int(time.time())
         usage = oa.usage(
             len(prep.prompt_ids),
@@ -590,7 +909,8 @@ class SimServer:
         return self._json(one)
 
     async def _stream(
-        self, request: web.Request, prep: _Prepared, rid: str, stream: RequestStream
+        self, request: web.Request, prep: _Prepared, rid: str, stream: RequestStream,
+        kill: int | None,
     ) -> web.StreamResponse:
         parsed = prep.parsed
         chat = parsed.endpoint == "chat"
@@ -607,6 +927,8 @@ class SimServer:
                 for i in range(n)
             )
             await resp.write(head)
+        if kill == 0:
+            self._kill(request)
         completion_tokens = 0
         cached = 0
         while True:
@@ -642,6 +964,8 @@ class SimServer:
                         id=rid, created=created, model=model, usage_info=usage, chat=chat)))
                 parts.append(DONE)
             await resp.write(b"".join(parts))
+            if kill is not None and not stream.done and completion_tokens >= kill:
+                self._kill(request)
         await resp.write_eof()
         return resp
 
@@ -728,7 +1052,7 @@ class SimServer:
         cards = [
             oa.model_card(id=name, created=self.created,
                           max_model_len=self.engine_config.max_model_len,
-                          permission_id=self._perm_id, root=self.config.model)
+                          permission_id=self._perm_id, root=self.root)
             for name in self.config.served_names
         ]
         return self._json(oa.models_response(cards))
@@ -782,6 +1106,24 @@ class SimServer:
             "topic": cfg.kv_topic,
         }
         return self._json({str(cfg.data_parallel_rank): source})
+
+    async def _faults_get(self, request: web.Request) -> web.Response:
+        return self._json(self.faults.state())
+
+    async def _faults_post(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            try:
+                self.faults.apply(body)
+            except FaultSpecError as exc:
+                raise _error(str(exc)) from exc
+        except _BadRequest as exc:
+            return self._answer(exc)
+        return self._json(self.faults.state())
+
+    async def _faults_delete(self, request: web.Request) -> web.Response:
+        self.faults.clear()
+        return self._json(self.faults.state())
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         driver = self.driver

@@ -74,6 +74,12 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
 
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The longest vocabulary string, in characters (vLLM's ``max_chars_per_token``, the
+        factor of its character pre-check); None when a token has no length bound."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``."""
         ...
@@ -149,6 +155,13 @@ class BuiltinTokenizer:
         self._special = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
         self._split = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
         self._cache: dict[str, int] = {}
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """None: any whitespace-free word is one token, so no character count bounds a
+        token count (the server then skips vLLM's character pre-check unless
+        ``SimServerConfig.max_chars_per_token`` sets a bound)."""
+        return None
 
     def _word_id(self, word: str) -> int:
         cached = self._cache.get(word)
@@ -244,6 +257,10 @@ class HFTokenizer:
         self._tok = tokenizer
         self.name = name
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        # vLLM's get_cached_tokenizer: max(len(tok) for tok in tokenizer.get_vocab()), the
+        # vocabulary strings as stored (byte-level or sentencepiece spelling, added tokens too).
+        self._max_chars_per_token: int | None = max((len(t) for t in vocab), default=None)
         self._config = dict(config)
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
@@ -295,6 +312,11 @@ class HFTokenizer:
         if "chat_template" not in config and template_file.is_file():
             config["chat_template"] = template_file.read_text(encoding="utf-8")
         return cls(tok, config, root.name)
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The longest vocabulary string (13 for the tiny Llama used in conformance)."""
+        return self._max_chars_per_token
 
     def _special(self, key: str) -> str | None:
         value = self._config.get(key)

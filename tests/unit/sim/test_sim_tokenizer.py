@@ -118,3 +118,10 @@ def test_hf_template_exception_is_a_chat_template_error(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         load_tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])
+
+
+def test_max_chars_per_token_is_the_longest_vocabulary_string(tmp_path: Path) -> None:
+    """vLLM's factor for its character pre-check; the built-in tokenizer has no bound."""
+    _write_hf_dir(tmp_path)
+    assert load_tokenizer(tmp_path).max_chars_per_token == len("<|im_start|>")
+    assert BuiltinTokenizer(32000).max_chars_per_token is None
