@@ -299,7 +299,10 @@ class PrefixIndex:
         self._num_evicted = 0
         self._medium_offset: dict[str | None, int] = {}
         self._pred_masks: dict[TenantName | None, dict[int, int]] = {}
-        self._pred_expiry: dict[TenantName | None, dict[tuple[int, int], float]] = {}
+        # owner -> replica position -> hash -> expiry of its latest write. Nested rather than
+        # keyed by (hash, position) tuples: a prediction writes ~1,000 hashes per request and
+        # building a tuple per hash was most of add_predicted's cost.
+        self._pred_expiry: dict[TenantName | None, dict[int, dict[int, float]]] = {}
         self._num_predicted = 0
         self._pred_queue: deque[tuple[float, TenantName | None, int, tuple[int, ...]]] = deque()
 
@@ -370,15 +373,13 @@ class PrefixIndex:
         self._num_entries_by_slot[slot] = 0
         bit = self._bits[base]
         for owner, masks in self._pred_masks.items():
-            expiry = self._pred_expiry[owner]
-            gone = [h for h, m in masks.items() if m & bit]
+            gone = self._pred_expiry[owner].pop(base, {})
             for h in gone:
                 rest = masks[h] & ~bit
                 if rest:
                     masks[h] = rest
                 else:
                     del masks[h]
-                del expiry[(h, base)]
             self._num_predicted -= len(gone)
 
     # --- events ------------------------------------------------------------------------
@@ -537,16 +538,17 @@ class PrefixIndex:
         pos = _STRIDE * slot
         bit = self._bits[pos]
         masks = self._pred_masks.setdefault(owner, {})
-        expiry = self._pred_expiry.setdefault(owner, {})
+        expiry = self._pred_expiry.setdefault(owner, {}).setdefault(pos, {})
         expires_at = now + self._predicted_ttl_s
         keys = tuple(hashes)
-        num_new = 0
+        before = len(expiry)
+        expiry.update(dict.fromkeys(keys, expires_at))
+        num_new = len(expiry) - before
+        get = masks.get
         for h in keys:
-            masks[h] = masks.get(h, 0) | bit
-            key = (h, pos)
-            if key not in expiry:
-                num_new += 1
-            expiry[key] = expires_at
+            m = get(h, 0)
+            if not m & bit:
+                masks[h] = m | bit
         self._num_predicted += num_new
         self._pred_queue.append((expires_at, owner, pos, keys))
         if self._num_predicted > self._max_entries:
@@ -567,19 +569,24 @@ class PrefixIndex:
         masks = self._pred_masks.get(owner)
         if masks is None:
             return 0
-        expiry = self._pred_expiry[owner]
+        expiry = self._pred_expiry[owner].get(pos)
+        if expiry is None:
+            return 0
         bit = self._bits[pos]
         num_dropped = 0
+        get = expiry.get
         for h in keys:
-            if expiry.get((h, pos)) != expires_at:
+            if get(h) != expires_at:
                 continue  # refreshed by a later write, already dropped, or scrubbed
-            del expiry[(h, pos)]
+            del expiry[h]
             num_dropped += 1
             rest = masks[h] & ~bit
             if rest:
                 masks[h] = rest
             else:
                 del masks[h]
+        if not expiry:
+            del self._pred_expiry[owner][pos]
         if not masks:
             del self._pred_masks[owner]
             del self._pred_expiry[owner]
