@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_TENANT",
     "AdmissionConfig",
     "DiscoveryConfig",
+    "ExternalConfig",
     "ListenConfig",
     "PolicyConfig",
     "PoolConfig",
@@ -57,6 +58,7 @@ __all__ = [
     "derive_cache_salt",
     "load_config",
     "parse_config",
+    "resolve_provider_keys",
     "resolve_secrets",
 ]
 
@@ -123,17 +125,48 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ExternalConfig:
+    """An external OpenAI-compatible provider standing as a pool (``pools.<name>.external``).
+
+    A request escalates to it only when its model maps into the provider's catalog; otherwise
+    it stays local and the ``[CONTEXT-ROUTE]`` log says why (``core/tiers.eligibility``).
+
+    Attributes:
+        urls: the provider's base URLs (one or more endpoints, no ``/v1`` suffix); requests
+            go to the least-loaded healthy one. No KV index, events or tokenizer are kept
+            for them, and they are never warmed ahead.
+        api_key_env: the environment variable holding the provider's API key, sent as
+            ``Authorization: Bearer``; None = no key (a provider without auth).
+        catalog: route (client) model → provider model. None = not configured: the model
+            is sent under its own name and must appear on the provider's ``/v1/models``.
+        catalog_from_models: read the provider's ``/v1/models`` (cached with
+            ``discovery.window_ttl_s``) and require the mapped model to be listed there.
+            Defaults to true when ``catalog`` is not configured, false when it is.
+
+    Invariant: ``catalog is not None or catalog_from_models`` (checked at build).
+    """
+
+    urls: tuple[str, ...]
+    api_key_env: str | None = None
+    catalog: Mapping[str, str] | None = None
+    catalog_from_models: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A pool of interchangeable replicas serving one model.
 
     Attributes:
         name: the pool's name (the key under ``pools:``).
         model: the model name the engines serve (``/v1/models`` id); the router rewrites a
-            route name to it in the forwarded body.
-        replicas: at least one.
-        tokenizer: see ``TokenizerConfig``.
+            route name to it in the forwarded body. Empty for an external pool (its
+            catalog gives the provider's model per route).
+        replicas: at least one. For an external pool, one per endpoint URL, named
+            ``<pool>-ext<i>``.
+        tokenizer: see ``TokenizerConfig`` (``none`` for an external pool).
         block_size / hash_algo / hash_seed: overrides of what discovery reads from the
             engines; leave unset unless the engines cannot report them.
+        external: set when the pool is an external OpenAI-compatible provider.
     """
 
     name: PoolName
@@ -143,6 +176,7 @@ class PoolConfig:
     block_size: int | None = None
     hash_algo: str | None = None
     hash_seed: str | None = None
+    external: ExternalConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +191,18 @@ class RouteConfig:
             ``max_tokens``.
         tokenize_margin: how far below the under-estimate a window may lie and still be
             worth an exact ``/tokenize`` count, in [0, 1).
+        proactive: choose the tier from the prompt's estimate before sending (default).
+            ``false`` is reactive-only: every request goes to the first pool (or the one
+            its session already escalated to) with the client's ``max_tokens`` untouched,
+            and only an engine's overflow rejection clamps or escalates it. It exists to
+            measure what the proactive estimate saves (``kvroute bench tiers-live``).
     """
 
     name: str
     pools: tuple[PoolName, ...]
     output_floor: int = 256
     tokenize_margin: float = 0.2
+    proactive: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,10 +518,70 @@ def _replica(key: str, data: Any) -> ReplicaConfig:
     )
 
 
+_EXTERNAL_EXAMPLE: Final = (
+    '{external: {url: "https://api.example.com", api_key_env: PROVIDER_KEY, '
+    'catalog: {assistant: provider-model-name}}}'
+)
+
+
+def _external(name: str, data: Any) -> PoolConfig:
+    """``pools.<name>: {external: {...}}``: an OpenAI-compatible provider as a pool."""
+    key = f"pools.{name}.external"
+    d = _mapping(key, data, _EXTERNAL_EXAMPLE)
+    _check_keys(key, d, ("url", "api_key_env", "catalog", "catalog_from_models"))
+    raw_urls = d.get("url")
+    if raw_urls is None:
+        raise _fail(f"{key}.url", None, "is required",
+                    'Give the provider\'s base URL, e.g. url: "https://api.example.com" '
+                    "(or a list of endpoint URLs).")
+    if isinstance(raw_urls, str):
+        raw_urls = [raw_urls]
+    if not isinstance(raw_urls, list) or not raw_urls:
+        raise _fail(f"{key}.url", raw_urls, "must be a URL or a non-empty list of URLs",
+                    'Write url: "https://api.example.com" or url: ["http://a:8000", "http://b:8000"].')
+    urls = tuple(_http_url(f"{key}.url[{i}]" if len(raw_urls) > 1 else f"{key}.url", u)
+                 for i, u in enumerate(raw_urls))
+    if len(set(urls)) != len(urls):
+        raise _fail(f"{key}.url", list(raw_urls), "lists an endpoint twice", "List each endpoint URL once.")
+    env_name = d.get("api_key_env")
+    api_key_env = None if env_name is None else _env_name(f"{key}.api_key_env", env_name)
+    raw_catalog = d.get("catalog")
+    catalog: Mapping[str, str] | None = None
+    if raw_catalog is not None:
+        if not isinstance(raw_catalog, Mapping) or not raw_catalog:
+            raise _fail(f"{key}.catalog", raw_catalog, "must be a non-empty mapping of route model to provider model",
+                        "Write catalog: {assistant: provider-model-name}, or catalog: null to read the provider's /v1/models.")
+        entries: dict[str, str] = {}
+        for route_model, provider_model in raw_catalog.items():
+            entries[_str(f"{key}.catalog", route_model, example="assistant")] = _str(
+                f"{key}.catalog.{route_model}", provider_model, example="provider-model-name")
+        catalog = MappingProxyType(entries)
+    from_models = _bool(f"{key}.catalog_from_models", d.get("catalog_from_models", catalog is None))
+    if catalog is None and not from_models:
+        raise _fail(f"{key}.catalog_from_models", False, "is false and no catalog is configured",
+                    "Configure catalog: {route_model: provider_model, ...}, or set catalog_from_models: true "
+                    "to read the provider's /v1/models.")
+    replicas = tuple(ReplicaConfig(name=ReplicaId(f"{name}-ext{i}"), url=url)
+                     for i, url in enumerate(urls))
+    return PoolConfig(
+        name=PoolName(name), model="", replicas=replicas, tokenizer=TokenizerConfig("none"),
+        external=ExternalConfig(urls=urls, api_key_env=api_key_env, catalog=catalog,
+                                catalog_from_models=from_models),
+    )
+
+
 def _pool(name: str, data: Any) -> PoolConfig:
     key = f"pools.{name}"
     d = _mapping(key, data, "{model: qwen3-8b, replicas: [...]}")
-    _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed"))
+    if "external" in d:
+        others = sorted(k for k in d if k != "external")
+        if others:
+            raise _fail(f"{key}.{others[0]}", d[others[0]], "cannot be set on an external pool",
+                        f"An external pool is only {_EXTERNAL_EXAMPLE}; its models come from the catalog, "
+                        "its endpoints from url.")
+        return _external(_name("pools", name), d["external"])
+    _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
+                         "external"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
     if not isinstance(reps, list) or not reps:
@@ -507,7 +607,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
 def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteConfig:
     key = f"routes.{name}"
     d = _mapping(key, data, "{pools: [small]}")
-    _check_keys(key, d, ("pools", "output_floor", "tokenize_margin"))
+    _check_keys(key, d, ("pools", "output_floor", "tokenize_margin", "proactive"))
     names = d.get("pools")
     if not isinstance(names, list) or not names:
         raise _fail(f"{key}.pools", names, "must be a non-empty list of pool names", f"Write e.g. pools: [{next(iter(pools))}].")
@@ -525,7 +625,9 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
     if margin >= 1.0:
         raise _fail(f"{key}.tokenize_margin", margin, "must be below 1",
                     "Use the share below the estimate still worth an exact count, e.g. 0.2.")
-    return RouteConfig(name=name, pools=tuple(out), output_floor=floor, tokenize_margin=margin)
+    proactive = _bool(f"{key}.proactive", d.get("proactive", True))
+    return RouteConfig(name=name, pools=tuple(out), output_floor=floor, tokenize_margin=margin,
+                       proactive=proactive)
 
 
 def _policy(data: Any) -> PolicyConfig:
@@ -727,6 +829,13 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         if name in _RESERVED_ROUTES:
             raise _fail(f"routes.{name}", name, "is a reserved word", "Pick another model name for the route.")
         routes[name] = _route(name, rdata, pools)
+    for pool in pools.values():
+        catalog = pool.external.catalog if pool.external is not None else None
+        for route_model in catalog or ():
+            if route_model not in routes:
+                raise _fail(f"pools.{pool.name}.external.catalog.{route_model}", route_model,
+                            "is not a route", "Catalog keys are the model names clients send: "
+                            f"use one of the routes ({', '.join(routes)}), or remove the entry.")
 
     log_level = data.get("log_level", "info")
     if not isinstance(log_level, str) or log_level.lower() not in _LOG_LEVELS:
@@ -783,7 +892,8 @@ def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> Ro
 
 @dataclass(frozen=True, slots=True)
 class Secrets:
-    """What the environment supplies: API key → tenant, the admin key, tenants' cache salts.
+    """What the environment supplies: API key → tenant, the admin key, tenants' cache salts,
+    external providers' keys.
 
     ``api_keys`` empty means no tenants are configured: one default tenant, no auth.
     ``repr`` never shows the keys.
@@ -792,6 +902,9 @@ class Secrets:
     api_keys: Mapping[str, TenantName] = field(repr=False)
     admin_key: str | None = field(repr=False)
     cache_salts: Mapping[TenantName, str] = field(repr=False)
+    provider_keys: Mapping[PoolName, str] = field(
+        repr=False, default_factory=lambda: MappingProxyType({}))
+    """External pools' API keys (``pools.<name>.external.api_key_env``), by pool."""
 
 
 def derive_cache_salt(secret: str, tenant: str) -> str:
@@ -849,4 +962,29 @@ def resolve_secrets(config: RouterConfig, env: Mapping[str, str] | None = None) 
                 f"admin_key_env: {config.admin_key_env} holds a tenant's API key. The admin key "
                 "must differ from every tenant key."
             )
-    return Secrets(api_keys=api_keys, admin_key=admin_key, cache_salts=salts)
+    return Secrets(api_keys=api_keys, admin_key=admin_key, cache_salts=salts,
+                   provider_keys=resolve_provider_keys(config, env))
+
+
+def resolve_provider_keys(config: RouterConfig,
+                          env: Mapping[str, str] | None = None) -> Mapping[PoolName, str]:
+    """The API key of every external pool that names one (``external.api_key_env``).
+
+    Raises:
+        ConfigError: a named variable is unset or empty.
+    """
+    env = os.environ if env is None else env
+    keys: dict[PoolName, str] = {}
+    for pool in config.pools.values():
+        ext = pool.external
+        if ext is None or ext.api_key_env is None:
+            continue
+        value = env.get(ext.api_key_env, "")
+        if not value:
+            raise ConfigError(
+                f"pools.{pool.name}.external.api_key_env: environment variable "
+                f"{ext.api_key_env} is unset or empty. Export the provider's API key before "
+                "starting, or remove api_key_env if the provider needs none."
+            )
+        keys[pool.name] = value
+    return MappingProxyType(keys)

@@ -124,9 +124,3 @@ def test_missing_tokens_file(tmp_path: Path) -> None:
     code, _, err = _run("--tokens-file", str(tmp_path / "absent.json"))
     assert code == 2
     assert "cannot read --tokens-file" in err
-
-
-def test_demo_still_runs() -> None:
-    result = runner.invoke(app, ["demo"])
-    assert result.exit_code == 0, result.stderr
-    assert "1403909460543360175" in result.stdout

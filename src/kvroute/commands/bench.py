@@ -259,3 +259,66 @@ def bench_tiers(
         json_out.write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {json_out}")
     sys.stdout.flush()
+
+
+@bench_app.command("tiers-live")
+def bench_tiers_live(
+    sessions: Annotated[int, typer.Option(help="Growing sessions (each crosses the small window).")] = 8,
+    small_window: Annotated[int, typer.Option(help="Small pool's max_model_len.")] = 4096,
+    large_window: Annotated[int, typer.Option(help="Large pool's max_model_len.")] = 16_384,
+    small_profile: Annotated[str, typer.Option(help="Timing profile of the small pool.")] = "llama-3.1-8b-h100",
+    large_profile: Annotated[str, typer.Option(help="Timing profile of the large pool.")] = "llama-3.1-70b-h100-tp4",
+    replicas_small: Annotated[int, typer.Option(help="Engines in the small pool.")] = 2,
+    replicas_large: Annotated[int, typer.Option(help="Engines in the large pool (plus one cold probe).")] = 1,
+    think_time: Annotated[float, typer.Option(help="Seconds between a turn's end and the next turn.")] = 1.0,
+    session_interval: Annotated[float, typer.Option(help="Seconds between session starts.")] = 0.5,
+    system_tokens: Annotated[int, typer.Option(help="System prompt tokens.")] = 512,
+    user_tokens: Annotated[int, typer.Option(help="Mean user-turn tokens.")] = 256,
+    output_tokens: Annotated[int, typer.Option(help="Mean answer tokens (the client's max_tokens).")] = 64,
+    seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
+    warm_fraction: Annotated[float, typer.Option(help="Warm-ahead threshold (share of the small window).")] = 0.6,
+    rewarm_fraction: Annotated[float, typer.Option(help="Growth (share of the small window) that allows another warm-up.")] = 0.1,
+    modes: Annotated[str, typer.Option(help="Comma-separated: reactive, proactive, proactive+warm.")] = "reactive,proactive,proactive+warm",
+    request_timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 60.0,
+    duration: Annotated[float, typer.Option(help="Seconds one mode's run may take.")] = 300.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Keep router configs and logs, engine logs here.")] = None,
+) -> None:
+    """Context-window tiers live: kvroute serve + simulated engines, reactive vs proactive vs warm."""
+    from kvroute.bench.tiers_live import TiersLiveSpec, run_tiers_live
+    from kvroute.bench.tiers_live import format_table as live_tiers_table
+
+    console = Console(stderr=True)
+    try:
+        spec = TiersLiveSpec(
+            sessions=sessions, small_window=small_window, large_window=large_window,
+            small_profile=small_profile, large_profile=large_profile,
+            replicas_small=replicas_small, replicas_large=replicas_large,
+            think_time_s=think_time, session_interval_s=session_interval,
+            system_prompt_tokens=system_tokens, user_tokens=user_tokens,
+            output_tokens=output_tokens, seed=seed, warm_fraction=warm_fraction,
+            warm_rewarm_fraction=rewarm_fraction,
+            modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+            request_timeout_s=request_timeout, duration_s=duration, log_dir=log_dir)
+        report = run_tiers_live(spec, on_mode_start=lambda mode, n: console.print(
+            f"mode {mode}: {n} turns of {sessions} sessions"))
+    except RouterError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    rows = live_tiers_table(report)
+    table = Table(title=f"tiers live: {sessions} sessions, small {small_window} ({small_profile} "
+                        f"x{replicas_small}), large {large_window} ({large_profile} x{replicas_large})")
+    for head in rows[0]:
+        table.add_column(head, justify="left" if head == "mode" else "right")
+    for row in rows[1:]:
+        table.add_row(*row)
+    out = Console(width=max(Console().width, 150))
+    out.print(table)
+    for name, goal in report["targets"].items():
+        out.print(f"target {name}: met={goal['met']} "
+                  + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    sys.stdout.flush()

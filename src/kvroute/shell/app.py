@@ -98,6 +98,7 @@ __all__ = [
     "PromptTokenizer",
     "Router",
     "build_app",
+    "forward_body",
     "routing_text",
 ]
 
@@ -228,6 +229,39 @@ def _completion_of(body: bytes) -> tuple[list[str | None], Mapping[str, Any] | N
             usage if isinstance(usage, dict) else None)
 
 
+def forward_body(raw: bytes, parsed: ParsedRequest, *, max_tokens: int | None, model: str,
+                 cache_salt: str | None) -> bytes:
+    """The body to send upstream: the client's own bytes when nothing in it changes.
+
+    ``encode_request`` copies and re-encodes the whole body (about 10 µs for a 2 kB prompt,
+    proportional to its size); most requests need no change at all (the route's name is the
+    served model, no clamp, no router salt), and then the engine gets exactly what the client
+    sent. The conditions mirror ``encode_request`` field by field, so the two always agree on
+    the decoded JSON:
+
+    * ``model`` already equals the pool's served name;
+    * ``cache_salt`` is None or already the body's own (``parse_request`` validated it);
+    * ``max_tokens`` is None, or every output-limit field the client sent is a number no
+      larger than it (``encode_request`` adds ``max_tokens`` when none is present, and lowers
+      a larger or null one).
+
+    Args:
+        raw: the client's body, as read.
+        parsed: its parse.
+        max_tokens / model / cache_salt: as ``encode_request`` takes them.
+    """
+    body = parsed.body
+    unchanged = body.get("model") == model and (
+        cache_salt is None or body.get("cache_salt") == cache_salt)
+    if unchanged and max_tokens is not None:
+        present = parsed.output_param_names
+        unchanged = bool(present) and all(
+            body[key] is not None and body[key] <= max_tokens for key in present)
+    if unchanged:
+        return raw
+    return encode_request(parsed, max_tokens=max_tokens, model=model, cache_salt=cache_salt)
+
+
 def _streamed_overflow(reply: UpstreamReply) -> Overflow | None:
     """An overflow sent as the first SSE event of a 200 stream (SGLang 0.4), before any token.
 
@@ -329,7 +363,7 @@ class Router:
             body = error_body(exc.message, status=429, code=429)
             return _error(429, body, extra={"Retry-After": str(exc.retry_after_s)})
         try:
-            return await self._serve(request, parsed, route, tenant)
+            return await self._serve(request, raw, parsed, route, tenant)
         finally:
             self.admission.release()
 
@@ -389,8 +423,8 @@ class Router:
             )
         return route
 
-    async def _serve(self, request: web.Request, parsed: ParsedRequest, route: RouteConfig,
-                     tenant: TenantName) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, raw: bytes, parsed: ParsedRequest,
+                     route: RouteConfig, tenant: TenantName) -> web.StreamResponse:
         request_id = RequestId(request.headers.get("x-request-id") or uuid.uuid4().hex)
         session_ref = session_from_request(request.headers.items(), parsed.body)
         session = session_ref.session_id if session_ref is not None else None
@@ -423,8 +457,9 @@ class Router:
         attempt.routing_us = (time.perf_counter() - started) * 1e6
         self._decided(attempt, decision)
         self._maybe_warm(walk, tenant, session, salt, pinned)
-        body = encode_request(parsed, max_tokens=walk.max_tokens,
-                              model=self.config.pools[pool_name].model, cache_salt=salt)
+        body = self._external_body(walk, pool_name) if self.tiering.is_external(pool_name) else (
+            forward_body(raw, parsed, max_tokens=walk.max_tokens,
+                         model=self.config.pools[pool_name].model, cache_salt=salt))
         headers = {"X-Request-Id": request_id}
         ctx = _Forward(walk, tenant, session, salt, pinned, pin_key)
         return await self._forward(request, parsed, attempt, decision, body, headers, ctx)
@@ -434,6 +469,8 @@ class Router:
                              pinned: str | None) -> RouteRequest:
         """The ``RouteRequest`` for ``pool_name``: its exact tokens if its tokenizer gives them
         (asked once per walk), else the text; the session's pin if it is in this pool."""
+        if self.tiering.is_external(pool_name):
+            return self._external_request(walk, pool_name, request_id, tenant, session)
         token_ids = _prompt_ids_from_body(walk.parsed)
         if token_ids is None:
             token_ids = await self.tiering.tokens(walk, pool_name)
@@ -514,7 +551,8 @@ class Router:
                 overflow: Overflow | None = None
                 try:
                     reply = await self.upstream.open(url, body, stream=parsed.stream,
-                                                     headers=headers)
+                                                     headers=self._upstream_headers(current,
+                                                                                    headers))
                 except UpstreamError as exc:
                     if exc.kind == "status" and exc.status is not None:
                         overflow = parse_overflow(exc.status, exc.body)
@@ -590,9 +628,41 @@ class Router:
         attempt.num_prompt_tokens = req.num_prompt_tokens
         attempt.exact = req.prompt_token_ids is not None
         self._decided(attempt, decision)
+        if self.tiering.is_external(pool_name):
+            return decision, self._external_body(walk, pool_name)
         body = encode_request(walk.parsed, max_tokens=walk.max_tokens,
                               model=self.config.pools[pool_name].model, cache_salt=ctx.salt)
         return decision, body
+
+    def _external_body(self, walk: TierWalk, pool_name: PoolName) -> bytes:
+        """The body for an external provider: its model name for the route (the catalog),
+        and no ``cache_salt`` (a vLLM field other providers reject; no index of ours there)."""
+        return encode_request(walk.parsed, max_tokens=walk.max_tokens,
+                              model=self.tiering.upstream_model(walk.route, pool_name),
+                              remove_fields=("cache_salt",))
+
+    def _external_request(self, walk: TierWalk, pool_name: PoolName, request_id: RequestId,
+                          tenant: TenantName, session: str | None) -> RouteRequest:
+        """An external provider's ``RouteRequest``: no tokens and no text (so no index entry),
+        every endpoint but the least-loaded healthy one excluded (``Tiering.least_loaded``),
+        so the core only keeps its load accounting."""
+        names = [rep.name for rep in self.config.pools[pool_name].replicas]
+        best = self.tiering.least_loaded({name: self.core.load.snapshot(name).num_in_flight
+                                          for name in names if self.core.is_healthy(name)})
+        max_tokens = walk.state.max_tokens
+        return RouteRequest(
+            request_id=request_id, pool=pool_name, scope=TenantScope(tenant),
+            num_prompt_tokens=max(1, walk.estimate.low), session_id=session,
+            expected_output_tokens=max_tokens if max_tokens is not None else 256,
+            exclude=frozenset(name for name in names if name != best),
+        )
+
+    def _upstream_headers(self, decision: RoutingDecision,
+                          headers: Mapping[str, str]) -> Mapping[str, str]:
+        """``headers``, plus the provider's key as ``Authorization: Bearer`` when the
+        decision's pool is external and has one (``Secrets.provider_keys``)."""
+        key = self.secrets.provider_keys.get(decision.request.pool)
+        return headers if key is None else {**headers, "Authorization": f"Bearer {key}"}
 
     def _recover(self, attempt: _Attempt, decision: RoutingDecision,
                  error: UpstreamError) -> tuple[RoutingDecision | None, bool]:
@@ -711,7 +781,7 @@ class Router:
             window = self.discovery.pool_window(pool) if self.discovery is not None else None
             cards.append(model_card(id=name, created=created, max_model_len=window,
                                     permission_id=f"modelperm-{name}",
-                                    root=self.config.pools[pool].model))
+                                    root=self.tiering.upstream_model(route, pool)))
         return _json(models_response(cards))
 
     async def health(self, request: web.Request) -> web.Response:

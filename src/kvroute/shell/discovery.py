@@ -45,6 +45,25 @@ touches ``RouterCore``):
   that it is dropped (None) rather than trusted forever.
 
 ``replica_info`` and ``pool_window`` read the records and never block.
+
+External pools (an OpenAI-compatible provider, ``pools.<name>.external``)
+-----------------------------------------------------------------------
+
+A provider has no ``/health``, no vLLM ``/metrics``, no KV events and no block hashing, so
+none of the above applies to it. Discovery keeps two things about it instead:
+
+* its **catalog**: when ``catalog_from_models`` is on, ``GET /v1/models`` with the provider's
+  key as ``Authorization: Bearer`` (first healthy endpoint), read at start and again once it
+  is ``max(window_ttl_s - models_interval_s, window_ttl_s / 2)`` old (so the new read lands
+  before the old one expires), trusted for ``window_ttl_s`` (the window TTL, as for
+  engines' windows: a provider's catalog changes too). A failed read is retried
+  after ``models_interval_s``; an expired catalog is *unknown*, so requests stay local and
+  the log says so, rather than escalating on a list nobody has confirmed for a long time.
+  ``external_catalog`` hands it to the tier logic;
+* its **endpoints' health**: in routing from the start (a provider is judged by its
+  answers, not by probes); a refused connection reported by the proxy takes the endpoint out
+  (``report_failure``), and an authenticated ``GET /v1/models`` every ``health_interval_s``
+  brings it back.
 """
 
 from __future__ import annotations
@@ -61,7 +80,7 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
+from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig, resolve_provider_keys
 from kvroute.core.clock import Clock
 from kvroute.core.errors import HashConfigError
 from kvroute.core.router import RouterCore
@@ -70,7 +89,7 @@ from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
 from kvroute.wire.prom import parse_vllm_metrics
 
-__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ReplicaInfo"]
+__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ExternalCatalog", "ReplicaInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +150,40 @@ class _Replica:
     warned_partial: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class ExternalCatalog:
+    """An external provider's ``/v1/models`` as last read.
+
+    Attributes:
+        models: the model ids it lists.
+        windows: ``max_model_len`` of the models whose cards give one (vLLM-based
+            providers do; most clouds do not).
+        fetched_at_s: clock time of the read.
+    """
+
+    models: frozenset[str]
+    windows: Mapping[str, int]
+    fetched_at_s: float
+
+
+@dataclass(slots=True)
+class _External:
+    pool: PoolConfig
+    key: str | None
+    catalog: ExternalCatalog | None = None
+    next_fetch_s: float = float("-inf")
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class _Endpoint:
+    config: ReplicaConfig
+    pool: PoolName
+    healthy: bool = True
+    next_probe_s: float = float("inf")
+    last_error: str | None = None
+
+
 class _ProbeError(Exception):
     """Internal: one probe failed; the message is the outcome word and the detail."""
 
@@ -153,6 +206,8 @@ class Discovery:
         session: the shared aiohttp client session (discovery never closes it).
         metrics: where probes, health, windows and approximate mode are exported.
         clock: monotonic seconds; ``time.monotonic`` when None (tests pass a ``ManualClock``).
+        provider_keys: external pools' API keys by pool (``Secrets.provider_keys``); read
+            from ``os.environ`` through ``config.resolve_provider_keys`` when None.
     """
 
     def __init__(
@@ -163,6 +218,7 @@ class Discovery:
         metrics: RouterMetrics,
         *,
         clock: Clock | None = None,
+        provider_keys: Mapping[PoolName, str] | None = None,
     ) -> None:
         self._config = config
         self._core = core
@@ -178,10 +234,23 @@ class Discovery:
         self._healthy_after = int(getattr(d, "healthy_after", DEFAULT_HEALTHY_AFTER))
         self._timeout = aiohttp.ClientTimeout(total=d.timeout_s)
         self._replicas: dict[ReplicaId, _Replica] = {}
-        self._pools: dict[PoolName, PoolConfig] = dict(config.pools)
-        for pool in config.pools.values():
+        self._pools: dict[PoolName, PoolConfig] = {
+            name: pool for name, pool in config.pools.items() if pool.external is None
+        }
+        for pool in self._pools.values():
             for rep in pool.replicas:
                 self._replicas[rep.name] = _Replica(config=rep, pool=pool)
+        keys: Mapping[PoolName, str] | None = provider_keys
+        if keys is None and any(p.external is not None for p in config.pools.values()):
+            keys = resolve_provider_keys(config)
+        self._externals: dict[PoolName, _External] = {}
+        self._endpoints: dict[ReplicaId, _Endpoint] = {}
+        for pool in config.pools.values():
+            if pool.external is None:
+                continue
+            self._externals[pool.name] = _External(pool, (keys or {}).get(pool.name))
+            for rep in pool.replicas:
+                self._endpoints[rep.name] = _Endpoint(rep, pool.name)
         # The pool's adopted (block_size, hash_algo); None = not known yet (approximate).
         self._hashing: dict[PoolName, tuple[int, str] | None] = {}
         self._hashing_source: dict[PoolName, str] = {}
@@ -228,6 +297,9 @@ class Discovery:
         Raises:
             KeyError: ``replica`` is not in the config.
         """
+        endpoint = self._endpoints.get(ReplicaId(replica))
+        if endpoint is not None:
+            return ReplicaInfo(healthy=endpoint.healthy, last_error=endpoint.last_error)
         rep = self._replicas[ReplicaId(replica)]
         info = dataclasses.replace(rep.info)
         if not self._window_valid(rep):
@@ -235,10 +307,16 @@ class Discovery:
         return info
 
     def replica_url(self, replica: str) -> str:
+        endpoint = self._endpoints.get(ReplicaId(replica))
+        if endpoint is not None:
+            return endpoint.config.url
         return self._replicas[ReplicaId(replica)].config.url
 
     def healthy_replicas(self, pool: str) -> list[ReplicaId]:
         """The pool's replicas currently in routing, in config order."""
+        if pool in self._externals:
+            return [e.config.name for e in self._endpoints.values()
+                    if e.pool == pool and e.healthy]
         return [
             rep.config.name for rep in self._replicas.values()
             if rep.pool.name == pool and rep.info.healthy
@@ -255,6 +333,17 @@ class Discovery:
             and self._window_valid(rep)
         ]
         return min(windows) if windows else None
+
+    def external_catalog(self, pool: str) -> ExternalCatalog | None:
+        """An external pool's catalog from its ``/v1/models``; None when ``pool`` is not
+        external, does not read its catalog, has not been read yet, or the last read is
+        older than ``window_ttl_s``."""
+        ext = self._externals.get(PoolName(pool))
+        if ext is None or ext.catalog is None:
+            return None
+        if self._clock.now() - ext.catalog.fetched_at_s >= self._window_ttl_s:
+            return None
+        return ext.catalog
 
     def pool_hashing(self, pool: str) -> tuple[int, str] | None:
         """The pool's adopted ``(block_size, hash_algo)``, or None while still unknown."""
@@ -287,7 +376,24 @@ class Discovery:
 
         Safe from any task on this loop: it changes ``RouterCore`` synchronously, between
         awaits, like the round task does.
+
+        An external endpoint is taken out the same way and comes back after an
+        authenticated ``/v1/models`` answers (probed every ``health_interval_s``).
         """
+        endpoint = self._endpoints.get(ReplicaId(replica))
+        if endpoint is not None:
+            endpoint.last_error = f"connect_error: {reason}"
+            endpoint.next_probe_s = self._clock.now() + self._health_interval_s
+            self._metrics.discovery(replica, "connect_error")
+            if endpoint.healthy:
+                endpoint.healthy = False
+                self._core.set_healthy(endpoint.config.name, False)
+                self._metrics.set_replica_healthy(replica, False)
+                log.error("external endpoint %s (%s) refused a connection (%s); taken out of "
+                          "routing until its /v1/models answers again", replica,
+                          endpoint.config.url, reason)
+            self._wake.set()
+            return
         rep = self._replicas.get(ReplicaId(replica))
         if rep is None:
             return
@@ -338,7 +444,9 @@ class Discovery:
             self._set_approximate(pool)
 
     async def _round(self, *, force: bool) -> None:
-        await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()))
+        await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()),
+                             *(self._probe_external(ext, force)
+                               for ext in self._externals.values()))  # fmt: skip
         for pool in self._pools.values():
             self._settle_pool(pool)
         self.num_rounds += 1
@@ -462,6 +570,73 @@ class Discovery:
             log.warning("replica %s: /v1/models gives no usable max_model_len for %r (%r)",
                         name, wanted, window)
         self._metrics.discovery(name, "models_ok")
+
+    async def _get_external(self, url: str, key: str | None) -> bytes:
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        try:
+            async with self._session.get(url, headers=headers, timeout=self._timeout) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    hint = " (check the provider's API key)" if resp.status in (401, 403) else ""
+                    raise _ProbeError("catalog_error",
+                                      f"GET {url} answered HTTP {resp.status}{hint}")
+                return body
+        except TimeoutError as exc:
+            raise _ProbeError(
+                "catalog_timeout", f"GET {url} took longer than {self._timeout.total}s"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise _ProbeError(
+                "catalog_error", f"GET {url} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _probe_external(self, ext: _External, force: bool) -> None:
+        """Bring endpoints back that answer ``/v1/models``; refresh the catalog when due."""
+        now = self._clock.now()
+        endpoints = [e for e in self._endpoints.values() if e.pool == ext.pool.name]
+        for endpoint in endpoints:
+            if endpoint.healthy or now < endpoint.next_probe_s:
+                continue
+            endpoint.next_probe_s = now + self._health_interval_s
+            try:
+                await self._get_external(endpoint.config.url + "/v1/models", ext.key)
+            except _ProbeError as exc:
+                endpoint.last_error = str(exc)
+                self._metrics.discovery(endpoint.config.name, exc.outcome)
+                continue
+            endpoint.healthy = True
+            endpoint.last_error = None
+            self._core.set_healthy(endpoint.config.name, True)
+            self._metrics.set_replica_healthy(endpoint.config.name, True)
+            log.warning("external endpoint %s answers again; back in routing",
+                        endpoint.config.name)
+        assert ext.pool.external is not None, "an _External always wraps an external pool"
+        if not ext.pool.external.catalog_from_models or (not force and now < ext.next_fetch_s):
+            return
+        source = next((e for e in endpoints if e.healthy), None)
+        if source is None:
+            return
+        ext.next_fetch_s = now + self._models_interval_s  # retry interval after a failure
+        try:
+            cards = _model_cards(
+                await self._get_external(source.config.url + "/v1/models", ext.key))
+        except _ProbeError as exc:
+            ext.last_error = str(exc)
+            self._metrics.discovery(source.config.name, exc.outcome)
+            log.warning("external pool %s: cannot read its catalog: %s", ext.pool.name, exc)
+            return
+        windows = {model: w for model, card in cards.items()
+                   if isinstance(w := card.get("max_model_len"), int)
+                   and not isinstance(w, bool) and w > 0}
+        catalog = ExternalCatalog(frozenset(cards), windows, now)
+        if ext.catalog is None or ext.catalog.models != catalog.models:
+            log.info("external pool %s: catalog from /v1/models: %s", ext.pool.name,
+                     ", ".join(sorted(catalog.models)) or "(empty)")
+        ext.catalog = catalog
+        ext.last_error = None
+        ext.next_fetch_s = now + max(self._window_ttl_s - self._models_interval_s,
+                                     self._window_ttl_s / 2)
+        self._metrics.discovery(source.config.name, "catalog_ok")
 
     async def _probe_metrics(self, rep: _Replica) -> None:
         name = rep.config.name

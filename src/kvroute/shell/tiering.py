@@ -24,6 +24,21 @@ fail at the engine; a fit decided on an exact count cannot. Token counts from on
 tokenizer are taken as exact for the route's other pools (tiers of one route serve one model
 family); a difference shows up as one reactive round trip, never as a failure.
 
+External pools (``pools.<name>.external``, an OpenAI-compatible provider) enter the plan as
+``TierPool(external=True, catalog=..., served_model=...)``: the catalog is the configured
+mapping, or the provider's ``/v1/models`` as discovery last read it, and ``served_model`` the
+provider's name for this route's model, so ``core/tiers.eligibility`` lets a request escalate
+there only when its model maps into the catalog. When the plan passes the provider over for
+that reason, one ``[CONTEXT-ROUTE]`` line says the request stays local and why. A provider
+gets no exact count (no ``/tokenize``), no window refresh (its catalog has its own schedule)
+and no warm-ahead (a provider's prefix cache, if any, is not ours to fill); the shell sends
+to its least-loaded endpoint (``least_loaded``) under the provider's model name
+(``upstream_model``).
+
+``routes.<name>.proactive: false`` is the reactive-only switch: no estimate decides the tier;
+the request goes to the first eligible pool at or above its session's tier, with the
+client's ``max_tokens``, and only the reactive path below moves it.
+
 Session state kept here (per tenant, route and session id, LRU-bounded by
 ``state.max_pins``): the last ``usage`` and the tier the session escalated to, so a session
 does not flap back to a pool that lacks its prefix. It is per process; with several routers a
@@ -42,6 +57,7 @@ from typing import Any, Final, Protocol
 from kvroute.config import RouteConfig, RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.tiers import (
+    LOG_TAG,
     OVERFLOW_ERROR_CODE,
     OVERFLOW_ERROR_PARAM,
     OVERFLOW_ERROR_TYPE,
@@ -57,8 +73,10 @@ from kvroute.core.tiers import (
     PlaceReason,
     RecoveryPlan,
     Retry,
+    Skip,
     SkipReason,
     TierPool,
+    eligibility,
     learn_window,
     plan_recovery,
     plan_tier,
@@ -96,8 +114,18 @@ class _Info(Protocol):
     models_fetched_at_s: float | None
 
 
+class _Catalog(Protocol):
+    models: frozenset[str]
+    windows: Mapping[str, int]
+    fetched_at_s: float
+
+
 class TierView(Protocol):
-    """What the tier logic reads from discovery (``shell/discovery.py`` implements it)."""
+    """What the tier logic reads from discovery (``shell/discovery.py`` implements it).
+
+    ``external_catalog(pool)`` (an external provider's ``/v1/models``) is read when the
+    view has it; a view without it knows no provider catalogs.
+    """
 
     def pool_window(self, pool: str) -> int | None: ...
 
@@ -214,6 +242,9 @@ class Tiering:
         # Windows the engines themselves stated in an overflow, newer than discovery's read.
         self._learned: dict[str, tuple[int, float]] = {}
         self._pools_cache: dict[str, tuple[float, tuple[TierPool, ...]]] = {}
+        # External endpoints' last choice (a counter), for least-recently-chosen ties.
+        self._chosen: dict[ReplicaId, int] = {}
+        self._num_chosen = 0
 
     # -- windows --------------------------------------------------------------------------
 
@@ -223,7 +254,8 @@ class Tiering:
         cached = self._pools_cache.get(route.name)
         if cached is not None and now - cached[0] < POOLS_CACHE_S:
             return list(cached[1])
-        pools = tuple(self._tier_pool(name, now) for name in route.pools)
+        pools = tuple(self._external_pool(name, route.name) if self.is_external(name)
+                      else self._tier_pool(name, now) for name in route.pools)
         self._pools_cache[route.name] = (now, pools)
         return list(pools)
 
@@ -250,6 +282,82 @@ class Tiering:
         if window is None:
             fetched = None
         return TierPool(name, window=window, window_fetched_at_s=fetched, served_model=served)
+
+    # -- external pools -------------------------------------------------------------------
+
+    def is_external(self, pool: str) -> bool:
+        """True when ``pool`` is an external OpenAI-compatible provider."""
+        return self._config.pools[PoolName(pool)].external is not None
+
+    def _provider_catalog(self, pool: PoolName) -> _Catalog | None:
+        read = getattr(self._discovery, "external_catalog", None)
+        catalog: _Catalog | None = None if read is None else read(pool)
+        return catalog
+
+    def _external_pool(self, name: PoolName, route_model: str) -> TierPool:
+        """The provider as ``core/tiers.py`` sees it for requests of ``route_model``.
+
+        ``catalog`` is what the provider serves as far as the router knows (the configured
+        mapping's provider models, or the ``/v1/models`` list when ``catalog_from_models``;
+        ``None`` while that list is unknown); ``served_model`` the provider's name for
+        ``route_model`` (``None`` without a configured mapping: the model keeps its name).
+        A route the configured mapping leaves out gets an empty catalog, so it is never
+        sent under a name the operator did not map.
+        """
+        ext = self._config.pools[name].external
+        assert ext is not None, f"pool {name!r} is not external"
+        served: str | None = None
+        catalog: frozenset[str] | None
+        if ext.catalog is not None:
+            served = ext.catalog.get(route_model)
+            catalog = frozenset(ext.catalog.values()) if served is not None else frozenset()
+        else:
+            catalog = None
+        window: int | None = None
+        fetched: float | None = None
+        if ext.catalog_from_models:
+            provider = self._provider_catalog(name)
+            if provider is None:
+                catalog = None if served is not None or ext.catalog is None else catalog
+            else:
+                listed = provider.models
+                catalog = listed if ext.catalog is None else (catalog or frozenset()) & listed
+                window = provider.windows.get(served or route_model)
+                fetched = provider.fetched_at_s if window is not None else None
+        return TierPool(name, window=window, window_fetched_at_s=fetched, external=True,
+                        catalog=catalog, served_model=served)
+
+    def upstream_model(self, route: RouteConfig, pool: PoolName) -> str:
+        """The ``model`` to send to ``pool``: the engines' served name, or for a provider the
+        catalog's name for the route (the route's own name without a configured mapping)."""
+        config = self._config.pools[pool]
+        if config.external is None:
+            return config.model
+        if config.external.catalog is not None:
+            return config.external.catalog.get(route.name, route.name)
+        return route.name
+
+    def least_loaded(self, candidates: Mapping[ReplicaId, int]) -> ReplicaId | None:
+        """The external endpoint to use: fewest requests in flight, ties to the one chosen
+        least recently (never list order, which would pile every tie on the first).
+
+        Args:
+            candidates: each healthy endpoint's requests in flight.
+        """
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda r: (candidates[r], self._chosen.get(r, -1)))
+        self._num_chosen += 1
+        self._chosen[best] = self._num_chosen
+        return best
+
+    def _log_external_skips(self, skipped: Sequence[Skip], model: str, outcome: str) -> None:
+        for skip in skipped:
+            if skip.reason in (SkipReason.NOT_IN_CATALOG, SkipReason.CATALOG_UNKNOWN,
+                               SkipReason.NO_MODEL):  # fmt: skip
+                log.info("%s external pool %r not used for model %r: %s; the request stays "
+                         "local: %s", LOG_TAG,
+                         skip.pool_name, model, skip.detail, outcome)
 
     def learn(self, walk: TierWalk, index: int, window: int, replica: ReplicaId) -> None:
         """An engine of ``walk.pools[index]`` stated its window: adopt it, say so, re-read.
@@ -322,6 +430,9 @@ class Tiering:
         """The prompt's token ids for ``pool`` (its tokenizer), asked at most once per walk."""
         if pool in walk.token_ids:
             return walk.token_ids[pool]
+        if self.is_external(pool):  # a provider has no /tokenize and no index to hash for
+            walk.token_ids[pool] = None
+            return None
         tokenizer = self._tokenizers.get(pool)
         ids = None if tokenizer is None else await tokenizer.token_ids(walk.parsed)
         walk.token_ids[pool] = ids
@@ -339,6 +450,8 @@ class Tiering:
         walk = TierWalk(route, parsed, key, pools, estimate, _NO_PLACE,
                         AttemptState(0, parsed.max_tokens, parsed.max_tokens, estimate.high))
         min_index = min(self.session_tier(key), len(pools) - 1)
+        if not route.proactive:
+            return self._reactive_only(walk, min_index)
         exact_available = True
         now = self._clock.now()
         # Bounded: each round either asks one pool for an exact count (at most once per pool,
@@ -369,8 +482,10 @@ class Tiering:
                              request_model=parsed.model, output_floor=route.output_floor,
                              exact_count_available=False, min_pool_index=min_index)
         self._refresh(pools, getattr(plan, "stale_pools", ()))
+        skipped: Sequence[Skip] = getattr(plan, "skipped", ())
         if isinstance(plan, NoFit | NoPool):
             log.warning("%s", plan.log_line)
+            self._log_external_skips(skipped, parsed.model, "no local pool holds it → 400")
             message = plan.message
             raise TierRefused(400, error_body(
                 message, status=400, type=OVERFLOW_ERROR_TYPE, param=OVERFLOW_ERROR_PARAM,
@@ -380,6 +495,7 @@ class Tiering:
         notable = (plan.reason is not PlaceReason.FITS or plan.clamped_max_tokens is not None
                    or plan.skipped or plan.stale_pools)  # fmt: skip
         log.log(logging.INFO if notable else logging.DEBUG, "%s", plan.log_line)
+        self._log_external_skips(skipped, parsed.model, f"placed on {plan.pool_name!r}")
         walk.estimate = estimate
         walk.place = plan
         walk.state = AttemptState.first(plan, estimate, parsed.max_tokens)
@@ -390,11 +506,39 @@ class Tiering:
         self._raise_tier(key, plan.pool_index)
         return walk
 
+    def _reactive_only(self, walk: TierWalk, min_index: int) -> TierWalk:
+        """``proactive: false``: the first eligible pool from the session's tier, untouched
+        ``max_tokens``; the reactive path alone escalates (module docstring).
+
+        Raises:
+            TierRefused: no pool of the route may serve the model (catalog rule).
+        """
+        parsed, pools = walk.parsed, walk.pools
+        skipped: list[Skip] = []
+        for i in range(min_index, len(pools)):
+            skip = eligibility(pools[i], i, parsed.model)
+            if skip is None:
+                line = f"{LOG_TAG} reactive-only: → {pools[i].name!r} (proactive off)"
+                log.debug("%s", line)
+                walk.place = Place(i, pools[i].name, None, PlaceReason.FITS, line,
+                                   walk.estimate.low, tuple(skipped))
+                walk.state = AttemptState.first(walk.place, walk.estimate, parsed.max_tokens)
+                return walk
+            skipped.append(skip)
+        line = f"{LOG_TAG} reactive-only: no eligible pool → 400"
+        self._log_external_skips(skipped, parsed.model, "no pool of the route may serve it → 400")
+        message = ("No pool of this route can serve model "
+                   f"{parsed.model!r}: " + "; ".join(s.detail for s in skipped))
+        raise TierRefused(400, error_body(message, status=400, type=OVERFLOW_ERROR_TYPE,
+                                          param=OVERFLOW_ERROR_PARAM, code="model_not_found"),
+                          line)
+
     def _refresh(self, pools: Sequence[TierPool], stale: Sequence[int]) -> None:
         if self._discovery is None:
             return
         for i in stale:
-            self._discovery.invalidate_window(pools[i].name)
+            if not pools[i].external:  # a provider's catalog is re-read on its own schedule
+                self._discovery.invalidate_window(pools[i].name)
 
     def _warm_hit(self, walk: TierWalk) -> None:
         key = walk.session_key
@@ -420,6 +564,11 @@ class Tiering:
         if plan.learned_window is not None:
             self.learn(walk, before, plan.learned_window, replica)
         log.warning("%s (replica %s, style %s)", plan.log_line, replica, overflow.style)
+        if isinstance(plan, GiveUp):
+            later = (eligibility(walk.pools[j], j, walk.parsed.model)
+                     for j in range(before + 1, len(walk.pools)))
+            self._log_external_skips([s for s in later if s is not None], walk.parsed.model,
+                                     "no larger local pool → 400")
         if isinstance(plan, Retry | Escalate):
             walk.state = plan.state
         if isinstance(plan, Escalate):
@@ -450,6 +599,9 @@ class Tiering:
                                          claim=False)  # fmt: skip
         if isinstance(decision, WarmSkip):
             self._metrics.warm("skipped", decision.reason.value)
+            return None
+        if walk.pools[decision.target_pool_index].external:
+            self._metrics.warm("skipped", "external")  # a provider's cache is not ours to fill
             return None
         self.planner.mark_fired(decision.session_id, now, stage=decision.stage,
                                 target_pool_index=decision.target_pool_index)

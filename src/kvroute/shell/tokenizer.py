@@ -353,6 +353,8 @@ def build_tokenizers(
     """
     out: dict[str, PromptTokenizer] = {}
     for pool in config.pools.values():
+        if pool.external is not None:
+            continue  # a provider pool is routed by load only: nothing to tokenize for
         setting = pool.tokenizer
         tokenizer: PromptTokenizer
         if setting.mode == "engine":

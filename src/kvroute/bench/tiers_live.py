@@ -1,0 +1,631 @@
+"""``kvroute bench tiers-live``: context-window tiers with real processes on loopback.
+
+The live counterpart of ``bench/tiers_bench.py`` (virtual time). The same growing agent
+sessions (``bench.workloads.growing_sessions(with_messages=True)``: closed-loop turns whose
+prompt grows across the small pool's window) are sent, once per mode, through a real
+``kvroute serve`` process in front of real ``kvroute sim serve`` engines:
+
+* a **small** pool (fast profile, e.g. ``llama-3.1-8b-h100``, window 4,096 by default) and a
+  **large** pool (slow profile, e.g. ``llama-3.1-70b-h100-tp4``, window 16,384), both with
+  KV events wired to the router and ``tokenizer: engine``;
+* one more large engine, the **cold probe**, that the router never sees: after each mode,
+  every escalated turn's exact messages are sent to it once, with a fresh ``cache_salt`` and
+  ``max_tokens: 1``, one at a time, so its TTFT is a cold prefill of that prompt on an idle
+  large engine, measured in the same run on the same machine.
+
+Modes (the router's config differs only in these two switches):
+
+* ``reactive`` — ``routes.<name>.proactive: false`` and warm-ahead off: every turn goes to
+  the small pool (or the one its session already escalated to) and only the small engine's
+  overflow rejection escalates it (one doomed round trip per crossing);
+* ``proactive`` — the estimate chooses the pool before sending; warm-ahead off;
+* ``proactive+warm`` — as proactive, plus warm-ahead of the large pool.
+
+Every engine's prefix cache is reset between modes (``POST /reset_prefix_cache``) and the
+router is restarted, so no mode inherits another's cache or state.
+
+Measured per mode, on the client: every turn's TTFT (request written → first SSE event with
+text) and its pool (``x-kvroute-pool``); failed turns (non-200, stream error, timeout); the
+escalated turn of each session (its first turn answered by the large pool) against the cold
+probe of the same prompt; small-pool TTFT p50/p99. From the router's ``/metrics``: doomed
+attempts (``kvroute_upstream_errors_total{kind="overflow"}``), escalations by kind,
+warm-ups fired/completed/failed/skipped. ``targets`` (shared with the virtual-time bench)
+checks the issue's goals and reports the numbers whatever they are.
+
+Bounds: the workload is a fixed list; each request has ``request_timeout_s``; each mode has
+``duration_s`` (turns not sent by then are ``not_sent``, running ones are cancelled and
+``deadline``); processes are started with deadlines and always stopped. Loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from kvroute.bench.tiers_bench import MODES, targets
+from kvroute.bench.workloads import WorkloadRequest, growing_sessions
+from kvroute.core.errors import ConfigError, RouterError
+from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
+from kvroute.sim.profiles import get_profile
+from kvroute.wire.sse import SSEDecoder
+
+__all__ = [
+    "LiveTurn",
+    "TiersLiveSpec",
+    "format_table",
+    "live_mode_metrics",
+    "run_tiers_live",
+]
+
+ROUTE: Final = "agent"
+SMALL_MODEL: Final = "sim-small"
+LARGE_MODEL: Final = "sim-large"
+_KVROUTE_ENTRY: Final = "import sys; from kvroute.cli import main; sys.argv[0] = 'kvroute'; main()"
+
+
+class LiveBenchError(RouterError):
+    """The router did not come up, or an engine could not be reset; the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class TiersLiveSpec:
+    """What to run. Defaults: a run of a few minutes on a laptop-class machine.
+
+    Attributes:
+        sessions: growing sessions (each ends with its first turn over ``small_window``).
+        small_window / large_window: the pools' ``max_model_len``.
+        small_profile / large_profile: timing profiles (``sim.profiles``).
+        replicas_small / replicas_large: engines per pool (plus one cold-probe engine).
+        think_time_s: pause between a turn's last token and the session's next turn.
+        session_interval_s: gap between session starts.
+        system_prompt_tokens / user_tokens / output_tokens: the sessions' shape
+            (``output_tokens`` is also each turn's ``max_tokens``).
+        seed: the workload's seed (and the router policy's).
+        warm_fraction / warm_rewarm_fraction: warm-ahead trigger and re-warm growth.
+        modes: which of ``MODES`` to run, in order.
+        request_timeout_s: per request.
+        duration_s: per mode (the closed loop's deadline).
+        log_dir: keep router configs and logs here (a temporary directory when None).
+    """
+
+    sessions: int = 8
+    small_window: int = 4096
+    large_window: int = 16_384
+    small_profile: str = "llama-3.1-8b-h100"
+    large_profile: str = "llama-3.1-70b-h100-tp4"
+    replicas_small: int = 2
+    replicas_large: int = 1
+    think_time_s: float = 1.0
+    session_interval_s: float = 0.5
+    system_prompt_tokens: int = 512
+    user_tokens: int = 256
+    output_tokens: int = 64
+    seed: int = 0
+    warm_fraction: float = 0.6
+    warm_rewarm_fraction: float = 0.1
+    modes: tuple[str, ...] = MODES
+    request_timeout_s: float = 60.0
+    duration_s: float = 300.0
+    log_dir: Path | None = None
+
+    def validate(self) -> None:
+        """Raises ``ConfigError`` naming the bad field and the fix."""
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ConfigError(f"modes must be some of {', '.join(MODES)}, got {list(self.modes)}")
+        if self.large_window <= self.small_window:
+            raise ConfigError(
+                f"large_window ({self.large_window}) must be larger than small_window "
+                f"({self.small_window}): the large pool is where sessions escalate to")
+        for name in ("sessions", "replicas_small", "replicas_large", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "duration_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 < self.warm_fraction < 1:
+            raise ConfigError(f"warm_fraction must be in (0, 1), got {self.warm_fraction}")
+        get_profile(self.small_profile)
+        get_profile(self.large_profile)
+
+
+@dataclass(slots=True)
+class LiveTurn:
+    """One turn as the client saw it (times in seconds; ``start_s`` from the mode's start).
+
+    ``error`` is None when OK, else ``http_<status>``, ``no_output``, ``no_done``,
+    ``timeout``, ``deadline``, ``not_sent``, ``connect`` or ``client:<Exception>``.
+    """
+
+    request_id: str
+    session: str
+    turn: int
+    prompt_tokens: int
+    pool: str | None = None
+    status: int | None = None
+    error: str | None = None
+    start_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    cold_ttft_s: float | None = None
+    escalated: bool = False
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def _blocks(window: int, block_size: int, sessions: int) -> int:
+    """KV blocks that hold every session's longest prompt at once (no eviction noise)."""
+    return (window // block_size + 2) * (sessions + 2)
+
+
+def _fleet_specs(spec: TiersLiveSpec) -> list[ReplicaSpec]:
+    small, large = get_profile(spec.small_profile), get_profile(spec.large_profile)
+    small_blocks = max(small.num_gpu_blocks, _blocks(spec.small_window, small.block_size,
+                                                     spec.sessions))
+    large_blocks = max(large.num_gpu_blocks, _blocks(spec.large_window, large.block_size,
+                                                     spec.sessions))
+    out = [ReplicaSpec(name=f"s{i}", pool="small", model=SMALL_MODEL, profile=small.name,
+                       max_model_len=spec.small_window, num_gpu_blocks=small_blocks)
+           for i in range(spec.replicas_small)]
+    out += [ReplicaSpec(name=f"l{i}", pool="large", model=LARGE_MODEL, profile=large.name,
+                        max_model_len=spec.large_window, num_gpu_blocks=large_blocks)
+            for i in range(spec.replicas_large)]
+    out.append(ReplicaSpec(name="cold", pool="cold", model=LARGE_MODEL, profile=large.name,
+                           max_model_len=spec.large_window, num_gpu_blocks=large_blocks,
+                           replay=False))
+    return out
+
+
+def router_yaml(spec: TiersLiveSpec, mode: str, small: Sequence[ReplicaHandle],
+                large: Sequence[ReplicaHandle]) -> str:
+    """The ``kvroute serve`` config of one mode (module docstring): free port, events wired."""
+
+    def replicas(handles: Sequence[ReplicaHandle], rate: float) -> list[dict[str, Any]]:
+        out = []
+        for r in handles:
+            entry: dict[str, Any] = {"name": r.name, "url": r.url, "prefill_rate_tps": rate}
+            if r.kv_events:
+                entry["kv_events"] = r.kv_events
+                if r.kv_replay:
+                    entry["kv_replay"] = r.kv_replay
+            out.append(entry)
+        return out
+
+    small_rate = 1.0 / get_profile(spec.small_profile).timing.prefill_token_s
+    large_rate = 1.0 / get_profile(spec.large_profile).timing.prefill_token_s
+    doc = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {
+            "small": {"model": SMALL_MODEL, "tokenizer": "engine",
+                      "replicas": replicas(small, small_rate)},
+            "large": {"model": LARGE_MODEL, "tokenizer": "engine",
+                      "replicas": replicas(large, large_rate)},
+        },
+        "routes": {ROUTE: {"pools": ["small", "large"], "proactive": mode != "reactive"}},
+        "policy": {"name": "kvroute", "seed": spec.seed},
+        "warm_ahead": {"enabled": mode == "proactive+warm", "fraction": spec.warm_fraction,
+                       "rewarm_fraction": spec.warm_rewarm_fraction, "cooldown_s": 300,
+                       "timeout_s": spec.request_timeout_s},
+        "admission": {"max_in_flight": 4096, "max_queue": 4096, "queue_timeout_s": 60},
+        "discovery": {"health_interval_s": 1.0, "metrics_interval_s": 1.0,
+                      "models_interval_s": 30},
+        "timeouts": {"connect_s": 2.0, "first_byte_s": spec.request_timeout_s,
+                     "total_s": spec.request_timeout_s},
+        "log_level": "info",
+        "log_format": "kv",
+    }
+    return json.dumps(doc, indent=2) + "\n"  # JSON is YAML
+
+
+@dataclass(slots=True)
+class _Router:
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def log_tail(self, limit: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        proc = self.process
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _start_router(config_path: Path, log_path: Path, timeout_s: float = 60.0) -> _Router:
+    """``kvroute serve -c config_path``; returns once it printed its ready line.
+
+    Raises:
+        LiveBenchError: it exited or was not ready within ``timeout_s`` (it is stopped).
+    """
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(config_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
+            start_new_session=True)
+    router = _Router(proc, "", log_path)
+    assert proc.stdout is not None, "stdout is a pipe"
+    deadline = time.monotonic() + timeout_s
+    buffer = b""
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in buffer:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LiveBenchError(f"kvroute serve was not ready within {timeout_s:g} s; "
+                                         f"its log ends with:\n{router.log_tail()}")
+                if sel.select(min(left, 0.5)):
+                    chunk = os.read(proc.stdout.fileno(), 4096)
+                    if not chunk:
+                        raise LiveBenchError(
+                            f"kvroute serve exited with code {proc.wait(5)} during start-up; "
+                            f"its log ends with:\n{router.log_tail()}")
+                    buffer += chunk
+        info = json.loads(buffer.split(b"\n", 1)[0])
+        router.url = str(info["url"])
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+# -- the client ----------------------------------------------------------------------------------
+
+
+def _has_text(payload: Any) -> bool:
+    if not isinstance(payload, dict):
+        return False
+    for choice in payload.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            return True
+    return False
+
+
+async def _send(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any],
+                headers: Mapping[str, str], turn: LiveTurn, timeout_s: float) -> None:
+    """One streamed chat request; fills ``turn`` (status, pool, TTFT, E2E, error)."""
+    started = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            turn.status = resp.status
+            turn.pool = resp.headers.get("x-kvroute-pool")
+            if resp.status != 200:
+                await resp.read()
+                turn.error = f"http_{resp.status}"
+                return
+            decoder = SSEDecoder()
+            done = False
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                for event in decoder.feed(chunk):
+                    if event.is_done:
+                        done = True
+                        continue
+                    try:
+                        payload = event.json()
+                    except ValueError:
+                        continue
+                    if isinstance(payload, dict) and "error" in payload:
+                        turn.error = "stream_error"
+                    if turn.ttft_s is None and _has_text(payload):
+                        turn.ttft_s = now - started
+            turn.e2e_s = time.perf_counter() - started
+            if turn.error is None and turn.ttft_s is None:
+                turn.error = "no_output"
+            elif turn.error is None and not done:
+                turn.error = "no_done"
+    except TimeoutError:
+        turn.error = "timeout"
+    except aiohttp.ClientConnectorError:
+        turn.error = "connect"
+    except aiohttp.ClientError as exc:
+        turn.error = f"client:{type(exc).__name__}"
+
+
+def _body(request: WorkloadRequest, model: str, max_tokens: int,
+          cache_salt: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": request.messages,
+                            "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+                            "ignore_eos": True}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+async def _run_sessions(url: str, workload: Sequence[WorkloadRequest], spec: TiersLiveSpec,
+                        on_turn: Callable[[], None] | None) -> tuple[list[LiveTurn], float]:
+    """The closed loop: each session's turn ``k+1`` is sent ``think_time_s`` after turn
+    ``k`` finished; sessions start ``arrival_s`` apart. Returns the turns and wall time."""
+    by_session: dict[str, list[WorkloadRequest]] = {}
+    for req in workload:
+        by_session.setdefault(req.session_id or req.request_id, []).append(req)
+    turns = {req.request_id: LiveTurn(req.request_id, req.session_id or "", req.turn or 0,
+                                      req.num_prompt_tokens) for req in workload}
+    t0 = time.perf_counter()
+    deadline = t0 + spec.duration_s
+
+    async def session_loop(http: aiohttp.ClientSession, reqs: list[WorkloadRequest]) -> None:
+        release = t0 + reqs[0].arrival_s
+        for req in sorted(reqs, key=lambda r: r.turn or 0):
+            if req.depends_on is not None:  # closed loop: after the previous turn + think
+                release = time.perf_counter() + (req.think_time_s or 0.0)
+            await asyncio.sleep(max(0.0, release - time.perf_counter()))
+            turn = turns[req.request_id]
+            if time.perf_counter() >= deadline:
+                turn.error = "not_sent"
+                continue
+            turn.start_s = time.perf_counter() - t0
+            left = max(0.1, min(spec.request_timeout_s, deadline - time.perf_counter()))
+            headers = {"x-session-id": turn.session}
+            await _send(http, url, _body(req, ROUTE, req.output_tokens), headers, turn, left)
+            if on_turn is not None:
+                on_turn()
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        tasks = [asyncio.create_task(session_loop(http, reqs)) for reqs in by_session.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*tasks), spec.duration_s + 5.0)
+        except TimeoutError:
+            for turn in turns.values():
+                if turn.start_s is not None and turn.status is None and turn.error is None:
+                    turn.error = "deadline"
+                elif turn.start_s is None and turn.error is None:
+                    turn.error = "not_sent"
+    return list(turns.values()), time.perf_counter() - t0
+
+
+async def _cold_probes(cold_url: str, escalated: Sequence[tuple[LiveTurn, WorkloadRequest]],
+                       timeout_s: float) -> None:
+    """Each escalated prompt once on the idle cold engine, fresh salt, one at a time."""
+    async with aiohttp.ClientSession() as http:
+        for turn, req in escalated:
+            probe = LiveTurn(req.request_id, turn.session, turn.turn, turn.prompt_tokens)
+            salt = f"cold-{uuid.uuid4().hex}"
+            await _send(http, cold_url, _body(req, LARGE_MODEL, 1, cache_salt=salt), {},
+                        probe, timeout_s)
+            if probe.error is None:
+                turn.cold_ttft_s = probe.ttft_s
+
+
+async def _scrape(url: str) -> dict[str, float]:
+    """The router's counters that the report uses, summed over labels of interest."""
+    async with aiohttp.ClientSession() as http, http.get(
+            url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        text = await resp.text()
+    out: defaultdict[str, float] = defaultdict(float)
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name, _, labels = name_labels.partition("{")
+        val = float(value)
+        if name == "kvroute_upstream_errors_total" and 'kind="overflow"' in labels:
+            out["doomed_attempts"] += val
+        elif name == "kvroute_escalations_total":
+            kind = _label(labels, "kind")
+            out[f"escalations_{kind}"] += val
+            out["escalations"] += val
+        elif name == "kvroute_warm_total":
+            outcome, reason = _label(labels, "outcome"), _label(labels, "reason")
+            out[f"warm_{outcome}"] += val
+            if outcome == "skipped":
+                out[f"warm_skipped:{reason}"] += val
+        elif name == "kvroute_cut_short_total":
+            out["cut_short"] += val
+    return dict(out)
+
+
+def _label(labels: str, key: str) -> str:
+    marker = f'{key}="'
+    start = labels.find(marker)
+    if start < 0:
+        return ""
+    start += len(marker)
+    return labels[start:labels.find('"', start)]
+
+
+async def _reset_caches(urls: Sequence[str], tries: int = 20) -> None:
+    """``POST /reset_prefix_cache`` on every engine (retried while requests drain).
+
+    Raises:
+        LiveBenchError: an engine kept refusing.
+    """
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            for attempt in range(tries):
+                async with http.post(url + "/reset_prefix_cache",
+                                     timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status == 200:
+                        break
+                if attempt == tries - 1:
+                    raise LiveBenchError(f"{url} would not reset its prefix cache "
+                                         f"(HTTP {resp.status}); is a request stuck?")
+                await asyncio.sleep(0.25)
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def _pct(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (0.0 when empty), as ``bench.tiers_bench``."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = max(1, -(-len(ordered) * pct // 100))
+    return float(ordered[int(rank) - 1])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def live_mode_metrics(turns: Sequence[LiveTurn], router: Mapping[str, float]) -> dict[str, Any]:
+    """One mode's figures, with the keys ``tiers_bench.targets`` reads.
+
+    Args:
+        turns: every turn of the mode (escalated ones with ``cold_ttft_s`` filled in).
+        router: the router's counters (``_scrape``).
+    """
+    ok = [t for t in turns if t.error is None]
+    escalated = [(t.ttft_s, t.cold_ttft_s) for t in turns if t.escalated and t.ttft_s is not None]
+    esc_ttfts = [ttft for ttft, _ in escalated]
+    colds = [cold for _, cold in escalated if cold]
+    ratios = [ttft / cold for ttft, cold in escalated if cold]
+    small = [t.ttft_s for t in ok if t.pool == "small" and t.ttft_s is not None]
+    large = [t.ttft_s for t in ok if t.pool == "large" and t.ttft_s is not None]
+    errors = Counter(t.error for t in turns if t.error is not None)
+    return {
+        "requests": len(turns),
+        "completed": len(ok),
+        "failed": len(turns) - len(ok),
+        "errors": dict(sorted(errors.items())),
+        "doomed_attempts": int(router.get("doomed_attempts", 0)),
+        "escalations": int(router.get("escalations", 0)),
+        "escalations_proactive": int(router.get("escalations_proactive", 0)),
+        "escalations_reactive": int(router.get("escalations_reactive", 0)),
+        "escalated_turns": len(escalated),
+        "escalated_ttft_mean_s": _mean(esc_ttfts),
+        "escalated_ttft_max_s": max(esc_ttfts, default=0.0),
+        "cold_ttft_mean_s": _mean(colds),
+        "escalated_to_cold_mean": _mean(ratios),
+        "escalated_to_cold_max": max(ratios, default=0.0),
+        "small_ttft_p50_s": _pct(small, 50),
+        "small_ttft_p99_s": _pct(small, 99),
+        "large_ttft_p50_s": _pct(large, 50),
+        "large_ttft_p99_s": _pct(large, 99),
+        "requests_small": sum(1 for t in ok if t.pool == "small"),
+        "requests_large": sum(1 for t in ok if t.pool == "large"),
+        "warms_fired": int(router.get("warm_fired", 0)),
+        "warms_completed": int(router.get("warm_completed", 0)),
+        "warms_failed": int(router.get("warm_failed", 0)),
+        "warm_skips": {k.split(":", 1)[1]: int(v) for k, v in sorted(router.items())
+                       if k.startswith("warm_skipped:")},
+        "cut_short": int(router.get("cut_short", 0)),
+    }
+
+
+def format_table(report: Mapping[str, Any]) -> list[list[str]]:
+    """Rows of the printed table: one per mode."""
+    rows = [["mode", "failed", "doomed", "escal.", "esc. TTFT", "cold TTFT", "esc/cold mean/max",
+             "small p50", "small p99", "warms", "done"]]
+    for mode, m in report["modes"].items():
+        rows.append([
+            mode, str(m["failed"]), str(m["doomed_attempts"]), str(m["escalations"]),
+            f"{m['escalated_ttft_mean_s']:.3f}s", f"{m['cold_ttft_mean_s']:.3f}s",
+            f"{m['escalated_to_cold_mean']:.2f}/{m['escalated_to_cold_max']:.2f}",
+            f"{m['small_ttft_p50_s']:.3f}s", f"{m['small_ttft_p99_s']:.3f}s",
+            str(m["warms_fired"]), f"{m['completed']}/{m['requests']}",
+        ])
+    return rows
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def run_tiers_live(
+    spec: TiersLiveSpec,
+    *,
+    on_mode_start: Callable[[str, int], None] | None = None,
+    on_turn: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Start the fleet, run every mode (module docstring), stop everything; the JSON report.
+
+    Shape: ``{"modes": {MODE: {...}}, "targets": {...}, "config": {...},
+    "turns": {MODE: [LiveTurn as dict, ...]}}``.
+
+    Raises:
+        ConfigError: an invalid spec.
+        LiveBenchError / FleetStartError: a process did not come up (it was stopped).
+    """
+    spec.validate()
+    workload = growing_sessions(
+        num_sessions=spec.sessions, window_tokens=spec.small_window,
+        system_prompt_tokens=spec.system_prompt_tokens, user_tokens=spec.user_tokens,
+        output_tokens=spec.output_tokens, think_time_s=spec.think_time_s,
+        session_interval_s=spec.session_interval_s, seed=spec.seed, with_messages=True)
+    by_id = {req.request_id: req for req in workload}
+    with contextlib.ExitStack() as stack:
+        if spec.log_dir is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-tl-")))
+        else:
+            work = spec.log_dir
+            work.mkdir(parents=True, exist_ok=True)
+        fleet: Fleet = start_fleet(_fleet_specs(spec), timeout_s=60.0, log_dir=work / "engines")
+        stack.callback(fleet.stop)
+        small, large, cold = fleet.by_pool("small"), fleet.by_pool("large"), fleet.by_pool("cold")
+        modes: dict[str, dict[str, Any]] = {}
+        all_turns: dict[str, list[dict[str, Any]]] = {}
+        wall: dict[str, float] = {}
+        for mode in spec.modes:
+            if on_mode_start is not None:
+                on_mode_start(mode, len(workload))
+            asyncio.run(_reset_caches([r.url for r in fleet.replicas]))
+            slug = mode.replace("+", "-")
+            config_path = work / f"router-{slug}.yaml"
+            config_path.write_text(router_yaml(spec, mode, small, large))
+            router = _start_router(config_path, work / f"router-{slug}.log")
+            try:
+                turns, wall[mode] = asyncio.run(_run_sessions(router.url, workload, spec,
+                                                              on_turn))
+                counters = asyncio.run(_scrape(router.url))
+            finally:
+                router.stop()
+            seen: set[str] = set()
+            escalated: list[tuple[LiveTurn, WorkloadRequest]] = []
+            for turn in sorted(turns, key=lambda t: (t.session, t.turn)):
+                if turn.pool == "large" and turn.session not in seen:
+                    seen.add(turn.session)
+                    turn.escalated = True
+                    escalated.append((turn, by_id[turn.request_id]))
+            asyncio.run(_cold_probes(cold[0].url, escalated, spec.request_timeout_s))
+            modes[mode] = live_mode_metrics(turns, counters)
+            all_turns[mode] = [asdict(t) for t in turns]
+    config = asdict(spec)
+    config.update(modes=list(spec.modes), log_dir=str(spec.log_dir) if spec.log_dir else None,
+                  num_requests=len(workload), wall_s={m: round(w, 2) for m, w in wall.items()},
+                  small_profile_source=get_profile(spec.small_profile).source,
+                  large_profile_source=get_profile(spec.large_profile).source,
+                  git_sha=_git_sha(), python=sys.version.split()[0],
+                  machine=platform.machine(), cpus=os.cpu_count())
+    return {"modes": modes, "targets": targets(modes), "config": config, "turns": all_turns}
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=False).stdout.strip() or None
+    except OSError:
+        return None
