@@ -114,6 +114,10 @@ class LiveBenchSpec:
         router_start_timeout_s: bound on one router's start-up.
         model: the served model name.
         log_dir: where configs and logs go (a temporary directory when None).
+        requests: a request stream prepared by the caller, replayed instead of generating
+            ``workload`` (``workload`` then only names it in the report; ``limit`` still
+            applies). ``kvroute demo`` passes its trace slice this way.
+        engine_args: further ``kvroute sim serve`` options for every engine (``--timing``).
     """
 
     routers: tuple[RouterSpec, ...]
@@ -133,6 +137,8 @@ class LiveBenchSpec:
     router_start_timeout_s: float = 60.0
     model: str = "sim-model"
     log_dir: Path | None = None
+    requests: tuple[WorkloadRequest, ...] | None = None
+    engine_args: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad field."""
@@ -145,11 +151,17 @@ class LiveBenchSpec:
             raise ConfigError(f"engines={self.engines} must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit={self.limit} must be >= 1")
+        if self.requests is not None and not self.requests:
+            raise ConfigError("LiveBenchSpec.requests is empty; give at least one request "
+                              "(or None to generate the workload)")
         get_profile(self.profile)
 
 
 def build_workload(spec: LiveBenchSpec) -> list[WorkloadRequest]:
     """The request stream (chat form where the generator has one), cut to ``limit``."""
+    if spec.requests is not None:
+        prepared = list(spec.requests)
+        return prepared[: spec.limit] if spec.limit is not None else prepared
     params = dict(spec.workload_params)
     params.setdefault("seed", spec.seed)
     if spec.workload != "mooncake":
@@ -223,7 +235,8 @@ def reset_engine_caches(engines: Sequence[ReplicaHandle], timeout_s: float = 30.
 
 def _fleet_specs(spec: LiveBenchSpec) -> list[ReplicaSpec]:
     return [ReplicaSpec(name=f"e{i}", model=spec.model, profile=spec.profile,
-                        num_gpu_blocks=spec.num_gpu_blocks) for i in range(spec.engines)]
+                        num_gpu_blocks=spec.num_gpu_blocks, extra_args=spec.engine_args)
+            for i in range(spec.engines)]
 
 
 def _overhead(entry: dict[str, Any], direct: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -378,6 +391,7 @@ def _config_block(spec: LiveBenchSpec, num_requests: int, peers: PeerRouters,
         "concurrency": spec.concurrency, "max_tokens": spec.max_tokens,
         "max_in_flight": spec.max_in_flight, "request_timeout_s": spec.request_timeout_s,
         "duration_s": spec.duration_s, "model": spec.model,
+        "prepared_requests": spec.requests is not None, "engine_args": list(spec.engine_args),
         "peer_versions": dict(PEER_VERSIONS) if peers.available else None,
         "log_dir": str(work_dir), "git_sha": _git_sha(), "python": sys.version.split()[0],
         "machine": platform.machine(),

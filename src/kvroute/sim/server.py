@@ -920,13 +920,15 @@ class SimServer:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
         decoders = [_TextDecoder(self.tokenizer) for _ in range(n)]
+        # The chat role chunk goes out with the first engine output, as vLLM sends it: a
+        # router measuring the time to the first body chunk must see the prefill in it.
+        pending = b""
         if chat:
-            head = b"".join(
+            pending = b"".join(
                 encode_data(oa.chat_chunk(id=rid, created=created, model=model, role="assistant",
                                           content="", index=i))
                 for i in range(n)
             )
-            await resp.write(head)
         if kill == 0:
             self._kill(request)
         completion_tokens = 0
@@ -934,8 +936,11 @@ class SimServer:
         while True:
             items = await stream.get()
             if not items:
+                if pending:
+                    await resp.write(pending)
                 break
-            parts: list[bytes] = []
+            parts: list[bytes] = [pending] if pending else []
+            pending = b""
             for index, out in items:
                 completion_tokens += len(out.new_token_ids)
                 if out.first_token and index == 0:

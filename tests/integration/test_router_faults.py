@@ -1,0 +1,338 @@
+"""The router under faults the simulated engines inject: lost KV events, vanished clients.
+
+Real HTTP and ZMQ on loopback: ``kvroute sim serve`` engines with ``--fault-injection``
+(``POST /sim/faults``, see ``kvroute.sim.server.SimFaults``) and a ``RouterRuntime`` in the
+test's event loop, so a test can read the router's core after talking to it over HTTP.
+
+Dropped event messages: ``{"drop_events": 1}`` makes the engine give its next KV-event batch
+a sequence number and keep it in its replay buffer without sending it, exactly what a SUB
+socket that lost a message sees. The batch is the one request A (a 200-word prompt, sent to
+the engine directly, one output token: a single prefill step, a single batch) produced, so
+until the engine publishes again the router does not know A's blocks are cached. The next
+batch (request B, also sent directly) reveals the gap. With a replay endpoint the router
+must fetch the lost batch, after which its index must equal the engine's own event history
+(read independently from the engine's replay buffer) and a request sharing A's prefix must
+be expected to hit exactly what the engine then reports it hit. Without one, the gap must
+reset that replica's index (counted) and routing must go on.
+
+Requests A and B go to the engine directly, not through the router, so that no *predicted*
+index entry (written on dispatch) can stand in for the lost events.
+
+Client disconnect: a streaming client that goes away mid-stream must make the router close
+its upstream request; the engine aborts it (``vllm:request_success_total`` with
+``finished_reason="abort"``) and the router's load accounting releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvroute.config import RouterConfig
+from kvroute.core.clock import ManualClock
+from kvroute.core.events import BlockStored, EventBatch
+from kvroute.core.index import AdminCapability, PrefixIndex
+from kvroute.core.types import ReplicaId
+from kvroute.shell.runtime import RouterRuntime
+from kvroute.sim.launcher import Fleet, ReplicaHandle
+from kvroute.wire.prom import parse_exposition
+from kvroute.wire.vllm_events import ReplayEnd, decode_replay_reply, encode_replay_request
+
+pytestmark = pytest.mark.integration
+
+MODEL = "sim-model"  # as tests/integration/conftest.py starts the engines
+ROUTE = "assistant"
+FleetFactory = Callable[..., Fleet]
+ConfigFor = Callable[..., RouterConfig]
+
+
+def run(coro: Any, timeout_s: float = 30.0) -> None:
+    asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+def words(rng: random.Random, n: int, tag: str = "w") -> str:
+    """``n`` distinct words: the simulated tokenizer makes each one token."""
+    return " ".join(f"{tag}{rng.getrandbits(40):x}" for _ in range(n))
+
+
+def chat(content: str, *, model: str = ROUTE, stream: bool = False,
+         max_tokens: int = 1) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "stream": stream}
+
+
+async def wait_for(predicate: Callable[[], Any], timeout_s: float = 5.0,
+                   what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await _maybe_await(predicate()):
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+def entries(rt: RouterRuntime, replica: str) -> int:
+    """Stored (event-confirmed) index entries of ``replica``; predicted ones are not counted."""
+    return rt.core.index.stats().num_entries_by_replica.get(ReplicaId(replica), 0)
+
+
+async def post_json(session: aiohttp.ClientSession, url: str,
+                    body: Mapping[str, Any]) -> tuple[int, Mapping[str, str], dict[str, Any]]:
+    async with session.post(url, json=body) as resp:
+        return resp.status, resp.headers.copy(), json.loads(await resp.read())
+
+
+async def direct(session: aiohttp.ClientSession, engine: ReplicaHandle, content: str) -> None:
+    """One chat request straight to the engine, bypassing the router."""
+    status, _, body = await post_json(session, engine.url + "/v1/chat/completions",
+                                      chat(content, model=MODEL))
+    assert status == 200, body
+
+
+async def faults(session: aiohttp.ClientSession, engine: ReplicaHandle,
+                 arm: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if arm is None:
+        async with session.get(engine.url + "/sim/faults") as resp:
+            assert resp.status == 200
+            return dict(await resp.json())
+    status, _, state = await post_json(session, engine.url + "/sim/faults", arm)
+    assert status == 200, state
+    return state
+
+
+async def samples(session: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
+    """``/metrics`` samples of ``name``, keyed by their labels as ``k=v,k=v``."""
+    async with session.get(url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for s in parse_exposition(text, names=(name,)).samples:
+        if s.name == name:
+            out[",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
+    return out
+
+
+async def event_counter(session: aiohttp.ClientSession, rt: RouterRuntime, kind: str,
+                        replica: str) -> float:
+    """``kvroute_kv_event_<kind>_total{replica}`` as the router's ``/metrics`` serves it."""
+    values = await samples(session, rt.url, f"kvroute_kv_event_{kind}_total")
+    return values.get(f"replica={replica}", 0.0)
+
+
+async def engine_history(replay_endpoint: str, timeout_s: float = 5.0) -> list[EventBatch]:
+    """Every batch the engine still buffers, from its replay socket (sequence order)."""
+    ctx = zmq.asyncio.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    batches: list[EventBatch] = []
+    try:
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay_endpoint)
+        await dealer.send_multipart(encode_replay_request(0))
+        while True:
+            assert await dealer.poll(timeout_s * 1000), "the replay socket did not answer"
+            reply = decode_replay_reply(await dealer.recv_multipart())
+            if isinstance(reply, ReplayEnd):
+                return sorted(batches, key=lambda b: b.seq)
+            batches.append(reply.batch)
+    finally:
+        dealer.close(linger=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Dropped event messages
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_dropped_event_batch_is_replayed_and_the_index_matches_the_engine(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    fleet = make_fleet(2, fault_injection=True, enable_prompt_tokens_details=True)
+    engine = fleet.replicas[0]
+    name = engine.name
+    assert engine.kv_replay is not None
+    rng = random.Random(41)
+    prefix = words(rng, 200)
+    # Predicted entries expire before the follow-up, so only event-confirmed blocks count.
+    config = config_for(fleet, predicted_ttl_s=0.05)
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        # Warm-up: the subscription is live once a batch has arrived (ZMQ slow joiner).
+        await direct(session, engine, words(rng, 40, "warm"))
+        await wait_for(lambda: entries(rt, name) > 0, what="the warm-up's events")
+        before = entries(rt, name)
+        armed = await faults(session, engine, {"drop_events": 1})
+        assert armed["drop_events"] == 1
+
+        await direct(session, engine, prefix + " " + words(rng, 3, "a"))  # A: dropped
+        state = await faults(session, engine)
+        assert state["fired"]["events_dropped"] == 1 and state["drop_events"] == 0
+        await asyncio.sleep(0.3)
+        assert entries(rt, name) == before, "the dropped batch cannot have reached the router"
+        assert await event_counter(session, rt, "gaps", name) == 0
+
+        await direct(session, engine, words(rng, 40, "b"))  # B: published, reveals the gap
+        await wait_for(lambda: rt.subscribers[ReplicaId(name)].stats.gaps == 1, what="the gap")
+        await wait_for(lambda: rt.subscribers[ReplicaId(name)].stats.replayed_batches >= 1,
+                       what="the replay")
+        assert await event_counter(session, rt, "gaps", name) == 1
+        assert await event_counter(session, rt, "replays", name) >= 1
+        assert await event_counter(session, rt, "resets", name) == 0
+
+        # The router's index equals the engine's own event history, block for block.
+        history = await engine_history(engine.kv_replay)  # type: ignore[arg-type]
+        truth = PrefixIndex(clock=ManualClock())
+        for batch in history:
+            truth.apply_batch(ReplicaId(name), batch)
+        scope = AdminCapability().fleet_scope()
+        assert entries(rt, name) == truth.stats().num_entries_by_replica[ReplicaId(name)]
+        stored = [e.block_hashes for b in history for e in b.events if isinstance(e, BlockStored)]
+        assert len(stored) >= 3  # warm-up, A (the dropped one), B
+        for hashes in stored:
+            if hashes:  # each stored run is held, as a leading run, exactly as the engine holds it
+                got = rt.core.index.match(list(hashes), scope).get(ReplicaId(name))
+                want = truth.match(list(hashes), scope)[ReplicaId(name)]
+                assert got is not None and got.num_gpu_blocks == want.num_gpu_blocks
+
+        # A request sharing A's prefix goes there and hits what the router expected.
+        status, headers, answer = await post_json(
+            session, rt.url + "/v1/chat/completions", chat(prefix + " " + words(rng, 3, "c")))
+        assert status == 200, answer
+        assert headers["x-kvroute-replica"] == name
+        expected = int(headers["x-kvroute-cached-tokens"])
+        assert expected >= 192  # 12 of the prefix's 13 blocks, at least
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    run(main())
+
+
+def test_a_gap_without_replay_resets_the_replicas_index_and_routing_goes_on(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    fleet = make_fleet(2, fault_injection=True, replay=False, enable_prompt_tokens_details=True)
+    engine = fleet.replicas[0]
+    name = engine.name
+    assert engine.kv_replay is None
+    rng = random.Random(42)
+    prefix = words(rng, 200)
+    config = config_for(fleet, predicted_ttl_s=0.05)
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        await direct(session, engine, prefix)  # warm-up: the prefix is cached and indexed
+        await wait_for(lambda: entries(rt, name) >= 12, what="the warm-up's events")
+        await faults(session, engine, {"drop_events": 1})
+        await direct(session, engine, words(rng, 200, "a"))  # A: dropped
+        assert (await faults(session, engine))["fired"]["events_dropped"] == 1
+        await direct(session, engine, words(rng, 40, "b"))  # B: reveals the gap
+        sub = rt.subscribers[ReplicaId(name)]
+        await wait_for(lambda: sub.stats.resets == 1, what="the reset")
+        assert sub.stats.gaps == 1 and sub.stats.replays == 0
+        assert await event_counter(session, rt, "resets", name) == 1
+        assert await event_counter(session, rt, "gaps", name) == 1
+        # After the reset the index holds only what was published since: B's blocks (2 of
+        # its ~3 blocks are full), not the warm-up prefix the router can no longer vouch for.
+        await wait_for(lambda: 0 < entries(rt, name) < 12, what="B's events after the reset")
+
+        # Routing goes on, and what the router expects is never more than the engine hits.
+        for i in range(4):
+            status, headers, answer = await post_json(
+                session, rt.url + "/v1/chat/completions",
+                chat(prefix + " " + words(rng, 3, f"r{i}")))
+            assert status == 200, answer
+            expected = int(headers["x-kvroute-cached-tokens"])
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= expected
+        # The index keeps following the engine's events after the reset.
+        fresh = entries(rt, name)
+        await direct(session, engine, words(rng, 100, "d"))
+        await wait_for(lambda: entries(rt, name) >= fresh + 6, what="events after the reset")
+        assert sub.stats.resets == 1
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# Client disconnect
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    fleet = make_fleet(2)
+    rng = random.Random(43)
+    config = config_for(fleet)
+
+    async def engine_counts(session: aiohttp.ClientSession,
+                            engine: ReplicaHandle) -> tuple[float, float, float]:
+        success = await samples(session, engine.url, "vllm:request_success_total")
+        running = await samples(session, engine.url, "vllm:num_requests_running")
+        abort = sum(v for k, v in success.items() if "finished_reason=abort" in k)
+        length = sum(v for k, v in success.items() if "finished_reason=length" in k)
+        return abort, length, sum(running.values())
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        from kvroute.shell.app import ROUTER_KEY
+
+        assert rt.app is not None
+        admission = rt.app[ROUTER_KEY].admission
+        # 4,000 tokens at >= 1.2 ms a step: several seconds if nobody stops it.
+        request = chat(words(rng, 30), stream=True, max_tokens=4000)
+        client = aiohttp.ClientSession()
+        try:
+            resp = await client.post(rt.url + "/v1/chat/completions", json=request)
+            assert resp.status == 200
+            victim = resp.headers["x-kvroute-replica"]
+            engine = next(e for e in fleet.replicas if e.name == victim)
+            received = b""
+            while received.count(b"data: ") < 3:  # the role chunk and two tokens, at least
+                chunk = await resp.content.readany()
+                assert chunk, "the stream ended early"
+                received += chunk
+            abort0, length0, running = await engine_counts(session, engine)
+            assert running == 1
+            load = rt.core.load.snapshot(ReplicaId(victim))
+            assert load.num_in_flight == 1 and admission.in_flight == 1
+            resp.close()  # the client goes away: its TCP connection is closed mid-stream
+        finally:
+            await client.close()
+
+        async def aborted() -> bool:
+            abort, _, running = await engine_counts(session, engine)
+            return abort == abort0 + 1 and running == 0
+
+        # The natural end is >= 4.8 s after the start (4,000 steps of >= 1.2 ms), later under load.
+        await wait_for(aborted, timeout_s=4.0, what="the engine to abort the request")
+        _, length, _ = await engine_counts(session, engine)
+        assert length == length0, "the request ran to its end instead of being aborted"
+        await wait_for(lambda: rt.core.load.snapshot(ReplicaId(victim)).num_in_flight == 0
+                       and admission.in_flight == 0, timeout_s=2.0,
+                       what="the router to release the request")
+        load = rt.core.load.snapshot(ReplicaId(victim))
+        assert load.num_decoding == 0 and load.outstanding_prefill_tokens == 0
+        assert load.active_kv_tokens == 0
+        # The replica is not left looking busy: the next request is served normally.
+        status, _, answer = await post_json(session, rt.url + "/v1/chat/completions",
+                                            chat(words(rng, 30), max_tokens=3))
+        assert status == 200, answer
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    run(main())
