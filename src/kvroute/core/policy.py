@@ -14,7 +14,7 @@ would give this request, plus a small charge for the prefill work it would cause
     queue_r     = outstanding prefill tokens already sent to r
                   + step_tokens · (requests waiting for their first token on r)
     ttft_r      = (queue_r + prefill_r) / rate_r · (1 + decode_slowdown · decoding_r)
-    cost_r      = ttft_r + work_weight · prefill_r / rate_r
+    cost_r      = ttft_r + work_weight · prefill_r / rate_r + inflight_cost_s · in_flight_r
 
 Worked example (B = 16, n = 1,000, every rate 10,000 tok/s, decode_slowdown 0, work_weight 0.5):
 
@@ -41,6 +41,14 @@ per-request overhead (an API server that is CPU-bound on many streams) dominates
 
 Why ``decode_slowdown``: every running sequence adds its decode to each step that prefills
 the new request (default 0.002: 50 decoding sequences slow its prefill by 10%).
+
+Why ``inflight_cost_s`` (default 1 ms per request in flight): every request a replica is
+serving shares its engine steps and its API server. Token counts do not see that cost when
+prefills are short or already cached, so without this term a cached replica could take an
+unbounded burst of tiny suffixes (and, in a fleet where prefill is nearly free, everything),
+and replicas serving many streams would keep winning ties. One millisecond per request is the
+order of a decode step's share on a busy engine: it lets about twenty siblings of a long
+prompt share one replica, while a hot system prompt with short suffixes spreads after a few.
 
 Why the ``work_weight`` term: when the time to first token ties (sibling requests sent in one
 burst: waiting behind the first sibling's prefill on A costs as much as computing it anew on
@@ -223,18 +231,21 @@ class KvrouteCostPolicy:
         decode_slowdown: float = 0.002,
         predicted_credit: float = 1.0,
         step_tokens: float = 0.0,
+        inflight_cost_s: float = 0.001,
     ) -> None:
-        if min(work_weight, decode_slowdown, predicted_credit, step_tokens) < 0:
+        if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
-                f"predicted_credit={predicted_credit}, step_tokens={step_tokens})"
+                f"predicted_credit={predicted_credit}, step_tokens={step_tokens}, "
+                f"inflight_cost_s={inflight_cost_s})"
             )
         self._rng = rng
         self.work_weight = work_weight
         self.decode_slowdown = decode_slowdown
         self.predicted_credit = predicted_credit
         self.step_tokens = step_tokens
+        self.inflight_cost_s = inflight_cost_s
 
     def predicted_ttft_s(self, request: PolicyInput, cand: Candidate) -> tuple[float, float]:
         """Return ``(ttft_s, prefill_tokens)`` this replica would give the request."""
@@ -257,7 +268,8 @@ class KvrouteCostPolicy:
         for cand in candidates:
             ttft, prefill = self.predicted_ttft_s(request, cand)
             rate = max(cand.load.prefill_rate_tps, 1e-9)
-            costs[cand.replica] = ttft + self.work_weight * prefill / rate
+            costs[cand.replica] = (ttft + self.work_weight * prefill / rate
+                                   + self.inflight_cost_s * cand.load.num_in_flight)
             cached_tokens[cand.replica] = int(max(0.0, request.num_prompt_tokens - prefill))
         ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica)
         return Selection(

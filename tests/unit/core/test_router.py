@@ -66,10 +66,18 @@ def test_salted_prefix_is_not_matched_without_the_salt() -> None:
 
 
 def test_sibling_burst_colocates_through_predicted_entries() -> None:
+    """Eight samples of one 2k-token agent prompt, sent before any engine event: together."""
     rc, _ = core()
-    first = rc.route(request("a", PROMPT))
-    siblings = {rc.route(request(f"s{i}", PROMPT)).replica for i in range(7)}
+    agent_prompt = list(range(1000, 3048))
+    first = rc.route(request("a", agent_prompt))
+    siblings = {rc.route(request(f"s{i}", agent_prompt)).replica for i in range(7)}
     assert siblings == {first.replica}
+
+
+def test_a_burst_of_short_suffixes_spreads_once_in_flight_requests_add_up() -> None:
+    rc, _ = core()
+    placed = {rc.route(request(f"s{i}", PROMPT + [i])).replica for i in range(16)}
+    assert len(placed) >= 2
 
 
 def test_predictions_expire_and_do_not_cross_tenants() -> None:
