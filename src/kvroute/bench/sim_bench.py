@@ -159,7 +159,7 @@ def _aggregate(runs: Sequence[dict[str, Any]], scales: Sequence[float]) -> dict[
                 agg[metric] = sum(values) / len(values)
                 spread[metric] = [min(values), max(values)]
             agg["requests"] = int(agg["requests"])
-            agg["preemptions"] = int(round(agg["preemptions"]))
+            agg["preemptions"] = round(agg["preemptions"])
             agg["spread"] = spread
             agg["seeds"] = [r["seed"] for r in cell]
             agg["requests_per_replica"] = cell[0]["requests_per_replica"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -56,11 +56,11 @@ def bench_sim(
     rate_scale: Annotated[str, typer.Option(help="Arrival-rate multiplier(s), comma-separated.")] = "1",
     policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = "kvroute,dynamo,cache_aware,least_loaded,round_robin",
     seed: Annotated[str, typer.Option(help="Seed(s), comma-separated.")] = "0",
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N requests.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N requests.")] = None,
     ttft_slo: Annotated[float, typer.Option(help="TTFT objective (s) for goodput.")] = 2.0,
-    param: Annotated[Optional[list[str]], typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Write PNG plots into this directory.")] = None,
+    param: Annotated[list[str] | None, typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write PNG plots into this directory.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
@@ -129,22 +129,22 @@ def bench_live(
     kvroute_policies: Annotated[str, typer.Option(help="Policies 'kvroute' expands to, comma-separated.")] = "kvroute,round_robin",
     workload: Annotated[str, typer.Option(help="generated_shared_prefix, unique_prompts, hot_prefix_bursts, "
                                           "sibling_fanout, growing_sessions, mooncake.")] = "hot_prefix_bursts",
-    param: Annotated[Optional[list[str]], typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
+    param: Annotated[list[str] | None, typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
     engines: Annotated[int, typer.Option(help="Simulated engines (kvroute sim serve processes).")] = 4,
     profile: Annotated[str, typer.Option(help="Engine timing profile ('zero' isolates router overhead).")] = "zero",
-    num_gpu_blocks: Annotated[Optional[int], typer.Option(help="KV blocks per engine (default: the profile's).")] = None,
+    num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks per engine (default: the profile's).")] = None,
     seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N requests.")] = 400,
+    limit: Annotated[int | None, typer.Option(help="Only the first N requests.")] = 400,
     rate_scale: Annotated[float, typer.Option(help="Open-loop arrival-rate multiplier.")] = 1.0,
-    concurrency: Annotated[Optional[int], typer.Option(help="Closed loop with N workers instead of the arrivals.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help="Cap on each request's output tokens.")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Closed loop with N workers instead of the arrivals.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Cap on each request's output tokens.")] = None,
     max_in_flight: Annotated[int, typer.Option(help="Open-loop cap on concurrent requests.")] = 512,
     request_timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 60.0,
     duration: Annotated[float, typer.Option(help="Seconds one router's run may take.")] = 300.0,
     fidelity: Annotated[bool, typer.Option(help="Run the peer-fidelity scenarios (48 concurrent, shared "
                                            "vs distinct prefixes) instead of the workload.")] = False,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
-    log_dir: Annotated[Optional[Path], typer.Option(help="Keep configs and router/engine logs here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Keep configs and router/engine logs here.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Real routers on loopback in front of simulated engines, one at a time, same requests."""
@@ -212,7 +212,7 @@ def bench_tiers(
     replicas_small: Annotated[int, typer.Option(help="Engines in the small pool.")] = 4,
     replicas_large: Annotated[int, typer.Option(help="Engines in the large pool.")] = 2,
     think_time: Annotated[float, typer.Option(help="Seconds between a turn's end and the next turn.")] = 5.0,
-    seed: Annotated[Optional[list[str]], typer.Option(help="Seed(s); repeat or comma-separate.")] = None,
+    seed: Annotated[list[str] | None, typer.Option(help="Seed(s); repeat or comma-separate.")] = None,
     system_tokens: Annotated[int, typer.Option(help="System prompt tokens.")] = 2048,
     user_tokens: Annotated[int, typer.Option(help="Mean user-turn tokens.")] = 512,
     output_tokens: Annotated[int, typer.Option(help="Mean answer tokens (the client's max_tokens).")] = 256,
@@ -220,7 +220,7 @@ def bench_tiers(
     warm_cooldown: Annotated[float, typer.Option(help="Seconds between warm-ups of one session at one growth stage.")] = 300.0,
     rewarm_fraction: Annotated[float, typer.Option(help="Growth (share of the small window) that allows another warm-up; 1 = once per cooldown.")] = 0.1,
     policy: Annotated[str, typer.Option(help="Replica-selection policy in both pools.")] = "kvroute",
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
     """Context-window tiers: reactive vs proactive vs proactive+warm on the same sessions."""
     from kvroute.bench.tiers_bench import TiersBenchSpec, run_tiers_bench
@@ -281,8 +281,8 @@ def bench_tiers_live(
     modes: Annotated[str, typer.Option(help="Comma-separated: reactive, proactive, proactive+warm.")] = "reactive,proactive,proactive+warm",
     request_timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 60.0,
     duration: Annotated[float, typer.Option(help="Seconds one mode's run may take.")] = 300.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report here.")] = None,
-    log_dir: Annotated[Optional[Path], typer.Option(help="Keep router configs and logs, engine logs here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Keep router configs and logs, engine logs here.")] = None,
 ) -> None:
     """Context-window tiers live: kvroute serve + simulated engines, reactive vs proactive vs warm."""
     from kvroute.bench.tiers_live import TiersLiveSpec, run_tiers_live

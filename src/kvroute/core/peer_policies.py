@@ -378,7 +378,7 @@ POLICY_FACTORIES: dict[str, Callable[..., Policy]] = {
 POLICY_NAMES: tuple[str, ...] = tuple(POLICY_FACTORIES)
 
 
-def make_policy(name: str, rng: random.Random, **params: float | int | bool) -> Policy:
+def make_policy(name: str, rng: random.Random, **params: float | bool) -> Policy:
     """Build the policy called ``name`` with optional parameter overrides.
 
     Raises:

@@ -40,7 +40,7 @@ def common_prefix_len(a: str, b: str) -> int:
 
 
 class _Node:
-    __slots__ = ("edge", "children", "tenants", "parent")
+    __slots__ = ("children", "edge", "parent", "tenants")
 
     def __init__(self, edge: str, parent: _Node | None) -> None:
         self.edge = edge

@@ -64,8 +64,7 @@ def vllm_pub_binds(endpoint: str) -> bool:
     return (
         "*" in endpoint
         or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
+        or endpoint.startswith(("ipc://", "inproc://"))
     )
 
 

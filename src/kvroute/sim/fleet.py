@@ -103,9 +103,9 @@ from kvroute.core.tokens import TokenEstimate, estimate_request, from_session
 from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.core.warm import (
     DEFAULT_COOLDOWN_S,
-    DEFAULT_REWARM_FRACTION,
     DEFAULT_FRACTION,
     DEFAULT_MAX_SESSIONS,
+    DEFAULT_REWARM_FRACTION,
     WarmFire,
     WarmPlanner,
 )
