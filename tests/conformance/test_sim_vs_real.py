@@ -214,7 +214,7 @@ def test_tokenize_answers_are_identical(
     assert got_sim == got_real
 
 
-KNOWN_IMPLICIT_FLAG_CONFLICT_TEXT = (
+IMPLICIT_FLAG_CONFLICT_TEXT = (
     "continue_final_message and add_generation_prompt are not compatible. Use "
     "continue_final_message when you want the model to continue the final message, and "
     "add_generation_prompt when you want to add a header that will prompt it to start a new "
@@ -244,9 +244,9 @@ def test_generation_prompt_flag_conflict(
     if explicit:
         assert r_sim == r_real
     else:  # known difference: same shape, vLLM's other wording
-        assert r_real["error"]["message"] == KNOWN_IMPLICIT_FLAG_CONFLICT_TEXT
+        assert r_real["error"]["message"] == IMPLICIT_FLAG_CONFLICT_TEXT
         assert {**r_sim["error"], "message": ""} == {**r_real["error"], "message": ""}
-        assert r_sim["error"]["message"] == KNOWN_IMPLICIT_FLAG_CONFLICT_TEXT  # closed in the sim
+        assert r_sim["error"]["message"] == IMPLICIT_FLAG_CONFLICT_TEXT  # closed in the sim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,16 +467,7 @@ def test_prompt_plus_max_tokens_over_window_is_clamped_on_both(
     assert r_real["usage"]["completion_tokens"] == WINDOW - prompt_len
 
 
-KNOWN_TEXT_PRECHECK = {
-    "real_param": "input_text",
-    "sim_param": "input_tokens",
-}
-"""vLLM rejects a text prompt longer than ``max_model_len * max_chars_per_token`` characters
-before tokenizing (13 characters per token for the tiny tokenizer: its longest vocabulary
-string); the sim does not model that pre-check and answers with the token-count error."""
-
-
-def test_character_precheck_is_a_known_difference(
+def test_character_precheck_agrees(
     real_vllm_engine: RealVllmEngine, sim: RealVllmEngine
 ) -> None:
     text = "x " * (WINDOW * 13)  # 53,248 characters: over 2048 x 13
