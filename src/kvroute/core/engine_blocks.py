@@ -167,33 +167,31 @@ class BlockPool:
         popitem = self._free.popitem
         ref = self._ref_cnt
         hashes = self._hash
+        cached = self._cached
+        wire = self._wire
+        emit = self._events.append
         out: list[int] = []
         append = out.append
+        # NOTE: eviction is inlined (one call per block in a simulation that evicts millions)
+        # and BlockRemoved is built positionally (hashes, medium, group_idx).
         for _ in range(num_blocks):
             b = popitem(last=False)[0]
             h = hashes[b]
             if h is not None:
-                self._evict(b, h)
+                entry = cached[h]
+                if entry.__class__ is int:
+                    if entry != b:
+                        raise AssertionError(f"block {b} has a hash the cache maps to {entry}")
+                    del cached[h]
+                else:
+                    del entry[b]  # type: ignore[union-attr]
+                    if not entry:
+                        del cached[h]
+                hashes[b] = None
+                emit(BlockRemoved((wire[b],), MEDIUM_GPU, 0))
             ref[b] = 1
             append(b)
         return out
-
-    def _evict(self, block_id: int, block_hash: BlockHash) -> None:
-        entry = self._cached[block_hash]
-        if isinstance(entry, int):
-            if entry != block_id:
-                raise AssertionError(f"block {block_id} has a hash the cache maps to {entry}")
-            del self._cached[block_hash]
-        else:
-            del entry[block_id]
-            if not entry:
-                del self._cached[block_hash]
-        self._hash[block_id] = None
-        self._events.append(
-            BlockRemoved(
-                block_hashes=(self._wire[block_id],), medium=MEDIUM_GPU, group_idx=0
-            )
-        )
 
     def cache_full_blocks(
         self,
