@@ -54,6 +54,20 @@ FleetFactory = Callable[..., Fleet]
 ConfigFor = Callable[..., RouterConfig]
 
 
+async def settled(read: Callable[[], int], quiet_s: float = 0.3, timeout_s: float = 5.0) -> int:
+    """Wait until ``read()`` has not changed for ``quiet_s`` (the last of a request's event
+    batches may still be on its way); return the settled value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    value, since = read(), loop.time()
+    while loop.time() - since < quiet_s and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+        now = read()
+        if now != value:
+            value, since = now, loop.time()
+    return value
+
+
 def run(coro: Any, timeout_s: float = 30.0) -> None:
     asyncio.run(asyncio.wait_for(coro, timeout_s))
 
@@ -170,7 +184,7 @@ def test_a_dropped_event_batch_is_replayed_and_the_index_matches_the_engine(
         # Warm-up: the subscription is live once a batch has arrived (ZMQ slow joiner).
         await direct(session, engine, words(rng, 40, "warm"))
         await wait_for(lambda: entries(rt, name) > 0, what="the warm-up's events")
-        before = entries(rt, name)
+        before = await settled(lambda: entries(rt, name))
         armed = await faults(session, engine, {"drop_events": 1})
         assert armed["drop_events"] == 1
 

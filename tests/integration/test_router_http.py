@@ -76,7 +76,8 @@ class Client:
             return resp.status, await resp.read()
 
 
-async def wait_for(predicate: Any, timeout_s: float = 3.0, what: str = "condition") -> None:
+async def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; the timeout is only a bound for a loaded machine."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -301,9 +302,17 @@ def test_events_missed_before_subscribing_are_replayed(make_fleet: FleetFactory,
         async with aiohttp.ClientSession() as direct:
             # Nothing reaches the router's SUB until a new batch is published: one more
             # request makes the engine publish seq > 0, and the router replays 0..seq-1.
-            async with direct.post(engine.url + "/v1/chat/completions",
-                                   json=chat(words(rng, 30)) | {"model": MODEL}) as resp:
-                assert resp.status == 200
+            # A batch published before the subscription is in place is lost (ZMQ's slow
+            # joiner), so send until one arrives (bounded).
+            for _ in range(10):
+                async with direct.post(engine.url + "/v1/chat/completions",
+                                       json=chat(words(rng, 30)) | {"model": MODEL}) as resp:
+                    assert resp.status == 200
+                try:
+                    await wait_for(lambda: sub.stats.replayed_batches > 0, timeout_s=1.0)
+                    break
+                except AssertionError:
+                    continue
         await wait_for(lambda: sub.stats.replayed_batches > 0, what="a replay")
         status, h, _ = await c.post(chat(prefix + " " + words(rng, 3)))
         assert status == 200
