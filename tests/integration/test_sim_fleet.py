@@ -68,7 +68,8 @@ def test_fleet_starts_pools_and_stops_every_child(tmp_path: Path) -> None:
             assert sources["replay_endpoint"] == r.kv_replay
         assert fleet.replicas[2].kv_replay is None
         yaml = fleet.yaml()
-        assert "  - name: large\n    model: qwen-large\n    max_model_len: 1024\n" in yaml
+        assert "  large:                 # window 1024, block size" in yaml
+        assert "    model: qwen-large\n" in yaml and "  large: {pools: [large]}" in yaml
         procs = list(fleet.processes)
     assert all(p.returncode is not None for p in procs)
     assert all(port_is_closed(r.url) for r in fleet.replicas)
@@ -100,7 +101,7 @@ def test_cli_fleet_prints_endpoints_and_exits_cleanly_on_sigint() -> None:
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
-            while b"kv_replay" not in out.split(b"pools:")[-1] or out.count(b"kv_replay:") < 2:
+            while b"routes:" not in out or out.count(b"kv_replay:") < 2 or not out.endswith(b"\n"):
                 assert time.monotonic() < deadline, f"no YAML block in time: {out!r}"
                 if sel.select(0.5):
                     chunk = proc.stdout.read1(65536)  # type: ignore[attr-defined]

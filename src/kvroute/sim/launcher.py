@@ -160,7 +160,8 @@ class ReplicaHandle:
 
 
 def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
-    """A ``pools:`` block listing the replicas by pool (for a kvroute config file)."""
+    """A ``pools:`` and ``routes:`` block for ``kvroute serve`` (one route per pool, named
+    after it), in exactly the shape ``kvroute.config`` accepts."""
     lines = ["pools:"]
     seen: dict[str, list[ReplicaHandle]] = {}
     for r in replicas:
@@ -168,10 +169,8 @@ def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
     for pool, members in seen.items():
         first = members[0]
         lines += [
-            f"  - name: {pool}",
+            f"  {pool}:                 # window {first.max_model_len}, block size {first.block_size}",
             f"    model: {first.model}",
-            f"    max_model_len: {first.max_model_len}",
-            f"    block_size: {first.block_size}",
             "    replicas:",
         ]
         for r in members:
@@ -183,6 +182,9 @@ def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
                     lines.append("        kv_events_bind: true")
             if r.kv_replay:
                 lines.append(f"        kv_replay: {r.kv_replay}")
+    lines.append("routes:")
+    for pool in seen:
+        lines.append(f"  {pool}: {{pools: [{pool}]}}")
     return "\n".join(lines) + "\n"
 
 

@@ -76,3 +76,24 @@ def test_bad_specs_name_the_key_and_change_nothing(body: dict[str, Any], message
     with pytest.raises(FaultSpecError, match=message):
         faults.apply({"fail_next": 3, **body})
     assert faults.state() == before
+
+
+def test_the_fleet_yaml_is_a_valid_kvroute_config() -> None:
+    """What `kvroute sim fleet` prints pastes into a kvroute config as it is."""
+    import yaml
+
+    from kvroute.config import parse_config
+    from kvroute.sim.launcher import ReplicaHandle, pools_yaml
+
+    handles = [
+        ReplicaHandle("s0", "small", "m-small", "http://127.0.0.1:8101", "tcp://127.0.0.1:5601",
+                      "tcp://127.0.0.1:5602", 2048, 16),
+        ReplicaHandle("s1", "small", "m-small", "http://127.0.0.1:8102", "tcp://127.0.0.1:5611",
+                      None, 2048, 16),
+        ReplicaHandle("l0", "large", "m-large", "http://127.0.0.1:8201", None, None, 8192, 16),
+    ]
+    config = parse_config(yaml.safe_load(pools_yaml(handles)), env={})
+    assert [r.name for r in config.pools["small"].replicas] == ["s0", "s1"]
+    assert config.pools["small"].replicas[0].kv_replay == "tcp://127.0.0.1:5602"
+    assert config.pools["large"].model == "m-large"
+    assert list(config.routes) == ["small", "large"]
