@@ -39,9 +39,9 @@ import msgspec
 
 from kvroute.config import PoolConfig, RouterConfig
 from kvroute.core.errors import ConfigError
+from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.sim.tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.wire.openai import ParsedRequest
 
 __all__ = [
