@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -47,6 +48,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -718,6 +720,33 @@ def replay(
             out.append(frames)
     finally:
         ctx.destroy(linger=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts shared by the conformance modules
+# ---------------------------------------------------------------------------------------------
+
+FILLER_WORDS = (
+    "router", "replica", "window", "token", "cache", "block", "prefix", "engine", "tenant",
+    "session", "harbour", "lamp", "ledger", "kettle", "compass", "orchard", "signal",
+    "budget", "river", "bridge", "garden", "lantern",
+)
+
+
+def filler_text(seed: int, num_sentences: int) -> str:
+    """Deterministic English-like filler: ``num_sentences`` sentences of 8 words (about 23
+    tokens per sentence with the tiny model's tokenizer)."""
+    k = seed % len(FILLER_WORDS)
+    words = itertools.cycle(FILLER_WORDS[k:] + FILLER_WORDS[:k])
+    return " ".join(
+        " ".join(next(words) for _ in range(8)).capitalize() + f" number {i}."
+        for i in range(num_sentences)
+    )
+
+
+def nonce() -> str:
+    """A short random tag that keeps a prompt out of every cache."""
+    return uuid.uuid4().hex[:12]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -36,43 +35,7 @@ pytestmark = pytest.mark.realvllm
 BLOCK = realvllm.CPU_BLOCK_SIZE
 WINDOW = realvllm.DEFAULT_MAX_MODEL_LEN
 
-_WORDS = [
-    "router",
-    "replica",
-    "window",
-    "token",
-    "cache",
-    "block",
-    "prefix",
-    "engine",
-    "tenant",
-    "session",
-    "harbour",
-    "lamp",
-    "ledger",
-    "kettle",
-    "compass",
-    "orchard",
-    "signal",
-    "budget",
-    "river",
-    "bridge",
-    "garden",
-    "lantern",
-]
 
-
-def _text(seed: int, num_sentences: int) -> str:
-    """Deterministic English-like filler: ``num_sentences`` sentences of 8 words."""
-    words = itertools.cycle(_WORDS[seed % len(_WORDS) :] + _WORDS[: seed % len(_WORDS)])
-    return " ".join(
-        " ".join(next(words) for _ in range(8)).capitalize() + f" number {i}."
-        for i in range(num_sentences)
-    )
-
-
-def _nonce() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def _wait_for_change(read: Any, before: float, timeout_s: float = 10.0) -> float:
@@ -128,8 +91,8 @@ def test_block_stored_hashes_equal_kvroute_hashes(
 ) -> None:
     engine = real_vllm_engine
     messages = [
-        {"role": "system", "content": f"Nonce {_nonce()}. " + _text(1, 40)},
-        {"role": "user", "content": _text(2, 20)},
+        {"role": "system", "content": f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(1, 40)},
+        {"role": "user", "content": realvllm.filler_text(2, 20)},
     ]
     prompt_ids = realvllm.tokenize_chat(engine, messages)
     assert len(prompt_ids) >= 3 * BLOCK, f"prompt too short for 3 blocks: {len(prompt_ids)}"
@@ -202,7 +165,7 @@ def test_block_stored_hashes_equal_kvroute_hashes(
 
 def test_shared_system_prompt_hits_its_whole_blocks(real_vllm_other: RealVllmEngine) -> None:
     engine = real_vllm_other
-    system = {"role": "system", "content": f"Nonce {_nonce()}. " + _text(3, 40)}  # ~935 tokens
+    system = {"role": "system", "content": f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(3, 40)}  # ~935 tokens
     first = [system, {"role": "user", "content": "First question about the harbour."}]
     second = [system, {"role": "user", "content": "A different question about lamps."}]
     ids1 = realvllm.tokenize_chat(engine, first)
@@ -254,7 +217,7 @@ def _overflow_body(num_tokens: int, at_least: bool) -> dict[str, Any]:
 
 def test_over_long_chat_prompt_gives_the_exact_400(real_vllm_engine: RealVllmEngine) -> None:
     engine = real_vllm_engine
-    messages = [{"role": "user", "content": _text(4, 260)}]
+    messages = [{"role": "user", "content": realvllm.filler_text(4, 260)}]
     assert len(realvllm.tokenize_chat(engine, messages)) > WINDOW + 1
     body = {"model": engine.model, "messages": messages, "max_tokens": 4}
     status, resp = http_json("POST", engine.url + "/v1/chat/completions", body)

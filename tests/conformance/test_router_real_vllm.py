@@ -48,7 +48,6 @@ import os
 import random
 import statistics
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -111,26 +110,6 @@ def pair() -> Iterator[list[RealVllmEngine]]:
 # ---------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------
-
-_WORDS = [
-    "router", "replica", "window", "token", "cache", "block", "prefix", "engine", "tenant",
-    "session", "harbour", "lamp", "ledger", "kettle", "compass", "orchard", "signal",
-    "budget", "river", "bridge", "garden", "lantern",
-]
-
-
-def text(seed: int, num_sentences: int) -> str:
-    """Deterministic filler, about 23 tokens per sentence with the tiny model's tokenizer."""
-    words = itertools.cycle(_WORDS[seed % len(_WORDS) :] + _WORDS[: seed % len(_WORDS)])
-    return " ".join(
-        " ".join(next(words) for _ in range(8)).capitalize() + f" number {i}."
-        for i in range(num_sentences)
-    )
-
-
-def nonce() -> str:
-    return uuid.uuid4().hex[:12]
-
 
 def user(content: str) -> dict[str, str]:
     return {"role": "user", "content": content}
@@ -309,7 +288,7 @@ async def wait_live(rt: RecordingRuntime, client: Client, engines: list[RealVllm
             if sub.stats.batches > 0:
                 break
             assert n < 40, f"{name}: no KV event reached the router from {engine.events_endpoint}"
-            probe = f"probe {nonce()} " + text(n, 7)  # > 1 block
+            probe = f"probe {realvllm.nonce()} " + realvllm.filler_text(n, 7)  # > 1 block
             await client.engine_chat(engine, [user(probe)], max_tokens=1)
             await asyncio.sleep(0.25)
 
@@ -470,8 +449,8 @@ def test_router_hashes_equal_the_engines_block_stored_hashes(pair: list[RealVllm
     async def body(rt: RecordingRuntime, client: Client) -> None:
         hasher = await discovered_hasher(client, "both", pair[0])
         messages = [
-            {"role": "system", "content": f"Nonce {nonce()}. " + text(1, 30)},
-            user(text(2, 10)),
+            {"role": "system", "content": f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(1, 30)},
+            user(realvllm.filler_text(2, 10)),
         ]
         n_batches = len(rt.batches)
         sample = await measured_chat(rt, client, {"r0": pair[0], "r1": pair[1]}, hasher,
@@ -511,13 +490,13 @@ def workload(rng: random.Random) -> list[tuple[str, Any]]:
     engine's own answers); the others carry their messages. The order is shuffled with the
     sessions' turns kept in order.
     """
-    system = {"role": "system", "content": f"Nonce {nonce()}. You are a helpful assistant. "
-              + text(5, 17)}
+    system = {"role": "system", "content": f"Nonce {realvllm.nonce()}. You are a helpful assistant. "
+              + realvllm.filler_text(5, 17)}
     steps: list[tuple[str, Any]] = []
     steps += [("session", i) for i in range(6) for _ in range(4)]
-    steps += [("shared", [system, user(f"Question {nonce()}: " + text(6 + i, 2))])
+    steps += [("shared", [system, user(f"Question {realvllm.nonce()}: " + realvllm.filler_text(6 + i, 2))])
               for i in range(12)]
-    uniques = [[user(f"Nonce {nonce()}. " + text(20 + i, rng.randrange(3, 30)))]
+    uniques = [[user(f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(20 + i, rng.randrange(3, 30)))]
                for i in range(12)]
     steps += [("unique", m) for m in uniques]
     steps += [("repeat", uniques[i]) for i in range(4)]
@@ -529,7 +508,7 @@ def workload(rng: random.Random) -> list[tuple[str, Any]]:
             j = firsts[id(m)]
             steps[k], steps[j] = steps[j], steps[k]
             firsts[id(m)] = k
-    sessions = [[system, user(f"Session {i} {nonce()}: " + text(40 + i, 3))] for i in range(6)]
+    sessions = [[system, user(f"Session {i} {realvllm.nonce()}: " + realvllm.filler_text(40 + i, 3))] for i in range(6)]
     return [("session", sessions[x]) if kind == "session" else (kind, x) for kind, x in steps]
 
 
@@ -550,7 +529,7 @@ def test_expected_cached_tokens_equal_engine_prefix_hits(pair: list[RealVllmEngi
             if kind == "session":  # grow the conversation with the engine's own answer
                 turns[sid] += 1
                 messages.append({"role": "assistant", "content": sample.answer})
-                messages.append(user(f"Follow-up {turns[sid]}: " + text(60 + turns[sid], 3)))
+                messages.append(user(f"Follow-up {turns[sid]}: " + realvllm.filler_text(60 + turns[sid], 3)))
         elapsed = time.perf_counter() - started
         _report_agreement(samples, elapsed)
         # No request may be left with a disagreement.
@@ -598,7 +577,7 @@ def test_a_router_started_late_catches_up_through_replay(pair: list[RealVllmEngi
 
     def serve_unseen(tag: str) -> None:
         for i in range(3):
-            realvllm.chat(engine, [user(f"{tag} {nonce()} " + text(70 + i, 12))], max_tokens=2)
+            realvllm.chat(engine, [user(f"{tag} {realvllm.nonce()} " + realvllm.filler_text(70 + i, 12))], max_tokens=2)
 
     async def body(rt: RecordingRuntime, client: Client) -> None:
         stats = rt.subscribers[ReplicaId("r1")].stats
@@ -618,7 +597,7 @@ def test_reset_prefix_cache_empties_the_replica(pair: list[RealVllmEngine]) -> N
 
     async def body(rt: RecordingRuntime, client: Client) -> None:
         hasher = await discovered_hasher(client, "solo", engine)
-        messages = [user(f"Nonce {nonce()}. " + text(80, 20))]
+        messages = [user(f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(80, 20))]
         first = await measured_chat(rt, client, {"r0": engine}, hasher, "first", messages)
         again = await measured_chat(rt, client, {"r0": engine}, hasher, "again", messages)
         assert again.expected_cached == again.engine_hits > 0
@@ -658,7 +637,7 @@ def test_an_engine_restarted_under_the_router_is_dropped_and_rebuilt(
     async def body(rt: RecordingRuntime, client: Client) -> None:
         hasher = await discovered_hasher(client, "both", pair[0])
         for i in range(4):  # several batches, so the new process's seqs run below the old
-            await client.engine_chat(pair[0], [user(f"Nonce {nonce()}. " + text(90 + i, 12))])
+            await client.engine_chat(pair[0], [user(f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(90 + i, 12))])
         await assert_index_is_truth(rt, "r0", pair[0])
         old = rt.subscribers[ReplicaId("r0")].stats
         assert rt.entries("r0") > 0 and old.last_seq is not None and old.last_seq >= 4
@@ -671,14 +650,14 @@ def test_an_engine_restarted_under_the_router_is_dropped_and_rebuilt(
             assert rt.entries("r0") == 0
             # ...and requests go to the other engine meanwhile, without a failure.
             down = await measured_chat(rt, client, {"r1": pair[1]}, hasher, "down",
-                                       [user(f"Nonce {nonce()}. " + text(95, 8))])
+                                       [user(f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(95, 8))])
             assert down.replica == "r1"
         finally:
             new_engine = await restart
         assert new_engine.pid != old_pid and pair[0] is new_engine
         await poll(lambda: rt.core.is_healthy(ReplicaId("r0")), "r0 back in", 30.0)
         # The new process publishes from seq 0 again: the subscriber notices and resets.
-        messages = [user(f"Nonce {nonce()}. " + text(96, 12))]
+        messages = [user(f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(96, 12))]
         await client.engine_chat(pair[0], messages)
         await poll(lambda: any(r == "r0" for r, _ in rt.resets), "the subscriber's reset")
         reason = next(reason for r, reason in rt.resets if r == "r0")
@@ -711,7 +690,7 @@ def test_salted_tenants_never_share_cached_blocks(pair: list[RealVllmEngine]) ->
     async def body(rt: RecordingRuntime, client: Client) -> None:
         hasher = await discovered_hasher(client, "solo", engine)
         salts = {t: derive_cache_salt(ENV["KVROUTE_SALT_SECRET"], t) for t in ("acme", "globex")}
-        messages = [{"role": "system", "content": f"Nonce {nonce()}. " + text(100, 25)},
+        messages = [{"role": "system", "content": f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(100, 25)},
                     user("The same question from both tenants.")]
         engines = {"r1": engine}
 
@@ -777,11 +756,11 @@ def test_a_growing_session_crosses_the_small_window_warm(pair: list[RealVllmEngi
     large = pair[1]
     messages: list[dict[str, str]] = [
         # ~680 prompt tokens: over 0.6 x 1,024, so warm-ahead fires on turn 1.
-        {"role": "system", "content": f"Nonce {nonce()}. " + text(110, 28)},
+        {"role": "system", "content": f"Nonce {realvllm.nonce()}. " + realvllm.filler_text(110, 28)},
         user("First question."),
     ]
 
-    session_id = f"grow-{nonce()}"
+    session_id = f"grow-{realvllm.nonce()}"
 
     async def body(rt: RecordingRuntime, client: Client) -> None:
         pools: list[str] = []
@@ -808,7 +787,7 @@ def test_a_growing_session_crosses_the_small_window_warm(pair: list[RealVllmEngi
                 escalated = (prompt, int(headers["x-kvroute-cached-tokens"]), hits)
             messages.append({"role": "assistant", "content":
                              reply["choices"][0]["message"]["content"] or ""})
-            messages.append(user(f"Follow-up {turn}: " + text(120 + turn, 5)))
+            messages.append(user(f"Follow-up {turn}: " + realvllm.filler_text(120 + turn, 5)))
         print(f"\ntiers: pools per turn {pools}; escalated request (prompt, router expected, "
               f"large-engine hits) = {escalated}")
         assert pools[0] == "small" and pools[-1] == "large", pools
@@ -833,7 +812,7 @@ def test_a_real_overflow_400_is_parsed_and_recovered(pair: list[RealVllmEngine])
     # Random two-letter words: about 1.5 bytes per token with this tokenizer, so the router's
     # byte-based estimate is far too low; the prompt still fits the large window.
     dense = " ".join(rng.choice(letters) + rng.choice(letters) for _ in range(700))
-    messages = [user(f"Nonce {nonce()}. {dense}")]
+    messages = [user(f"Nonce {realvllm.nonce()}. {dense}")]
     config = router_config(tiers(pair), pool_extra={"small": {"tokenizer": "none"},
                                                     "large": {"tokenizer": "none"}})
 

@@ -42,7 +42,6 @@ import json
 import statistics
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,44 +64,7 @@ BLOCK = realvllm.CPU_BLOCK_SIZE
 WINDOW = realvllm.DEFAULT_MAX_MODEL_LEN
 SIM_PROFILE = "vllm-cpu-tiny"
 
-_WORDS = [
-    "router",
-    "replica",
-    "window",
-    "token",
-    "cache",
-    "block",
-    "prefix",
-    "engine",
-    "tenant",
-    "session",
-    "harbour",
-    "lamp",
-    "ledger",
-    "kettle",
-    "compass",
-    "orchard",
-    "signal",
-    "budget",
-    "river",
-    "bridge",
-    "garden",
-    "lantern",
-]
 
-
-def _text(seed: int, num_sentences: int) -> str:
-    """Deterministic English-like filler: ``num_sentences`` sentences of 8 words."""
-    k = seed % len(_WORDS)
-    words = itertools.cycle(_WORDS[k:] + _WORDS[:k])
-    return " ".join(
-        " ".join(next(words) for _ in range(8)).capitalize() + f" number {i}."
-        for i in range(num_sentences)
-    )
-
-
-def _nonce() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def _unique_ids(nonce: str, n: int) -> list[int]:
@@ -182,12 +144,12 @@ def _post_both(
 _MESSAGES = [
     {"role": "system", "content": "You are terse. Ünïcödé ✓ and\ttabs\n\nnewlines."},
     {"role": "user", "content": "Hello there, how are you?"},
-    {"role": "assistant", "content": "Fine. " + _text(5, 3)},
+    {"role": "assistant", "content": "Fine. " + realvllm.filler_text(5, 3)},
     {"role": "user", "content": "  Leading spaces, trailing too.  "},
 ]
 
 TOKENIZE_CASES: dict[str, dict[str, Any]] = {
-    "prompt": {"prompt": "Hello world, this is a test. " + _text(1, 4)},
+    "prompt": {"prompt": "Hello world, this is a test. " + realvllm.filler_text(1, 4)},
     "prompt-no-special": {"prompt": "Hello world ✓", "add_special_tokens": False},
     "prompt-token-strs": {"prompt": "Hello world ✓ \u00e9t\u00e9", "return_token_strs": True},
     "prompt-empty": {"prompt": ""},
@@ -282,13 +244,13 @@ class _Script:
     """The scripted request sequence of the events test (one nonce for both engines)."""
 
     def __init__(self, model: str) -> None:
-        nonce = _nonce()
-        system = {"role": "system", "content": f"Nonce {nonce}. " + _text(7, 30)}
+        nonce = realvllm.nonce()
+        system = {"role": "system", "content": f"Nonce {nonce}. " + realvllm.filler_text(7, 30)}
         first = [system, {"role": "user", "content": "Plan the harbour budget."}]
         follow = [
             *first,
-            {"role": "assistant", "content": "Here is a plan. " + _text(8, 12)},
-            {"role": "user", "content": "Now the orchard. " + _text(9, 10)},
+            {"role": "assistant", "content": "Here is a plan. " + realvllm.filler_text(8, 12)},
+            {"role": "user", "content": "Now the orchard. " + realvllm.filler_text(9, 10)},
         ]
         token_prompt = _unique_ids(nonce, 3 * BLOCK + 40)
         self.requests: list[tuple[str, str, dict[str, Any]]] = [
@@ -597,21 +559,21 @@ def test_metrics_kvroute_reads_have_the_same_names_and_labels(
 
 def _hit_script(model: str) -> list[tuple[str, dict[str, Any]]]:
     """Shared system prompt, multi-turn growth, unique prompts, salted: one nonce."""
-    nonce = _nonce()
-    system = {"role": "system", "content": f"Nonce {nonce}. " + _text(3, 40)}  # ~935 tokens
+    nonce = realvllm.nonce()
+    system = {"role": "system", "content": f"Nonce {nonce}. " + realvllm.filler_text(3, 40)}  # ~935 tokens
     q1 = [system, {"role": "user", "content": "First question about the harbour."}]
     q2 = [system, {"role": "user", "content": "A different question about lamps."}]
     turn2 = [
         *q1,
-        {"role": "assistant", "content": "An answer. " + _text(11, 8)},
-        {"role": "user", "content": "Go on. " + _text(12, 6)},
+        {"role": "assistant", "content": "An answer. " + realvllm.filler_text(11, 8)},
+        {"role": "user", "content": "Go on. " + realvllm.filler_text(12, 6)},
     ]
     turn3 = [
         *turn2,
-        {"role": "assistant", "content": "More. " + _text(13, 8)},
-        {"role": "user", "content": "And finally? " + _text(14, 5)},
+        {"role": "assistant", "content": "More. " + realvllm.filler_text(13, 8)},
+        {"role": "user", "content": "And finally? " + realvllm.filler_text(14, 5)},
     ]
-    unique = [{"role": "user", "content": f"Unique {_nonce()}. " + _text(15, 30)}]
+    unique = [{"role": "user", "content": f"Unique {realvllm.nonce()}. " + realvllm.filler_text(15, 30)}]
     ids = _unique_ids(nonce, 2 * BLOCK + 3)
     salt = f"tenant-{nonce}"
     steps: list[tuple[str, dict[str, Any]]] = [
@@ -834,7 +796,7 @@ def test_vllm_cpu_tiny_profile_tracks_the_real_engine(
     ratios (within 15% for TTFT, 1.2-2.3x for ITL on this shared machine) are in
     docs/sim-conformance.md.
     """
-    waves = timing_workload(real_vllm_other.model, _nonce())
+    waves = timing_workload(real_vllm_other.model, realvllm.nonce())
     real = measure_timing(real_vllm_other, waves)
     simulated = measure_timing(sim, waves)
     print("\n" + TIMING_HEADER + "\n" + real.row("real") + "\n" + simulated.row("sim"))
