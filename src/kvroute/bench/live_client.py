@@ -142,7 +142,8 @@ def build_live_requests(
     return out
 
 
-def _has_text(payload: Any) -> bool:
+def has_text(payload: Any) -> bool:
+    """True when a streamed chunk carries output text (chat ``delta.content`` or ``text``)."""
     if not isinstance(payload, dict):
         return False
     for choice in payload.get("choices") or ():
@@ -197,7 +198,7 @@ async def _one(
                         tokens = payload["usage"].get("completion_tokens")
                         if isinstance(tokens, int):
                             result.usage_completion_tokens = tokens
-                    if not _has_text(payload):
+                    if not has_text(payload):
                         continue
                     result.output_events += 1
                     if last is None:

@@ -59,6 +59,7 @@ from typing import Any, Final
 
 import aiohttp
 
+from kvroute.bench.live_client import has_text
 from kvroute.bench.tiers_bench import MODES, targets
 from kvroute.bench.workloads import WorkloadRequest, growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
@@ -302,16 +303,6 @@ def _start_router(config_path: Path, log_path: Path, timeout_s: float = 60.0) ->
 # -- the client ----------------------------------------------------------------------------------
 
 
-def _has_text(payload: Any) -> bool:
-    if not isinstance(payload, dict):
-        return False
-    for choice in payload.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if delta.get("content") or choice.get("text"):
-            return True
-    return False
-
-
 async def _send(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any],
                 headers: Mapping[str, str], turn: LiveTurn, timeout_s: float) -> None:
     """One streamed chat request; fills ``turn`` (status, pool, TTFT, E2E, error)."""
@@ -339,7 +330,7 @@ async def _send(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any
                         continue
                     if isinstance(payload, dict) and "error" in payload:
                         turn.error = "stream_error"
-                    if turn.ttft_s is None and _has_text(payload):
+                    if turn.ttft_s is None and has_text(payload):
                         turn.ttft_s = now - started
             turn.e2e_s = time.perf_counter() - started
             if turn.error is None and turn.ttft_s is None:
