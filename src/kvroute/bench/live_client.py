@@ -142,6 +142,54 @@ def build_live_requests(
     return out
 
 
+@dataclass(slots=True)
+class StreamReading:
+    """What one streamed (SSE) response carried, timed from the request's start.
+
+    ``ttft_s`` is the first chunk with output text; ``itl_s`` the gaps between later ones;
+    ``error_event`` a chunk that carried an ``error`` object; ``done`` the ``[DONE]`` sentinel.
+    """
+
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_events: int = 0
+    usage_completion_tokens: int | None = None
+    error_event: bool = False
+    done: bool = False
+
+
+async def read_stream(resp: aiohttp.ClientResponse, started: float) -> StreamReading:
+    """Read a streamed response to its end (shared by ``bench live`` and ``bench tiers-live``)."""
+    reading = StreamReading()
+    decoder = SSEDecoder()
+    last: float | None = None
+    async for chunk in resp.content.iter_any():
+        now = time.perf_counter()
+        for event in decoder.feed(chunk):
+            if event.is_done:
+                reading.done = True
+                continue
+            try:
+                payload = event.json()
+            except ValueError:
+                continue
+            if isinstance(payload, dict):
+                if "error" in payload:
+                    reading.error_event = True
+                usage = payload.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    reading.usage_completion_tokens = usage["completion_tokens"]
+            if not has_text(payload):
+                continue
+            reading.output_events += 1
+            if last is None:
+                reading.ttft_s = now - started
+            else:
+                reading.itl_s.append(now - last)
+            last = now
+    return reading
+
+
 def has_text(payload: Any) -> bool:
     """True when a streamed chunk carries output text (chat ``delta.content`` or ``text``)."""
     if not isinstance(payload, dict):
@@ -181,31 +229,13 @@ async def _one(
                 await resp.read()
                 result.error = f"http_{resp.status}"
                 return
-            decoder = SSEDecoder()
-            last: float | None = None
-            done = False
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                for event in decoder.feed(chunk):
-                    if event.is_done:
-                        done = True
-                        continue
-                    try:
-                        payload = event.json()
-                    except ValueError:
-                        continue
-                    if isinstance(payload, dict) and isinstance(payload.get("usage"), dict):
-                        tokens = payload["usage"].get("completion_tokens")
-                        if isinstance(tokens, int):
-                            result.usage_completion_tokens = tokens
-                    if not has_text(payload):
-                        continue
-                    result.output_events += 1
-                    if last is None:
-                        result.ttft_s = now - started
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
+            reading = await read_stream(resp, started)
+            result.ttft_s = reading.ttft_s
+            result.itl_s = reading.itl_s
+            result.output_events = reading.output_events
+            if reading.usage_completion_tokens is not None:
+                result.usage_completion_tokens = reading.usage_completion_tokens
+            done = reading.done
             result.e2e_s = time.perf_counter() - started
             if result.output_events == 0:
                 result.error = "no_output"

@@ -59,13 +59,12 @@ from typing import Any, Final
 
 import aiohttp
 
-from kvroute.bench.live_client import has_text
+from kvroute.bench.live_client import read_stream
 from kvroute.bench.tiers_bench import MODES, targets
 from kvroute.bench.workloads import WorkloadRequest, growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
 from kvroute.sim.profiles import get_profile
-from kvroute.wire.sse import SSEDecoder
 
 __all__ = [
     "LiveTurn",
@@ -316,22 +315,11 @@ async def _send(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any
                 await resp.read()
                 turn.error = f"http_{resp.status}"
                 return
-            decoder = SSEDecoder()
-            done = False
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                for event in decoder.feed(chunk):
-                    if event.is_done:
-                        done = True
-                        continue
-                    try:
-                        payload = event.json()
-                    except ValueError:
-                        continue
-                    if isinstance(payload, dict) and "error" in payload:
-                        turn.error = "stream_error"
-                    if turn.ttft_s is None and has_text(payload):
-                        turn.ttft_s = now - started
+            reading = await read_stream(resp, started)
+            if reading.error_event:
+                turn.error = "stream_error"
+            turn.ttft_s = reading.ttft_s
+            done = reading.done
             turn.e2e_s = time.perf_counter() - started
             if turn.error is None and turn.ttft_s is None:
                 turn.error = "no_output"
