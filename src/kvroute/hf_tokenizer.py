@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvroute.core.errors import ConfigError
 
-__all__ = ["ChatTemplateError", "HFTokenizer", "content_text"]
+__all__ = ["ChatTemplateError", "HFTokenizer", "bundled_tokenizer_dir", "content_text"]
+
+
+def bundled_tokenizer_dir() -> Path:
+    """The tokenizer shipped with kvroute (``kvroute/data/tokenizers/kvroute-tiny-bpe``: the
+    conformance suite's tiny BPE and chat template; its README says where it comes from)."""
+    return Path(str(resources.files("kvroute").joinpath("data", "tokenizers",
+                                                         "kvroute-tiny-bpe")))
 
 
 class ChatTemplateError(ValueError):
@@ -139,6 +147,20 @@ class HFTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def split_tokens(self) -> dict[str, int]:
+        """The special added tokens matched on the raw text as they are (``{text: id}``).
+
+        ``tokenizers`` cuts its input at added tokens before anything else; these are the
+        ones whose match neither normalizes nor eats surrounding whitespace, so text between
+        two of them is encoded independently of what lies beyond (``token_segments``).
+        """
+        out: dict[str, int] = {}
+        for token_id, added in self._tok.get_added_tokens_decoder().items():
+            if (added.special and added.content and not added.normalized
+                    and not added.lstrip and not added.rstrip and not added.single_word):
+                out[str(added.content)] = int(token_id)
+        return out
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))

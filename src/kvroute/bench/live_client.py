@@ -20,6 +20,9 @@ Latency definitions (every router is measured identically, so differences are th
 TTFT runs from just before the request is written to the first SSE event carrying output text;
 ITL is every gap between consecutive text-carrying events of one response; E2E runs to the end
 of the body. A request is OK only with status 200, at least one text event and ``[DONE]``.
+Non-streamed requests (``build_live_requests(stream=False)``): TTFT is the whole response
+(there is no earlier token to see), and the request is OK with status 200 and a JSON body
+whose ``choices`` carry text.
 
 NOTE: aiohttp sets ``TCP_NODELAY`` on every connection it makes; the client checks it on the
 first response and reports it, because a Nagle delay on a kept-alive connection adds ~40 ms
@@ -58,7 +61,7 @@ _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 
 @dataclass(frozen=True, slots=True)
 class LiveRequest:
-    """One request as sent on the wire: a streaming chat body, encoded once for every router."""
+    """One request as sent on the wire: a chat body, encoded once for every router."""
 
     request_id: str
     arrival_s: float
@@ -66,6 +69,7 @@ class LiveRequest:
     prompt_tokens: int
     max_tokens: int
     group: str | None = None
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -107,8 +111,10 @@ def build_live_requests(
     *,
     model: str,
     max_tokens_cap: int | None = None,
+    stream: bool = True,
 ) -> list[LiveRequest]:
-    """Encode each workload request as a streaming chat completion body.
+    """Encode each workload request as a chat completion body (streamed unless ``stream`` is
+    False).
 
     Requests with ``messages`` (generators called with ``with_messages=True``) send them as
     they are; others (trace replays) send their prompt as one user message of
@@ -120,6 +126,7 @@ def build_live_requests(
         workload: the requests, in arrival order.
         model: the ``model`` field (the engines' served name; kvroute's route of that name).
         max_tokens_cap: lower every request's output length to at most this.
+        stream: ask for an SSE stream (with usage) or for one whole JSON response.
 
     Raises:
         ConfigError: an empty workload or a cap below 1.
@@ -133,12 +140,14 @@ def build_live_requests(
         messages = req.messages or [{"role": "user", "content": to_text(req.prompt_token_ids)}]
         max_tokens = req.output_tokens if max_tokens_cap is None else min(req.output_tokens,
                                                                            max_tokens_cap)
-        body = {
-            "model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0.0,
+        body: dict[str, Any] = {
+            "model": model, "messages": messages, "max_tokens": max_tokens, "stream": stream,
+            "temperature": 0.0,
         }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         out.append(LiveRequest(req.request_id, req.arrival_s, json.dumps(body).encode(),
-                               req.num_prompt_tokens, max_tokens, req.group))
+                               req.num_prompt_tokens, max_tokens, req.group, stream))
     return out
 
 
@@ -229,6 +238,9 @@ async def _one(
                 await resp.read()
                 result.error = f"http_{resp.status}"
                 return
+            if not req.stream:
+                _read_whole(await resp.read(), result, started)
+                return
             reading = await read_stream(resp, started)
             result.ttft_s = reading.ttft_s
             result.itl_s = reading.itl_s
@@ -247,6 +259,26 @@ async def _one(
         result.error = "connect"
     except aiohttp.ClientError as exc:
         result.error = f"client:{type(exc).__name__}"
+
+
+def _read_whole(raw: bytes, result: RequestResult, started: float) -> None:
+    """Record a non-streamed response: TTFT = E2E = now; OK when its choices carry text."""
+    result.e2e_s = result.ttft_s = time.perf_counter() - started
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        result.error = "no_output"
+        return
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    texts = [((c.get("message") or {}).get("content") or c.get("text"))
+             for c in choices or () if isinstance(c, dict)]
+    if not any(texts):
+        result.error = "no_output"
+        return
+    result.output_events = 1
+    usage = doc.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        result.usage_completion_tokens = usage["completion_tokens"]
 
 
 async def run_client(

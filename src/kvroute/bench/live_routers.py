@@ -8,8 +8,12 @@ what is measured on the client side is ``bench/live_client.py``; the run order i
 Routers (``RouterSpec.kind``):
 
 * ``direct``: no process; the client round-robins over the engines (the overhead baseline).
+* ``passthrough``: ``bench/passthrough.py``, a bare aiohttp relay (the floor of a Python
+  router's overhead).
 * ``kvroute``: ``kvroute serve -c <generated yaml>``, one pool of the engines with their KV
-  event and replay endpoints, the policy under test, retries off, warm-ahead off.
+  event and replay endpoints, the policy under test, retries off, warm-ahead off; prompt
+  tokens from the engines' ``/tokenize`` or, with ``RouterSpec.tokenizer`` a directory, from
+  that local Hugging Face tokenizer.
 * ``sglang``: sglang-router 0.3.2's launcher, ``--backend`` left at its default (the HTTP
   "regular" mode that balances; ``--backend openai`` sends everything to one worker).
 * ``vllm``: vllm-router 0.1.17.
@@ -61,7 +65,7 @@ __all__ = [
     "start_router",
 ]
 
-RouterKind = Literal["direct", "kvroute", "sglang", "vllm"]
+RouterKind = Literal["direct", "passthrough", "kvroute", "sglang", "vllm"]
 
 PEER_VERSIONS: Final = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
 """The pinned peer versions (``scripts/peer_routers/setup.sh`` installs exactly these)."""
@@ -84,11 +88,14 @@ class RouterSpec:
             ``sglang-router``, ``vllm-router``...).
         kind: which program (module docstring).
         policy: the policy it runs (``round_robin`` for direct).
+        tokenizer: kvroute's prompt tokens: ``engine`` (``/tokenize``) or a local tokenizer
+            directory.
     """
 
     name: str
     kind: RouterKind
     policy: str
+    tokenizer: str = "engine"
 
 
 def parse_router_specs(routers: str, kvroute_policies: str = "kvroute") -> list[RouterSpec]:
@@ -109,6 +116,8 @@ def parse_router_specs(routers: str, kvroute_policies: str = "kvroute") -> list[
         base, _, policy = item.partition(":")
         if base == "direct":
             specs.append(RouterSpec("direct", "direct", "round_robin"))
+        elif base == "passthrough":
+            specs.append(RouterSpec("passthrough", "passthrough", "round_robin"))
         elif base == "kvroute":
             policies = [policy] if policy else [
                 p.strip() for p in kvroute_policies.split(",") if p.strip()]
@@ -123,8 +132,8 @@ def parse_router_specs(routers: str, kvroute_policies: str = "kvroute") -> list[
             name = base if pol == "cache_aware" else f"{base}:{pol}"
             specs.append(RouterSpec(name, "sglang" if base == "sglang-router" else "vllm", pol))
         else:
-            raise ConfigError(f"unknown router {item!r}; choose from: direct, kvroute, "
-                              "sglang-router, vllm-router (peers take :POLICY)")
+            raise ConfigError(f"unknown router {item!r}; choose from: direct, passthrough, "
+                              "kvroute, sglang-router, vllm-router (peers take :POLICY)")
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"routers are listed twice: {names}")
@@ -188,7 +197,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, model: str,
-                 seed: int = 0) -> str:
+                 seed: int = 0, tokenizer: str = "engine") -> str:
     """The ``kvroute serve`` config for one pool of ``engines`` with KV events wired.
 
     The route is named after the engines' model, so the same request bodies go to every
@@ -200,7 +209,8 @@ def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, mo
         "pools:",
         "  sim:",
         f"    model: {json.dumps(model)}",
-        "    tokenizer: engine",
+        "    tokenizer: engine" if tokenizer == "engine" else
+        f"    tokenizer: {{local: {json.dumps(tokenizer)}}}",
         "    replicas:",
     ]
     for i, eng in enumerate(engines):
@@ -339,7 +349,7 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
     if spec.kind == "kvroute":
         cfg = work_dir / f"{spec.name.replace(':', '-')}.yaml"
         cfg.write_text(kvroute_yaml(engines, port=port, policy=spec.policy, model=model,
-                                    seed=seed))
+                                    seed=seed, tokenizer=spec.tokenizer))
 
         def healthy() -> bool:
             body = _http_json(base + "/health")
@@ -349,6 +359,15 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
             return isinstance(counts, dict) and sum(counts.values()) >= len(urls)
 
         return [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(cfg)], base, healthy
+    if spec.kind == "passthrough":
+        def relay_up() -> bool:
+            body = _http_json(base + "/health")
+            return isinstance(body, dict) and body.get("status") == "ok"
+
+        cmd = [sys.executable, "-m", "kvroute.bench.passthrough", "--port", str(port)]
+        for url in urls:
+            cmd += ["--upstream", url]
+        return cmd, base, relay_up
     if peers is None or not peers.available:
         reason = peers.reason if peers is not None else "no peer-router install given"
         raise ConfigError(f"{spec.name} cannot run: {reason}")

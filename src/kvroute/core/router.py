@@ -35,6 +35,7 @@ import xxhash
 from kvroute.core.clock import Clock
 from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.events import EventBatch
+from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.index import LookupScope, PrefixIndex
 from kvroute.core.load import LoadTracker
@@ -141,7 +142,7 @@ class RoutingDecision:
 @dataclass(slots=True)
 class _Pool:
     spec: PoolSpec
-    hasher: BlockHasher
+    hasher: BlockHashMemo
     policy: Policy
     healthy: set[ReplicaId]
 
@@ -195,7 +196,8 @@ class RouterCore:
                 self.load.add_replica(rep.name, prefill_rate_tps=rep.prefill_rate_tps)
             self._pools[spec.name] = _Pool(
                 spec=spec,
-                hasher=BlockHasher(spec.hash_algo, spec.block_size, spec.hash_seed),
+                hasher=BlockHashMemo(BlockHasher(spec.hash_algo, spec.block_size,
+                                                 spec.hash_seed)),
                 policy=policy_factory(),
                 healthy={rep.name for rep in spec.replicas},
             )
@@ -221,7 +223,7 @@ class RouterCore:
         new = PoolSpec(spec.name, spec.replicas, block_size, hash_algo, hash_seed,
                        spec.approximate if approximate is None else approximate)
         if new != spec:
-            entry.hasher = BlockHasher(hash_algo, block_size, hash_seed)
+            entry.hasher = BlockHashMemo(BlockHasher(hash_algo, block_size, hash_seed))
             entry.spec = new
 
     # -- health and events --------------------------------------------------------------------

@@ -10,7 +10,11 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
   is routed approximately) and is counted.
 * ``local``: a Hugging Face tokenizer directory (``tokenizer.json`` through ``tokenizers``,
   the chat template of ``tokenizer_config.json`` through sandboxed ``jinja2``), loaded once at
-  start-up and run in the loop's default thread pool so the event loop never blocks on it.
+  start-up. Chat prompts are encoded piecewise from a cache of already-seen pieces
+  (``kvroute.token_segments``: the system prompt and earlier turns cost a lookup, only new
+  text is encoded), on the event loop's thread: ``tokenizers`` holds the GIL while it
+  encodes, so a worker thread bought no concurrency, only a hand-off (measured in
+  ``benchmarks/micro/bench_router_path.py``).
 * ``none``: always None; the pool routes in the declared approximate mode.
 
 Requests that already carry token ids (completions with ``prompt: [ints]``) need no call in
@@ -22,17 +26,15 @@ Visibility: each pool's mode is exported (``kvroute_tokenizer_mode``) and logged
 an ``engine`` tokenizer logs when ``/tokenize`` starts failing and when it recovers, so
 approximate routing is never silent.
 
-NOTE: the local loader is ``sim.tokenizer.HFTokenizer``, shared with the simulated engine so
-both sides apply the same chat-template rules; it belongs in a neutral module if it grows.
+The local loader is ``kvroute.hf_tokenizer.HFTokenizer``, shared with the simulated engine so
+both sides apply the same chat-template rules.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal, Protocol
+from typing import Annotated, Any, Final, Literal, Protocol
 
 import aiohttp
 import msgspec
@@ -42,6 +44,7 @@ from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
+from kvroute.token_segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
 __all__ = [
@@ -70,7 +73,6 @@ _CHAT_FORM_FIELDS: Final = (
     "mm_processor_kwargs",
 )  # fmt: skip
 _JSON_ENCODER: Final = msgspec.json.Encoder()
-_JSON_DECODER: Final = msgspec.json.Decoder()
 
 
 class PromptTokenizer(Protocol):
@@ -247,27 +249,32 @@ class EngineTokenizer:
             log.debug("pool %s: engine /tokenize failed again (%s)", self.pool, detail)
 
 
+class _TokenizeAnswer(msgspec.Struct):
+    """The part of vLLM's ``/tokenize`` answer the router reads (other keys are ignored)."""
+
+    tokens: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+_ANSWER_DECODER: Final = msgspec.json.Decoder(_TokenizeAnswer)
+
+
 def _tokens_of(raw: bytes) -> list[int] | None:
+    """The ``tokens`` of a ``/tokenize`` answer, checked in C (non-negative ints, no bools:
+    msgspec is strict), or None when the answer has no such list."""
     try:
-        doc = _JSON_DECODER.decode(raw)
-    except msgspec.DecodeError:
+        return _ANSWER_DECODER.decode(raw).tokens
+    except msgspec.DecodeError:  # ValidationError (wrong shape or types) is a DecodeError
         return None
-    tokens = doc.get("tokens") if isinstance(doc, dict) else None
-    if not isinstance(tokens, list):
-        return None
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        return None
-    return tokens
 
 
 class LocalTokenizer:
-    """A Hugging Face tokenizer directory, loaded at start-up, run in a worker thread.
+    """A Hugging Face tokenizer directory, loaded at start-up, run on the event loop.
 
     Chat prompts: the template is rendered with the request's ``messages``, ``tools``,
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``, then
     encoded with ``add_special_tokens`` (default False, as vLLM encodes chat prompts: the
-    template writes BOS itself). Completion strings: encoded with ``add_special_tokens``
-    (default True).
+    template writes BOS itself) through the piece cache (``SegmentEncoder``). Completion
+    strings: encoded whole with ``add_special_tokens`` (default True).
 
     Args:
         pool: the pool's name.
@@ -281,6 +288,10 @@ class LocalTokenizer:
         self.pool = pool
         self._tok = tokenizer
         self._metrics = metrics
+        self.segments = SegmentEncoder(
+            lambda text: tokenizer.encode(text, add_special_tokens=False),
+            tokenizer.split_tokens(), name=f"pool {pool} tokenizer {tokenizer.name}",
+        )
 
     @classmethod
     def load(cls, pool: str, path: str, metrics: RouterMetrics) -> LocalTokenizer:
@@ -305,9 +316,8 @@ class LocalTokenizer:
         if body is None:
             self._metrics.tokenize(self.pool, "unsupported")
             return None
-        loop = asyncio.get_running_loop()
         try:
-            ids = await loop.run_in_executor(None, functools.partial(self._encode, body))
+            ids = self._encode(body)
         except (ChatTemplateError, ValueError, TypeError) as exc:
             # The template's (or the tokenizer's) verdict on this request's input: the engine
             # will answer it with a 400; routing it approximately costs nothing more.
@@ -328,9 +338,9 @@ class LocalTokenizer:
                 tools=tools if isinstance(tools, list) else None,
                 chat_template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
             )
-            return self._tok.encode(
-                text, add_special_tokens=bool(body.get("add_special_tokens", False))
-            )
+            if bool(body.get("add_special_tokens", False)):
+                return self._tok.encode(text, add_special_tokens=True)
+            return self.segments.encode(text)
         return self._tok.encode(
             body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))
         )

@@ -1,0 +1,62 @@
+"""``BlockHashMemo`` answers exactly what ``BlockHasher`` computes, whatever it has memoised."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.core.hash_memo import BlockHashMemo
+from kvroute.core.hashing import HASH_ALGOS, BlockHasher, LoraKey
+
+_tokens = st.lists(st.integers(min_value=0, max_value=2**20), min_size=0, max_size=90)
+_salts = st.one_of(st.none(), st.sampled_from(["tenant-a", "tenant-b"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prefix=_tokens,
+    suffixes=st.lists(st.tuples(_tokens, _salts), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 4, 16]),
+    algo=st.sampled_from(sorted(HASH_ALGOS)),
+    max_entries=st.sampled_from([0, 3, 1000]),
+)
+def test_memo_equals_hasher_on_shared_prefixes(prefix: list[int],
+                                               suffixes: list[tuple[list[int], str | None]],
+                                               block_size: int, algo: str,
+                                               max_entries: int) -> None:
+    hasher = BlockHasher(algo, block_size, seed="0" if algo.startswith("xxhash") else None)
+    memo = BlockHashMemo(hasher, max_entries=max_entries)
+    for suffix, salt in suffixes * 2:  # the second round runs on a warm memo
+        tokens = prefix + suffix
+        assert memo.wire_hashes(tokens, cache_salt=salt) == hasher.wire_hashes(
+            tokens, cache_salt=salt)
+        assert len(memo) <= max_entries
+
+
+def test_memo_hits_the_shared_prefix_and_stays_bounded() -> None:
+    hasher = BlockHasher("sha256", 16)
+    memo = BlockHashMemo(hasher, max_entries=100)
+    system = list(range(320))  # 20 blocks shared by every request
+    for question in range(5):
+        memo.wire_hashes(system + [1000 + question] * 32)
+    assert memo.misses == 20 + 5 * 2
+    assert memo.hits == 4 * 20
+    for question in range(200):
+        memo.wire_hashes([5000 + question] * 64)
+    assert len(memo) == 100
+
+
+def test_salt_separates_and_lora_bypasses() -> None:
+    hasher = BlockHasher("sha256", 4)
+    memo = BlockHashMemo(hasher)
+    tokens = list(range(12))
+    plain = memo.wire_hashes(tokens)
+    salted = memo.wire_hashes(tokens, cache_salt="acme")
+    assert plain != salted and salted == hasher.wire_hashes(tokens, cache_salt="acme")
+    lora = LoraKey("adapter", "/adapters/a")
+    assert memo.wire_hashes(tokens, lora=lora) == hasher.wire_hashes(tokens, lora=lora)
+    with pytest.raises(ValueError, match="cache_salt"):
+        memo.wire_hashes(tokens, cache_salt="bad/salt")
+    with pytest.raises(ValueError, match="max_entries"):
+        BlockHashMemo(hasher, max_entries=-1)

@@ -1,0 +1,130 @@
+"""``SegmentEncoder`` gives the whole-prompt ids, for the bundled byte-level BPE and for a
+Metaspace tokenizer whose first piece is encoded differently (``prepend_scheme: first``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute.hf_tokenizer import HFTokenizer, bundled_tokenizer_dir
+from kvroute.token_segments import SegmentEncoder
+
+tokenizers = pytest.importorskip("tokenizers")
+
+_MARKERS = ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+_WORDS = ["the", "cache", " prefix", "router", "  ", "\n", "\t", "é", "漢字", "🙂", ",", "a.b",
+          "Hello", "x" * 40, " "]
+
+
+def _bundled() -> tuple[Callable[[str], Sequence[int]], dict[str, int]]:
+    tok = HFTokenizer.from_dir(bundled_tokenizer_dir())
+    return (lambda t: tok.encode(t, add_special_tokens=False)), tok.split_tokens()
+
+
+def _metaspace_first() -> tuple[Callable[[str], Sequence[int]], dict[str, int]]:
+    """A SentencePiece-style BPE (Metaspace, prepend_scheme first) with special markers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *_MARKERS],
+                                  show_progress=False)
+    corpus = [" ".join(_WORDS[(i * 7 + j) % len(_WORDS)] for j in range(12)) for i in range(200)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    ids = {m: tok.token_to_id(m) for m in _MARKERS}
+    return (lambda t: tok.encode(t, add_special_tokens=False).ids), ids
+
+
+_TOKENIZERS = {"bundled_bpe": _bundled(), "metaspace_first": _metaspace_first()}
+
+_texts = st.lists(st.sampled_from(_WORDS + _MARKERS), min_size=0, max_size=40).map("".join)
+
+
+@pytest.mark.parametrize("name", sorted(_TOKENIZERS))
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(_texts, min_size=1, max_size=5))
+def test_piecewise_ids_equal_whole_ids(name: str, texts: list[str]) -> None:
+    encode, split = _TOKENIZERS[name]
+    seg = SegmentEncoder(encode, split, verify_every=0)
+    assert seg.enabled
+    for text in texts * 2:  # the second round is served from the cache
+        assert seg.encode(text) == list(encode(text))
+
+
+def test_shared_system_prompt_is_encoded_once() -> None:
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    calls: list[str] = []
+
+    def counting(text: str) -> Sequence[int]:
+        calls.append(text)
+        return encode(text)
+
+    seg = SegmentEncoder(counting, split, verify_every=0)
+    calls.clear()
+    system = "You are a careful assistant. " * 40
+    for question in ("What is a block?", "Why route by prefix?", "How big is the cache?"):
+        text = f"<s><|system|>\n{system}<|end|>\n<|user|>\n{question}<|end|>\n<|assistant|>\n"
+        assert seg.encode(text) == list(encode(text))
+    system_calls = [c for c in calls if system in c]
+    assert len(system_calls) == 1
+    assert seg.hits > 0 and seg.cached_tokens > 0
+
+
+def test_memory_bound_evicts_least_recent() -> None:
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    seg = SegmentEncoder(encode, split, max_tokens=200, verify_every=0)
+    for i in range(50):
+        seg.encode(f"<|user|>\nquestion number {i} " * 5)
+    assert 0 < seg.cached_tokens <= 200
+
+
+def test_a_mismatch_turns_the_cache_off_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    lie = {"active": False}
+
+    def sometimes_wrong(text: str) -> Sequence[int]:
+        ids = list(encode(text))
+        # Whole prompts that contain a marker get one id changed once the check below is on:
+        # the piecewise path (which never sends a marker-plus-rest prompt starting with <s>)
+        # then disagrees with the whole-prompt path.
+        if lie["active"] and text.startswith("<s>"):
+            ids[-1] = 999
+        return ids
+
+    seg = SegmentEncoder(sometimes_wrong, split, verify_every=2)
+    assert seg.enabled
+    lie["active"] = True
+    text = "<s><|user|>\nhello there<|end|>\n"
+    with caplog.at_level(logging.ERROR):
+        first = seg.encode(text)   # call 1: not verified
+        second = seg.encode(text)  # call 2: verified, differs, cache off
+    assert first != second
+    assert second == sometimes_wrong(text)
+    assert not seg.enabled and seg.mismatches == 1
+    assert "token cache is now off" in caplog.text
+    assert seg.encode(text) == sometimes_wrong(text)
+
+
+def test_no_markers_or_zero_budget_means_whole_encoding() -> None:
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    assert not SegmentEncoder(encode, {}).enabled
+    assert not SegmentEncoder(encode, split, max_tokens=0).enabled
+    with pytest.raises(ValueError, match="max_tokens"):
+        SegmentEncoder(encode, split, max_tokens=-1)
+    with pytest.raises(ValueError, match="verify_every"):
+        SegmentEncoder(encode, split, verify_every=-1)
+
+
+def test_a_marker_that_merges_with_its_neighbour_fails_the_self_check(
+        caplog: pytest.LogCaptureFixture) -> None:
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    wrong = {"<|user|>": 12345, **{k: v for k, v in split.items() if k != "<|user|>"}}
+    with caplog.at_level(logging.WARNING):
+        seg = SegmentEncoder(encode, wrong)
+    assert not seg.enabled
+    assert "token cache is off" in caplog.text
