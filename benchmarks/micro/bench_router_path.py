@@ -14,7 +14,7 @@ warm-up before each series):
 * ``session``: ``wire.openai.session_from_request`` (headers, then body);
 * ``tier_plan``: ``shell.tiering.Tiering.plan`` (estimate, one pool, no exact count asked);
 * ``tokenize_local_hf``: the local Hugging Face path (chat template + ``tokenizers`` encode of
-  ``shell.tokenizer.LocalTokenizer``), when ``--hf-dir`` (or the cached tiny-llama) exists;
+  ``shell.tokenizer.LocalTokenizer``) with ``--hf-dir`` (default: the bundled tiny BPE);
 * ``tokenize_engine_rt``: one ``POST /tokenize`` to a ``kvroute sim serve`` engine on
   loopback through aiohttp, as ``EngineTokenizer`` sends it: wall µs per call, and the
   client-side CPU per call on the ``tokenize_engine_cpu`` row (that CPU is the router's);
@@ -60,6 +60,7 @@ from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.index import TenantScope
 from kvroute.core.router import RouteRequest
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
+from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.shell.app import forward_body
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.runtime import build_core
@@ -68,7 +69,7 @@ from kvroute.shell.tokenizer import LocalTokenizer, tokenize_request_body
 from kvroute.sim.tokenizer import BuiltinTokenizer
 from kvroute.wire.openai import encode_request, parse_request, session_from_request
 
-DEFAULT_HF_DIR = Path.home() / ".cache" / "kvroute" / "tiny-llama"
+DEFAULT_HF_DIR = bundled_tokenizer_dir()  # the conformance tiny BPE, shipped with kvroute
 HEADERS = (("content-type", "application/json"), ("x-session-id", "bench-session-0001"))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from kvroute.commands import bench as bench_cmd
+from kvroute.commands import bench_overhead as bench_overhead_cmd
 from kvroute.commands import demo as demo_cmd
 from kvroute.commands import events as events_cmd
 from kvroute.commands import hash as hash_cmd
@@ -26,6 +27,8 @@ app = typer.Typer(
 app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
 app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
 app.command(name="serve", help=serve_cmd.HELP)(serve_cmd.serve)
+bench_cmd.bench_app.command(name="overhead", help=bench_overhead_cmd.HELP)(
+    bench_overhead_cmd.bench_overhead)
 app.add_typer(bench_cmd.bench_app, name="bench")
 app.add_typer(events_cmd.events_app, name="events")
 app.add_typer(sim_cmd.sim_app, name="sim")

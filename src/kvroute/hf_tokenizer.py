@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.core.errors import ConfigError
+from kvroute.token_segments import SegmentEncoder
 
 __all__ = ["ChatTemplateError", "HFTokenizer", "bundled_tokenizer_dir", "content_text"]
 
@@ -101,6 +102,8 @@ class HFTokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         self._template = env.from_string(self._template_src) if self._template_src else None
+        self.pieces = SegmentEncoder(self._encode_plain, self.split_tokens(),
+                                     name=f"tokenizer {name}")
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFTokenizer:
@@ -146,7 +149,15 @@ class HFTokenizer:
         return value if isinstance(value, str) else None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The ids of ``text``. Without special tokens added (how vLLM encodes a rendered chat
+        prompt) they come from the piece cache (``token_segments``): the same ids, computed
+        only for text not seen before."""
+        if not add_special_tokens:
+            return self.pieces.encode(text)
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def split_tokens(self) -> dict[str, int]:
         """The special added tokens matched on the raw text as they are (``{text: id}``).

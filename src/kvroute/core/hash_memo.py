@@ -13,7 +13,9 @@ hashed for an earlier request. A memo lookup costs a tuple slice and a dict prob
 
 Inputs are token ids the caller has already validated as ints (the tokenizer's ids, or a
 completion's checked ``prompt``): a key made of equal-comparing non-ints (``1.0``) could hit.
-Memory: at most ``max_entries`` blocks (LRU), each a key tuple and two small values.
+Memory: at most ``max_entries`` blocks, each a key tuple and two small values, evicted
+oldest-inserted first. Hits do not refresh an entry (that costs a third of a hit): a hot
+prefix that ages out is re-inserted by the next request that misses it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class BlockHashMemo:
 
     Args:
         hasher: the engine configuration's hasher (its result is the truth).
-        max_entries: bound on memoised blocks (0 turns the memo off).
+        max_entries: bound on memoised blocks, oldest-inserted evicted first (0: no memo).
     """
 
     __slots__ = ("_memo", "hasher", "hits", "max_entries", "misses")
@@ -73,7 +75,6 @@ class BlockHashMemo:
             if found is None:
                 self._fill(token_ids, index, digest, cache_salt, num_blocks, out)
                 return out
-            memo.move_to_end(key)
             digest, wire = found
             out.append(wire)
             parent = digest

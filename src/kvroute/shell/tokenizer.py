@@ -11,8 +11,8 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
 * ``local``: a Hugging Face tokenizer directory (``tokenizer.json`` through ``tokenizers``,
   the chat template of ``tokenizer_config.json`` through sandboxed ``jinja2``), loaded once at
   start-up. Chat prompts are encoded piecewise from a cache of already-seen pieces
-  (``kvroute.token_segments``: the system prompt and earlier turns cost a lookup, only new
-  text is encoded), on the event loop's thread: ``tokenizers`` holds the GIL while it
+  (``kvroute.token_segments`` inside ``HFTokenizer``: the system prompt and earlier turns
+  cost a lookup, only new text is encoded), on the event loop's thread: ``tokenizers`` holds the GIL while it
   encodes, so a worker thread bought no concurrency, only a hand-off (measured in
   ``benchmarks/micro/bench_router_path.py``).
 * ``none``: always None; the pool routes in the declared approximate mode.
@@ -44,7 +44,6 @@ from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.token_segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
 __all__ = [
@@ -273,8 +272,9 @@ class LocalTokenizer:
     Chat prompts: the template is rendered with the request's ``messages``, ``tools``,
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``, then
     encoded with ``add_special_tokens`` (default False, as vLLM encodes chat prompts: the
-    template writes BOS itself) through the piece cache (``SegmentEncoder``). Completion
-    strings: encoded whole with ``add_special_tokens`` (default True).
+    template writes BOS itself), which ``HFTokenizer`` serves from its piece cache
+    (``token_segments``). Completion strings: encoded with ``add_special_tokens`` (default
+    True).
 
     Args:
         pool: the pool's name.
@@ -288,10 +288,6 @@ class LocalTokenizer:
         self.pool = pool
         self._tok = tokenizer
         self._metrics = metrics
-        self.segments = SegmentEncoder(
-            lambda text: tokenizer.encode(text, add_special_tokens=False),
-            tokenizer.split_tokens(), name=f"pool {pool} tokenizer {tokenizer.name}",
-        )
 
     @classmethod
     def load(cls, pool: str, path: str, metrics: RouterMetrics) -> LocalTokenizer:
@@ -338,9 +334,9 @@ class LocalTokenizer:
                 tools=tools if isinstance(tools, list) else None,
                 chat_template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
             )
-            if bool(body.get("add_special_tokens", False)):
-                return self._tok.encode(text, add_special_tokens=True)
-            return self.segments.encode(text)
+            return self._tok.encode(
+                text, add_special_tokens=bool(body.get("add_special_tokens", False))
+            )
         return self._tok.encode(
             body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True))
         )

@@ -1,0 +1,324 @@
+"""``kvroute bench overhead``: what a router adds in front of fast engines, side by side.
+
+Owns the run plan and the report of the overhead measurement the router issue asks for, in
+the shape of the reference anchors (``router-overhead-anchors``): the same engines, every
+router in turn, the same phases, two passes in opposite router order, added latency taken
+against ``direct`` *of the same pass*.
+
+Set-up: ``engines`` ``kvroute sim serve`` processes with the ``zero`` timing profile (no
+engine time, so what remains is HTTP and routing) serving the bundled Hugging Face tokenizer
+(``hf_tokenizer.bundled_tokenizer_dir``), so kvroute can tokenize either way: ``kvroute``
+asks the engines' ``/tokenize``, ``kvroute-local`` uses the same tokenizer in-process.
+Requests: chat completions of the ``generated_shared_prefix`` workload (32 groups of a
+~2,200-character system prompt and a short question, 8 output tokens).
+
+Phases, per router (``PHASES``): ``r<rate>`` fixed-rate non-streamed requests (request *i*
+starts at ``i / rate``), ``s<rate>`` fixed-rate streamed requests (time to the first text
+chunk), ``c<n>`` a closed loop of ``n`` workers (the saturation figures: achieved req/s and
+CPU per request). Each phase lasts ``phase_s`` seconds; a short warm-up precedes the first.
+
+Figures per (router, pass, phase): completed, errors, achieved req/s, latency p50/p99 (whole
+response; for ``s`` phases time to first token), the router's CPU per request (its process
+tree, from ``/proc``), the engines' CPU per request (a router that calls the engines more,
+like vllm-router's ``/render``, shows here), and ``added_p50_ms``/``added_p99_ms`` against
+``direct``'s same phase of the same pass.
+
+Bounds: every phase is bounded by its request count and ``phase_s`` (plus the client's
+per-request timeout); the whole run by ``len(routers) * passes`` phases of that. Loopback
+only; ports picked at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final
+
+from kvroute.bench.live_client import LiveRequest, build_live_requests, run_client, summarize
+from kvroute.bench.live_routers import (
+    PEER_VERSIONS,
+    PeerRouters,
+    RouterSpec,
+    find_peer_routers,
+    process_tree_cpu_s,
+    start_router,
+)
+from kvroute.bench.workloads import WORKLOADS
+from kvroute.core.errors import ConfigError
+from kvroute.hf_tokenizer import bundled_tokenizer_dir
+from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
+
+__all__ = [
+    "DEFAULT_PHASES",
+    "ROUTER_CHOICES",
+    "OverheadSpec",
+    "Phase",
+    "format_rows",
+    "parse_overhead_routers",
+    "parse_phases",
+    "run_overhead_bench",
+]
+
+DEFAULT_PHASES: Final = ("r100", "r200", "r400", "s100", "c32")
+
+ROUTER_CHOICES: Final = ("direct", "passthrough", "kvroute", "kvroute-local", "sglang-router",
+                         "vllm-router")
+
+_WORKLOAD: Final = {"num_groups": 32, "prompts_per_group": 64, "system_prompt_len": 300,
+                    "question_len": 24, "output_len": 8}
+_WARMUP_RATE: Final = 50.0
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One measured phase: ``kind`` r (fixed rate, whole), s (fixed rate, streamed), c
+    (closed loop, whole); ``value`` is the rate in req/s or the number of workers."""
+
+    name: str
+    kind: str
+    value: float
+
+    @property
+    def stream(self) -> bool:
+        return self.kind == "s"
+
+
+def parse_phases(text: str) -> tuple[Phase, ...]:
+    """``r100,s100,c32`` -> phases; raises ``ConfigError`` naming a bad item."""
+    out: list[Phase] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        kind, number = item[:1], item[1:]
+        try:
+            value = float(number)
+        except ValueError:
+            value = -1.0
+        if kind not in ("r", "s", "c") or not value > 0 or (kind == "c" and value != int(value)):
+            raise ConfigError(
+                f"phase {item!r} is not r<rate> (fixed-rate, whole responses), s<rate> "
+                "(fixed-rate, streamed) or c<workers> (closed loop), e.g. r400,s100,c32")
+        out.append(Phase(item, kind, value))
+    if not out:
+        raise ConfigError("give at least one phase, e.g. --phases r100,r400,s100,c32")
+    return tuple(out)
+
+
+def parse_overhead_routers(text: str) -> tuple[RouterSpec, ...]:
+    """Router names of ``ROUTER_CHOICES`` -> specs (``direct`` is added first if missing:
+    every added-latency figure needs it)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in ROUTER_CHOICES]
+    if unknown:
+        raise ConfigError(f"unknown router(s) {unknown}; choose from {', '.join(ROUTER_CHOICES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"routers are listed twice: {names}")
+    if "direct" not in names:
+        names.insert(0, "direct")
+    tokenizer = str(bundled_tokenizer_dir())
+    specs = {
+        "direct": RouterSpec("direct", "direct", "round_robin"),
+        "passthrough": RouterSpec("passthrough", "passthrough", "round_robin"),
+        "kvroute": RouterSpec("kvroute", "kvroute", "kvroute"),
+        "kvroute-local": RouterSpec("kvroute-local", "kvroute", "kvroute", tokenizer),
+        "sglang-router": RouterSpec("sglang-router", "sglang", "cache_aware"),
+        "vllm-router": RouterSpec("vllm-router", "vllm", "cache_aware"),
+    }
+    return tuple(specs[n] for n in names)
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadSpec:
+    """What to run (see the module docstring)."""
+
+    routers: tuple[RouterSpec, ...]
+    phases: tuple[Phase, ...] = field(default_factory=lambda: parse_phases(
+        ",".join(DEFAULT_PHASES)))
+    engines: int = 8
+    phase_s: float = 10.0
+    warmup_s: float = 2.0
+    passes: int = 2
+    seed: int = 0
+    request_timeout_s: float = 30.0
+    max_in_flight: int = 512
+    model: str = "sim-model"
+    log_dir: Path | None = None
+
+    def validate(self) -> None:
+        if not self.routers:
+            raise ConfigError("give at least one router")
+        for name, value in (("engines", self.engines), ("passes", self.passes)):
+            if value < 1:
+                raise ConfigError(f"{name}={value} must be >= 1")
+        for name, fvalue in (("phase_s", self.phase_s), ("request_timeout_s",
+                                                         self.request_timeout_s)):
+            if not fvalue > 0:
+                raise ConfigError(f"{name}={fvalue} must be > 0")
+        if self.warmup_s < 0:
+            raise ConfigError(f"warmup_s={self.warmup_s} must be >= 0")
+        if self.phase_s > 120:
+            raise ConfigError(f"phase_s={self.phase_s} is over 120 s; a phase is a sample, "
+                              "not a soak test: use at most 120")
+
+
+def _requests(spec: OverheadSpec, stream: bool) -> list[LiveRequest]:
+    workload = WORKLOADS["generated_shared_prefix"](**_WORKLOAD, seed=spec.seed,
+                                                    with_messages=True)
+    return build_live_requests(workload, model=spec.model, stream=stream)
+
+
+def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float) -> list[LiveRequest]:
+    """The phase's requests: fixed-rate arrivals over ``phase_s``, or enough for a closed
+    loop to run ``phase_s`` at up to 5,000 req/s; bodies cycle through ``pool``."""
+    count = int(phase.value * phase_s) if phase.kind in ("r", "s") else int(5000 * phase_s)
+    out = []
+    for i in range(max(1, count)):
+        req = pool[i % len(pool)]
+        arrival = i / phase.value if phase.kind in ("r", "s") else 0.0
+        out.append(replace(req, request_id=f"{phase.name}-{i}", arrival_s=arrival))
+    return out
+
+
+def _engine_cpu_s(fleet: Fleet) -> float:
+    return sum(process_tree_cpu_s(e.pid) for e in fleet.replicas if e.pid is not None)
+
+
+def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Phase,
+               spec: OverheadSpec, cpu: Callable[[], float | None], fleet: Fleet) -> dict[str, Any]:
+    router0, engines0, client0 = cpu(), _engine_cpu_s(fleet), time.process_time()
+    run = asyncio.run(run_client(
+        router_targets, requests,
+        concurrency=int(phase.value) if phase.kind == "c" else None,
+        max_in_flight=spec.max_in_flight, request_timeout_s=spec.request_timeout_s,
+        duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0)))
+    router1, engines1, client1 = cpu(), _engine_cpu_s(fleet), time.process_time()
+    summary = summarize(run)
+    errors = dict(summary["errors"])
+    if phase.kind == "c":
+        errors.pop("not_sent", None)  # a closed loop stops at its deadline by design:
+        errors.pop("deadline", None)  # requests unsent or in flight then are not failures
+    done = summary["completed"]
+    key = "ttft" if phase.stream else "e2e"
+    row: dict[str, Any] = {
+        "completed": done, "errors": errors, "achieved_rps": summary["achieved_rps"],
+        "p50_ms": summary[f"{key}_p50_ms"], "p99_ms": summary[f"{key}_p99_ms"],
+        "mean_ms": summary[f"{key}_mean_ms"], "start_lag_p99_ms": summary["start_lag_p99_ms"],
+        "tcp_nodelay": summary["tcp_nodelay"],
+        "engine_cpu_ms_per_req": round(1e3 * (engines1 - engines0) / done, 4) if done else None,
+        "client_cpu_ms_per_req": round(1e3 * (client1 - client0) / done, 4) if done else None,
+        "router_cpu_ms_per_req": None,
+    }
+    if router0 is not None and router1 is not None and done:
+        row["router_cpu_ms_per_req"] = round(1e3 * (router1 - router0) / done, 4)
+        row["router_cores"] = round((router1 - router0) / max(run.wall_s, 1e-9), 3)
+    return row
+
+
+def run_overhead_bench(
+    spec: OverheadSpec,
+    *,
+    peers: PeerRouters | None = None,
+    on_phase: Callable[[str, int, str, Mapping[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every router through every phase, ``passes`` times, and return the report.
+
+    Routers whose program is missing (the peers without their venv) are reported under
+    ``skipped`` with the reason.
+
+    Report: ``{"results": [{"router", "pass", "phase", ...figures}], "skipped": {...},
+    "config": {...}}``.
+    """
+    spec.validate()
+    peers = peers if peers is not None else find_peer_routers()
+    routers = list(spec.routers)
+    skipped: dict[str, str] = {}
+    for r in list(routers):
+        if r.kind in ("sglang", "vllm") and not peers.available:
+            skipped[r.name] = peers.reason or "peer routers not installed"
+            routers.remove(r)
+    pools = {False: _requests(spec, stream=False), True: _requests(spec, stream=True)}
+    tokenizer = str(bundled_tokenizer_dir())
+    specs = [ReplicaSpec(name=f"e{i}", model=spec.model, profile="zero",
+                         extra_args=("--tokenizer", tokenizer)) for i in range(spec.engines)]
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:
+        work_dir = spec.log_dir or Path(tmp)
+        with start_fleet(specs, log_dir=work_dir / "engines") as fleet:
+            for pass_no in range(1, spec.passes + 1):
+                order = routers if pass_no % 2 else list(reversed(routers))
+                for router_spec in order:
+                    router = start_router(router_spec, fleet.replicas, work_dir=work_dir,
+                                          peers=peers, model=spec.model, seed=spec.seed)
+                    with router:
+                        if spec.warmup_s > 0:
+                            warm = Phase("warmup", "r", _WARMUP_RATE)
+                            asyncio.run(run_client(
+                                router.targets, _schedule(pools[False], warm, spec.warmup_s),
+                                request_timeout_s=spec.request_timeout_s,
+                                duration_s=spec.warmup_s + spec.request_timeout_s))
+                        for phase in spec.phases:
+                            requests = _schedule(pools[phase.stream], phase, spec.phase_s)
+                            row = _run_phase(router.targets, requests, phase, spec,
+                                             router.cpu_s, fleet)
+                            row = {"router": router_spec.name, "pass": pass_no,
+                                   "phase": phase.name, **row}
+                            results.append(row)
+                            if on_phase is not None:
+                                on_phase(router_spec.name, pass_no, phase.name, row)
+                            time.sleep(0.5)
+    _add_overheads(results)
+    return {"results": results, "skipped": skipped,
+            "config": _config(spec, pools[False], peers)}
+
+
+def _add_overheads(results: list[dict[str, Any]]) -> None:
+    direct = {(r["pass"], r["phase"]): r for r in results if r["router"] == "direct"}
+    for row in results:
+        base = direct.get((row["pass"], row["phase"]))
+        for q in ("p50", "p99"):
+            mine = row.get(f"{q}_ms")
+            ref = base.get(f"{q}_ms") if base is not None else None
+            row[f"added_{q}_ms"] = (None if mine is None or ref is None or row is base
+                                    else round(mine - ref, 3))
+
+
+def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
+            peers: PeerRouters) -> dict[str, Any]:
+    return {
+        "engines": spec.engines, "engine_profile": "zero",
+        "engine_tokenizer": "bundled kvroute-tiny-bpe",
+        "phases": [p.name for p in spec.phases], "phase_s": spec.phase_s,
+        "warmup_s": spec.warmup_s, "passes": spec.passes, "seed": spec.seed,
+        "workload": {"generator": "generated_shared_prefix", **_WORKLOAD},
+        "mean_body_bytes": round(sum(len(r.body) for r in pool) / len(pool)),
+        "routers": [r.name for r in spec.routers],
+        "peer_versions": PEER_VERSIONS if peers.available else None,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "machine": platform.machine()},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def format_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    """Table rows: router, phase, then per-pass ``p1 / p2`` cells of the main figures."""
+    by_key: dict[tuple[str, str], dict[int, Mapping[str, Any]]] = {}
+    for row in report["results"]:
+        by_key.setdefault((row["router"], row["phase"]), {})[row["pass"]] = row
+
+    def cell(rows: Mapping[int, Mapping[str, Any]], key: str, fmt: str = "{:.2f}") -> str:
+        vals = [rows[p].get(key) for p in sorted(rows)]
+        return " / ".join("-" if v is None else fmt.format(v) for v in vals)
+
+    out = []
+    for (router, phase), rows in by_key.items():
+        errors = sum(sum(rows[p]["errors"].values()) for p in rows)
+        out.append([router, phase, cell(rows, "achieved_rps", "{:.0f}"), cell(rows, "p50_ms"),
+                    cell(rows, "p99_ms"), cell(rows, "added_p50_ms"),
+                    cell(rows, "added_p99_ms"), cell(rows, "router_cpu_ms_per_req", "{:.3f}"),
+                    cell(rows, "engine_cpu_ms_per_req", "{:.3f}"), str(errors)])
+    return out

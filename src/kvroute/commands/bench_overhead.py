@@ -1,0 +1,73 @@
+"""``kvroute bench overhead``: what each router adds in front of fast engines (its own module so
+the option list of this one command stays apart from the other benchmarks')."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvroute.core.errors import RouterError
+
+HELP = ("Router overhead side by side: direct, a bare relay, kvroute (engine /tokenize and "
+        "local tokenizer) and the peer routers, same engines, fixed rates and a closed loop, "
+        "two passes in opposite order.")
+
+_HEADS = ["router", "phase", "req/s", "p50 ms", "p99 ms", "added p50", "added p99",
+          "router CPU ms/req", "engine CPU ms/req", "errors"]
+
+
+def bench_overhead(
+    routers: Annotated[str, typer.Option(help="Comma-separated: direct, passthrough, kvroute, "
+                                         "kvroute-local, sglang-router, vllm-router.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
+    phases: Annotated[str, typer.Option(help="r<rate> fixed-rate whole responses, s<rate> "
+                                        "streamed, c<workers> closed loop.")] = "r100,r200,r400,s100,c32",
+    engines: Annotated[int, typer.Option(help="Simulated engines (zero timing profile).")] = 8,
+    phase_seconds: Annotated[float, typer.Option(help="Seconds per phase.")] = 10.0,
+    passes: Annotated[int, typer.Option(help="Passes; even ones run the routers in reverse.")] = 2,
+    seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Keep configs and logs here.")] = None,
+) -> None:
+    """Router overhead side by side (see ``kvroute.bench.overhead``)."""
+    from kvroute.bench.overhead import (
+        OverheadSpec,
+        format_rows,
+        parse_overhead_routers,
+        parse_phases,
+        run_overhead_bench,
+    )
+
+    console = Console(stderr=True)
+
+    def on_phase(router: str, pass_no: int, phase: str, row: Any) -> None:
+        console.print(f"pass {pass_no} {router:>14} {phase:>5}: {row['achieved_rps']} req/s, "
+                      f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, router CPU "
+                      f"{row['router_cpu_ms_per_req']} ms/req, errors {row['errors']}")
+
+    try:
+        spec = OverheadSpec(routers=parse_overhead_routers(routers), phases=parse_phases(phases),
+                            engines=engines, phase_s=phase_seconds, passes=passes, seed=seed,
+                            log_dir=log_dir)
+        report = run_overhead_bench(spec, on_phase=on_phase)
+    except RouterError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    table = Table(title=f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...")
+    for head in _HEADS:
+        table.add_column(head, justify="left" if head in ("router", "phase") else "right")
+    for row in format_rows(report):
+        table.add_row(*row)
+    Console(width=max(Console().width, 160)).print(table)
+    for router, reason in report["skipped"].items():
+        console.print(f"[yellow]skipped {router}:[/yellow] {reason}")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    sys.stdout.flush()
