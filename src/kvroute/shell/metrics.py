@@ -153,6 +153,12 @@ class RouterMetrics:
             "tokenize", "Prompt tokenizations by outcome.",
             ["pool", "outcome"], namespace=ns, registry=r,
         )
+        self._piece_cache = Gauge(
+            "token_piece_cache", "A local tokenizer's cache of prompt pieces: enabled (0/1; "
+            "it turns itself off on any disagreement with whole-prompt tokenization), hits, "
+            "misses, cached_tokens, mismatches (since start).",
+            ["pool", "stat"], namespace=ns, registry=r,
+        )
         self._discovery = Counter(
             "discovery", "Discovery probes by replica and outcome.",
             ["replica", "outcome"], namespace=ns, registry=r,
@@ -276,6 +282,14 @@ class RouterMetrics:
         if child is None:
             child = self._tokenize_children[key] = self._tokenize.labels(pool, outcome)
         child.inc()
+
+    def set_token_piece_cache(self, pool: str, *, enabled: bool, hits: int, misses: int,
+                              cached_tokens: int, mismatches: int) -> None:
+        """Export a local tokenizer's piece-cache state (``token_segments.SegmentEncoder``)."""
+        for stat, value in (("enabled", 1 if enabled else 0), ("hits", hits),
+                            ("misses", misses), ("cached_tokens", cached_tokens),
+                            ("mismatches", mismatches)):
+            self._piece_cache.labels(pool, stat).set(value)
 
     def discovery(self, replica: str, outcome: str) -> None:
         self._discovery.labels(replica, outcome).inc()

@@ -49,7 +49,7 @@ from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
-from kvroute.shell.tokenizer import build_tokenizers
+from kvroute.shell.tokenizer import LocalTokenizer, PromptTokenizer, build_tokenizers
 from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
 
 __all__ = ["RouterRuntime", "build_core"]
@@ -106,6 +106,7 @@ class RouterRuntime:
         self.session: aiohttp.ClientSession | None = None
         self.discovery: Discovery | None = None
         self.state: SessionState | None = None
+        self.tokenizers: dict[str, PromptTokenizer] = {}
         self.app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -145,6 +146,7 @@ class RouterRuntime:
                 sub.start().add_done_callback(self._subscriber_ended)
         self.state = build_state(config, metrics=self.metrics)
         tokenizers = build_tokenizers(config, self.discovery, self.session, self.metrics)
+        self.tokenizers = tokenizers
         self.app = build_app(
             config, core=self.core, upstream=Upstream(self.session, config.timeouts),
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
@@ -220,6 +222,12 @@ class RouterRuntime:
                 malformed=now.malformed - before.malformed,
             )
             self._seen[replica] = now
+        for pool, tokenizer in self.tokenizers.items():
+            if isinstance(tokenizer, LocalTokenizer):
+                pieces = tokenizer.pieces
+                self.metrics.set_token_piece_cache(
+                    pool, enabled=pieces.enabled, hits=pieces.hits, misses=pieces.misses,
+                    cached_tokens=pieces.cached_tokens, mismatches=pieces.mismatches)
 
     def _extra_state(self) -> Mapping[str, Any]:
         subs = {}

@@ -44,6 +44,7 @@ from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
+from kvroute.token_segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
 __all__ = [
@@ -288,6 +289,11 @@ class LocalTokenizer:
         self.pool = pool
         self._tok = tokenizer
         self._metrics = metrics
+
+    @property
+    def pieces(self) -> SegmentEncoder:
+        """The tokenizer's piece cache (its hit, miss and mismatch counts are exported)."""
+        return self._tok.pieces
 
     @classmethod
     def load(cls, pool: str, path: str, metrics: RouterMetrics) -> LocalTokenizer:

@@ -117,3 +117,15 @@ def test_render_content_type_and_help() -> None:
     text = body.decode()
     assert "# TYPE kvroute_pool_approximate gauge" in text
     assert 'kvroute_pool_approximate{pool="p"} 1.0' in text
+
+
+def test_token_piece_cache_state_is_exported() -> None:
+    m = RouterMetrics()
+    m.set_token_piece_cache("p", enabled=True, hits=7, misses=3, cached_tokens=120,
+                            mismatches=0)
+    m.set_token_piece_cache("p", enabled=False, hits=9, misses=4, cached_tokens=0,
+                            mismatches=1)
+    text = m.render()[0].decode()
+    assert 'kvroute_token_piece_cache{pool="p",stat="enabled"} 0.0' in text
+    assert 'kvroute_token_piece_cache{pool="p",stat="hits"} 9.0' in text
+    assert 'kvroute_token_piece_cache{pool="p",stat="mismatches"} 1.0' in text
