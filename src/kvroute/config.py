@@ -302,8 +302,12 @@ class WarmAheadConfig:
     ``rewarm_fraction`` is the growth (share of the window) after which a growing session
     may be warmed again within the cooldown (``core/warm.py``'s growth stages; 1 = once per
     cooldown). ``timeout_s`` bounds one warm-up request (it runs in the background; a warm-up that
-    takes longer is abandoned and counted as failed); ``max_in_flight`` bounds how many run
-    at once (beyond it a warm-up is skipped, reason ``busy``).
+    takes longer is abandoned and counted as failed); ``max_in_flight`` bounds how many
+    sessions have warm-up work at once (beyond it a warm-up is skipped, reason ``busy``);
+    ``max_in_flight_per_replica`` bounds the warm-ups sent to one target replica and not yet
+    answered (beyond it a warm-up waits for a slot within ``timeout_s``, then is skipped,
+    reason ``replica_busy``): the engine schedules FCFS, so an escalated request queues
+    behind every warm-up there (``shell/warm.py``).
     """
 
     enabled: bool = True
@@ -312,6 +316,7 @@ class WarmAheadConfig:
     rewarm_fraction: float = 0.1
     timeout_s: float = 30.0
     max_in_flight: int = 16
+    max_in_flight_per_replica: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -755,7 +760,7 @@ def _discovery(data: Any) -> DiscoveryConfig:
 def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
     d = _mapping("warm_ahead", data, "{enabled: true, fraction: 0.6, cooldown_s: 300}")
     _check_keys("warm_ahead", d, ("enabled", "fraction", "cooldown_s", "rewarm_fraction",
-                                  "timeout_s", "max_in_flight"))
+                                  "timeout_s", "max_in_flight", "max_in_flight_per_replica"))
     base = WarmAheadConfig()
     enabled = _bool("warm_ahead.enabled", d.get("enabled", base.enabled))
     fraction = _num("warm_ahead.fraction", d.get("fraction", base.fraction))
@@ -773,7 +778,19 @@ def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
         rewarm_fraction=_rewarm(d.get("rewarm_fraction", base.rewarm_fraction)),
         timeout_s=_num("warm_ahead.timeout_s", d.get("timeout_s", base.timeout_s)),
         max_in_flight=_int("warm_ahead.max_in_flight", d.get("max_in_flight", base.max_in_flight), minimum=1),
+        max_in_flight_per_replica=_per_replica(d.get("max_in_flight_per_replica", base.max_in_flight_per_replica)),
     )
+
+
+def _per_replica(value: Any) -> int:
+    key = "warm_ahead.max_in_flight_per_replica"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, "must be an integer", "Write a whole number >= 1, e.g. 1 (the default).")
+    if value < 1:
+        raise _fail(key, value, "must be >= 1",
+                    "Use 1 (the default: an escalated request waits behind at most one warm-up per "
+                    "replica) or more; to stop warm-ups set warm_ahead.enabled: false.")
+    return value
 
 
 def _rewarm(value: Any) -> float:

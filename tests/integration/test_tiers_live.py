@@ -25,13 +25,14 @@ import signal
 import string
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from kvroute.config import RouterConfig, parse_config
+from kvroute.core.types import ReplicaId
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
 from kvroute.wire.overflow import OverflowKind, gateway_recognises_overflow, parse_overflow
@@ -518,7 +519,7 @@ def test_a_failing_warm_up_only_costs_a_counter() -> None:
                                                    reason="timeout") == 1, timeout_s=5.0,
                                    what="the warm-up to time out")
                     # The router's own state is clean: no load left on the hanging replica.
-                    assert rt.core.load.snapshot("l-hang").num_in_flight == 0
+                    assert rt.core.load.snapshot(ReplicaId("l-hang")).num_in_flight == 0
                     reply = await c.chat(chat_body("r-vllm-0.32", [user(words3(rng, 30))],
                                                    max_tokens=4))
                     assert reply.status == 200
@@ -553,7 +554,7 @@ def test_a_stale_window_costs_one_reactive_round_trip_logged_and_counted(
             restarted = start_fleet([small_spec(REJECTING, name="s-stale", window=1024)],
                                     base_port=base_port, timeout_s=20.0)
             try:
-                await wait_for(lambda: rt.core.is_healthy(small.name), timeout_s=8.0,
+                await wait_for(lambda: rt.core.is_healthy(ReplicaId(small.name)), timeout_s=8.0,
                                what="the restarted engine back in routing")
                 assert rt.discovery is not None
                 assert rt.discovery.pool_window(small.pool) == SMALL_WINDOW  # stale
@@ -578,3 +579,170 @@ def test_a_stale_window_costs_one_reactive_round_trip_logged_and_counted(
         run(with_router(config, body), timeout_s=18.0)
     finally:
         fleet.stop()
+
+
+# -- warm-ahead in flight: one per session, a bound per replica -------------------------------
+
+
+class _GatedEngine:
+    """A large-pool engine (``sim-large``, 8,192 window) whose completions wait for a gate:
+    ``open(n)`` lets ``n`` waiting requests answer. It records every request's messages and
+    the most requests it ever held at once, so the tests see exactly what was in flight."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Semaphore(0)
+        self.held = 0
+        self.max_held = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    def open(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.gate.release()
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        self.bodies.append(json.loads(await request.read()))
+        self.held += 1
+        self.max_held = max(self.max_held, self.held)
+        try:
+            await self.gate.acquire()
+        finally:
+            self.held -= 1
+        return web.json_response({
+            "id": "cmpl-gated", "object": "chat.completion", "model": LARGE_MODEL,
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "message": {"role": "assistant", "content": "x"}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    async def __aenter__(self) -> Self:
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [
+                {"id": LARGE_MODEL, "object": "model", "max_model_len": LARGE_WINDOW}]})
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", ok)
+        app.router.add_get("/metrics", ok)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.open(len(self.bodies) + 8)
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+def _gated_run(fleet: Fleet, warm: Mapping[str, Any],
+               test: Callable[[RouterRuntime, Client, _GatedEngine], Awaitable[None]],
+               timeout_s: float = 20.0) -> None:
+    async def main() -> None:
+        async with _GatedEngine() as engine:
+            config = tier_config(smalls_of(fleet), [{"name": "l-gated", "url": engine.url}],
+                                 warm=warm)
+            await with_router(config, lambda rt, c: test(rt, c, engine))
+
+    run(main(), timeout_s)
+
+
+@pytest.fixture(scope="module")
+def small_fleet() -> Iterator[Fleet]:
+    with start_fleet([small_spec("vllm-0.32")], timeout_s=20.0) as fleet:
+        yield fleet
+
+
+def test_a_session_never_has_two_warm_ups_in_flight(small_fleet: Fleet) -> None:
+    """Stage 0 is held by the engine; stage 1 waits behind it, stage 2 supersedes stage 1,
+    and once stage 0 answers, stage 2 (not 1) is sent: one at a time, latest wins."""
+    rng = random.Random(71)
+
+    async def test(rt: RouterRuntime, c: Client, engine: _GatedEngine) -> None:
+        messages = [user(words3(rng, 1290))]  # ≈0.63 of the window: stage 0
+        sizes = []
+        for turn in range(3):  # +225 words a turn: stages 0, 1, 2
+            if turn:
+                messages.append(user(words3(rng, 225)))
+            reply = await c.chat(chat_body("r-vllm-0.32", messages, max_tokens=8),
+                                 session_id="one-at-a-time")
+            assert reply.status == 200 and reply.pool == "small-vllm-0.32", reply.raw[:200]
+            sizes.append(len(messages))
+        await wait_for(lambda: len(engine.bodies) == 1, what="stage 0's warm-up")
+        await asyncio.sleep(0.2)  # time for a second warm-up to arrive, were it sent
+        assert len(engine.bodies) == 1 and engine.held == 1
+        assert counter(rt, "warm", outcome="fired", reason="large") == 1
+        assert counter(rt, "warm", outcome="skipped", reason="superseded") == 1
+        engine.open()
+        await wait_for(lambda: len(engine.bodies) == 2, what="the latest stage's warm-up")
+        engine.open()
+        await wait_for(lambda: counter(rt, "warm", outcome="completed", reason="large") == 2,
+                       what="both warm-ups to complete")
+        assert engine.max_held == 1
+        assert [len(b["messages"]) for b in engine.bodies] == [sizes[0], sizes[2]]
+        assert all(b["max_tokens"] == 1 for b in engine.bodies)
+        assert counter(rt, "warm", outcome="fired", reason="large") == 2
+        assert not rt.core.load.snapshot(ReplicaId("l-gated")).num_in_flight
+
+    _gated_run(small_fleet, {}, test)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_warm_ups_per_replica_are_bounded_and_the_rest_deferred(small_fleet: Fleet,
+                                                                 bound: int) -> None:
+    """Four sessions cross the threshold together: the engine holds at most ``bound``
+    warm-ups; the others wait in the router and are sent as slots free, none lost."""
+    rng = random.Random(81)
+    sessions = 4
+
+    async def test(rt: RouterRuntime, c: Client, engine: _GatedEngine) -> None:
+        for i in range(sessions):
+            reply = await c.chat(chat_body("r-vllm-0.32", [user(words3(rng, 1300))],
+                                           max_tokens=8), session_id=f"bound-{i}")
+            assert reply.status == 200
+        await wait_for(lambda: len(engine.bodies) == bound, what="the first warm-ups")
+        await asyncio.sleep(0.2)
+        assert len(engine.bodies) == bound and engine.held == bound
+        assert counter(rt, "warm", outcome="fired", reason="large") == bound
+        for sent in range(bound + 1, sessions + 1):
+            engine.open()
+            await wait_for(lambda n=sent: len(engine.bodies) == n,  # type: ignore[misc]
+                           what=f"warm-up {sent} after a slot freed")
+            assert engine.held == bound
+        engine.open(bound)
+        await wait_for(lambda: counter(rt, "warm", outcome="completed",
+                                       reason="large") == sessions, what="every warm-up")
+        assert engine.max_held == bound
+        assert counter(rt, "warm", outcome="fired", reason="large") == sessions
+        assert counter(rt, "warm", outcome="skipped", reason="replica_busy") == 0
+        assert not rt.core.load.snapshot(ReplicaId("l-gated")).num_in_flight
+
+    _gated_run(small_fleet, {"max_in_flight_per_replica": bound}, test)
+
+
+def test_a_warm_up_that_waits_out_its_timeout_for_a_slot_is_skipped(small_fleet: Fleet) -> None:
+    """Bound 1, timeout 1 s, the engine never answers: the first warm-up times out holding
+    the slot, the second gets it and times out too, the third waited its whole second for a
+    slot: ``skipped``/``replica_busy``, never sent."""
+    rng = random.Random(91)
+
+    async def test(rt: RouterRuntime, c: Client, engine: _GatedEngine) -> None:
+        for i in range(3):
+            reply = await c.chat(chat_body("r-vllm-0.32", [user(words3(rng, 1300))],
+                                           max_tokens=8), session_id=f"busy-{i}")
+            assert reply.status == 200
+        await wait_for(lambda: counter(rt, "warm", outcome="skipped", reason="replica_busy")
+                       == 1, timeout_s=5.0, what="the third warm-up to give up waiting")
+        await wait_for(lambda: counter(rt, "warm", outcome="failed", reason="timeout") == 2,
+                       timeout_s=5.0, what="the two sent warm-ups to time out")
+        assert len(engine.bodies) == 2 and engine.max_held == 1
+        assert counter(rt, "warm", outcome="fired", reason="large") == 2
+        assert not rt.core.load.snapshot(ReplicaId("l-gated")).num_in_flight
+
+    _gated_run(small_fleet, {"timeout_s": 1.0}, test)

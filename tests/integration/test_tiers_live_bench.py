@@ -65,3 +65,43 @@ def test_spec_errors_name_the_field() -> None:
         TiersLiveSpec(modes=("eager",)).validate()
     with pytest.raises(ConfigError, match="sessions must be >= 1"):
         TiersLiveSpec(sessions=0).validate()
+
+
+@pytest.mark.slow
+def test_tiers_live_repeats_interleave_and_pair_the_modes(tmp_path: Path) -> None:
+    """Two repeats of the two proactive modes: orders alternate, every repeat reports both
+    modes with CPU seconds per process group, and the pairs and targets come from them."""
+    spec = TiersLiveSpec(sessions=SESSIONS, small_window=2048, large_window=8192,
+                         replicas_small=1, replicas_large=1, think_time_s=0.2,
+                         session_interval_s=0.2, system_prompt_tokens=256, user_tokens=128,
+                         output_tokens=16, request_timeout_s=20.0, duration_s=60.0,
+                         modes=("proactive", "proactive+warm"), repeats=2, warm_per_replica=1,
+                         log_dir=tmp_path)
+    report = run_tiers_live(spec)
+    json.dumps(report)
+    assert [rep["order"] for rep in report["repeats"]] == [
+        ["proactive", "proactive+warm"], ["proactive+warm", "proactive"]]
+    for rep in report["repeats"]:
+        for name, m in rep["modes"].items():
+            assert m["failed"] == 0 and m["escalated_turns"] == SESSIONS, (name, m["errors"])
+            cpu = m["cpu_s"]
+            assert set(cpu) == {"router", "small_engines", "large_engines", "client"}
+            assert cpu["router"] is not None and cpu["router"] > 0
+        assert rep["modes"]["proactive+warm"]["warms_fired"] >= SESSIONS
+    pooled = report["modes"]
+    assert pooled["proactive"]["requests"] == 2 * report["config"]["num_requests"]
+    pairs = report["paired"]
+    assert len(pairs["small_p99_ratio"]) == len(pairs["escalated_to_cold_max"]) == 2
+    goal = report["targets"]["small_p99_with_warm"]
+    assert goal["statistic"] == "median of 2 paired ratios"
+    assert goal["measured_change"] == pytest.approx(pairs["small_p99_ratio_median"] - 1.0)
+    config = json.loads((tmp_path / "router-proactive-warm-r1.yaml").read_text())  # JSON is YAML
+    assert config["warm_ahead"]["max_in_flight_per_replica"] == 1
+    assert {t["repeat"] for t in report["turns"]["proactive"]} == {0, 1}
+
+
+def test_repeats_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="repeats must be >= 1"):
+        TiersLiveSpec(repeats=0).validate()
+    with pytest.raises(ConfigError, match="warm_per_replica must be >= 1"):
+        TiersLiveSpec(warm_per_replica=0).validate()

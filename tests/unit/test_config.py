@@ -124,6 +124,9 @@ def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
         (with_("admission.max_in_flight", 0), ["admission.max_in_flight", ">= 1"]),
         (with_("warm_ahead.fraction", 1.2), ["warm_ahead.fraction", "below 1"]),
         (with_("warm_ahead.enabled", "yes"), ["warm_ahead.enabled", "true or false"]),
+        (with_("warm_ahead.max_in_flight_per_replica", 0), ["warm_ahead.max_in_flight_per_replica", "(got 0)", ">= 1", "warm_ahead.enabled: false"]),
+        (with_("warm_ahead.max_in_flight_per_replica", 1.5), ["warm_ahead.max_in_flight_per_replica", "(got 1.5)", "whole number"]),
+        (with_("warm_ahead.max_in_flight_per_replica", True), ["warm_ahead.max_in_flight_per_replica", "(got True)", "integer"]),
         (with_("tenants", [{"name": "a", "api_key_env": "sk-123abc"}]), ["tenants[0].api_key_env", "environment variable name"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "a", "api_key_env": "L"}]), ["tenants[1].name", "defined twice"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "b", "api_key_env": "K"}]), ["tenants[1].api_key_env", "already tenant 'a'"]),
@@ -137,6 +140,12 @@ def test_every_bad_value_names_key_value_and_fix(data: Any, fragments: list[str]
     message = error_of(data)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_warm_ahead_per_replica_bound_default_and_value() -> None:
+    assert parse_config(MINIMAL, env={}).warm_ahead.max_in_flight_per_replica == 1
+    data = with_("warm_ahead.max_in_flight_per_replica", 3)
+    assert parse_config(data, env={}).warm_ahead.max_in_flight_per_replica == 3
 
 
 def test_warm_ahead_env_override() -> None:

@@ -24,13 +24,25 @@ Modes (the router's config differs only in these two switches):
 Every engine's prefix cache is reset between modes (``POST /reset_prefix_cache``) and the
 router is restarted, so no mode inherits another's cache or state.
 
-Measured per mode, on the client: every turn's TTFT (request written → first SSE event with
-text) and its pool (``x-kvroute-pool``); failed turns (non-200, stream error, timeout); the
-escalated turn of each session (its first turn answered by the large pool) against the cold
-probe of the same prompt; small-pool TTFT p50/p99. From the router's ``/metrics``: doomed
-attempts (``kvroute_upstream_errors_total{kind="overflow"}``), escalations by kind,
-warm-ups fired/completed/failed/skipped. ``targets`` (shared with the virtual-time bench)
-checks the issue's goals and reports the numbers whatever they are.
+Repeats (``repeats``): the small pool's p99 differs between modes by a few milliseconds on a
+hundred-odd samples, where p99 is about the maximum, so one run cannot tell a 5% change from
+the machine's noise (two cores shared by the engines, the router and the client). With
+``repeats > 1`` the modes run interleaved, in order and then reversed (ABC, CBA, ABC, ...), so
+a slow spell of the machine falls on every mode alike; each repeat is a *pair* (proactive vs
+proactive+warm in the same repeat, minutes apart at most), and the small-p99 target is judged
+on the **median of the paired ratios**, which one outlier cannot move. The escalated-turn
+target is judged on the worst turn of every repeat. ``modes`` pools every repeat's turns.
+
+Measured per mode (and repeat), on the client: every turn's TTFT (request written → first
+SSE event with text) and its pool (``x-kvroute-pool``); failed turns (non-200, stream error,
+timeout); the escalated turn of each session (its first turn answered by the large pool)
+against the cold probe of the same prompt; small-pool TTFT p50/p99. From the router's
+``/metrics``: doomed attempts (``kvroute_upstream_errors_total{kind="overflow"}``),
+escalations by kind, warm-ups fired/completed/failed/skipped. CPU seconds per process group
+during the mode (the router, the small engines, the large engines, this client), read from
+``/proc`` where it exists: what competes for the two cores when warm-ahead is on.
+``targets`` (shared with the virtual-time bench) checks the issue's goals and reports the
+numbers whatever they are.
 
 Bounds: the workload is a fixed list; each request has ``request_timeout_s``; each mode has
 ``duration_s`` (turns not sent by then are ``not_sent``, running ones are cancelled and
@@ -46,6 +58,7 @@ import os
 import platform
 import selectors
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +73,7 @@ from typing import Any, Final
 import aiohttp
 
 from kvroute.bench.live_client import read_stream
-from kvroute.bench.tiers_bench import MODES, targets
+from kvroute.bench.tiers_bench import MODES, SMALL_P99_TOLERANCE, targets
 from kvroute.bench.workloads import WorkloadRequest, growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
@@ -69,8 +82,12 @@ from kvroute.sim.profiles import get_profile
 __all__ = [
     "LiveTurn",
     "TiersLiveSpec",
+    "format_repeats",
     "format_table",
     "live_mode_metrics",
+    "live_targets",
+    "mode_order",
+    "paired",
     "run_tiers_live",
 ]
 
@@ -99,6 +116,9 @@ class TiersLiveSpec:
             (``output_tokens`` is also each turn's ``max_tokens``).
         seed: the workload's seed (and the router policy's).
         warm_fraction / warm_rewarm_fraction: warm-ahead trigger and re-warm growth.
+        warm_per_replica: ``warm_ahead.max_in_flight_per_replica`` (None: the router's
+            default).
+        repeats: runs of every mode, interleaved (module docstring).
         modes: which of ``MODES`` to run, in order.
         request_timeout_s: per request.
         duration_s: per mode (the closed loop's deadline).
@@ -120,6 +140,8 @@ class TiersLiveSpec:
     seed: int = 0
     warm_fraction: float = 0.6
     warm_rewarm_fraction: float = 0.1
+    warm_per_replica: int | None = None
+    repeats: int = 1
     modes: tuple[str, ...] = MODES
     request_timeout_s: float = 60.0
     duration_s: float = 300.0
@@ -134,7 +156,7 @@ class TiersLiveSpec:
             raise ConfigError(
                 f"large_window ({self.large_window}) must be larger than small_window "
                 f"({self.small_window}): the large pool is where sessions escalate to")
-        for name in ("sessions", "replicas_small", "replicas_large", "output_tokens"):
+        for name in ("sessions", "replicas_small", "replicas_large", "output_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout_s", "duration_s"):
@@ -142,6 +164,9 @@ class TiersLiveSpec:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not 0 < self.warm_fraction < 1:
             raise ConfigError(f"warm_fraction must be in (0, 1), got {self.warm_fraction}")
+        if self.warm_per_replica is not None and self.warm_per_replica < 1:
+            raise ConfigError(f"warm_per_replica must be >= 1, got {self.warm_per_replica}; "
+                              "leave it unset for the router's default")
         get_profile(self.small_profile)
         get_profile(self.large_profile)
 
@@ -166,6 +191,7 @@ class LiveTurn:
     e2e_s: float | None = None
     cold_ttft_s: float | None = None
     escalated: bool = False
+    repeat: int = 0
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -223,7 +249,9 @@ def router_yaml(spec: TiersLiveSpec, mode: str, small: Sequence[ReplicaHandle],
         "policy": {"name": "kvroute", "seed": spec.seed},
         "warm_ahead": {"enabled": mode == "proactive+warm", "fraction": spec.warm_fraction,
                        "rewarm_fraction": spec.warm_rewarm_fraction, "cooldown_s": 300,
-                       "timeout_s": spec.request_timeout_s},
+                       "timeout_s": spec.request_timeout_s,
+                       **({} if spec.warm_per_replica is None
+                          else {"max_in_flight_per_replica": spec.warm_per_replica})},
         "admission": {"max_in_flight": 4096, "max_queue": 4096, "queue_timeout_s": 60},
         "discovery": {"health_interval_s": 1.0, "metrics_interval_s": 1.0,
                       "models_interval_s": 30},
@@ -534,16 +562,110 @@ def format_table(report: Mapping[str, Any]) -> list[list[str]]:
 # -- the run --------------------------------------------------------------------------------------
 
 
+def mode_order(modes: Sequence[str], repeat: int) -> list[str]:
+    """The modes of repeat ``repeat`` (0-based): as given on even repeats, reversed on odd."""
+    return list(modes) if repeat % 2 == 0 else list(reversed(modes))
+
+
+def _cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a live process (``/proc/<pid>/stat``), or None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    # After the ")" closing the command name, utime and stime are the 12th and 13th fields.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _group_cpu_s(handles: Sequence[ReplicaHandle]) -> float | None:
+    values = [_cpu_s(h.pid) for h in handles]
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else round(after - before, 3)
+
+
+def paired(repeats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-repeat pairs of ``proactive`` and ``proactive+warm`` (module docstring).
+
+    Returns the small pool's p99 ratio (warm / proactive) of every repeat that ran both,
+    their median, and the worst escalated turn (escalated / cold) of every repeat's warm
+    mode, with the maximum.
+    """
+    ratios: list[float] = []
+    worst: list[float] = []
+    for rep in repeats:
+        modes = rep["modes"]
+        warm, cold = modes.get("proactive+warm"), modes.get("proactive")
+        if warm is not None:
+            worst.append(warm["escalated_to_cold_max"])
+        if warm is not None and cold is not None and cold["small_ttft_p99_s"] > 0:
+            ratios.append(warm["small_ttft_p99_s"] / cold["small_ttft_p99_s"])
+    return {
+        "small_p99_ratio": ratios,
+        "small_p99_ratio_median": statistics.median(ratios) if ratios else None,
+        "escalated_to_cold_max": worst,
+        "escalated_to_cold_max_max": max(worst, default=None),
+    }
+
+
+def live_targets(modes: dict[str, dict[str, Any]], pairs: Mapping[str, Any],
+                 repeats: int) -> dict[str, Any]:
+    """``tiers_bench.targets`` on the pooled modes; with several repeats the small-p99 goal
+    is judged on the median paired ratio and the escalated goal on every repeat's worst."""
+    out = targets(modes)
+    if repeats > 1 and pairs["small_p99_ratio_median"] is not None:
+        change = pairs["small_p99_ratio_median"] - 1.0
+        out["small_p99_with_warm"] = {
+            "target_max_change": SMALL_P99_TOLERANCE, "measured_change": change,
+            "per_repeat_change": [r - 1.0 for r in pairs["small_p99_ratio"]],
+            "pooled_change": out["small_p99_with_warm"]["measured_change"],
+            "statistic": f"median of {len(pairs['small_p99_ratio'])} paired ratios",
+            "met": change <= SMALL_P99_TOLERANCE}
+    return out
+
+
+def format_repeats(report: Mapping[str, Any]) -> list[list[str]]:
+    """Rows of the per-repeat table: order, small p99 per mode, the paired ratio, worst
+    escalated turn, router CPU per mode."""
+    modes = report["config"]["modes"]
+    rows = [["repeat", "order", *(f"small p99 {m}" for m in modes), "warm/proactive p99",
+             "esc/cold max", *(f"router CPU {m}" for m in modes)]]
+    pairs = report["paired"]["small_p99_ratio"]
+    for i, rep in enumerate(report["repeats"]):
+        ms = rep["modes"]
+        ratio = (f"{pairs[i]:.3f}" if i < len(pairs) and "proactive" in ms
+                 and "proactive+warm" in ms else "-")
+        warm = ms.get("proactive+warm")
+        rows.append([
+            str(i), ",".join(rep["order"]),
+            *(f"{ms[m]['small_ttft_p99_s'] * 1e3:.1f} ms" for m in modes), ratio,
+            f"{warm['escalated_to_cold_max']:.2f}" if warm else "-",
+            *(_fmt_cpu(ms[m]["cpu_s"].get("router")) for m in modes),
+        ])
+    return rows
+
+
+def _fmt_cpu(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
 def run_tiers_live(
     spec: TiersLiveSpec,
     *,
     on_mode_start: Callable[[str, int], None] | None = None,
     on_turn: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Start the fleet, run every mode (module docstring), stop everything; the JSON report.
+    """Start the fleet, run every mode ``repeats`` times (module docstring), stop
+    everything; the JSON report.
 
-    Shape: ``{"modes": {MODE: {...}}, "targets": {...}, "config": {...},
-    "turns": {MODE: [LiveTurn as dict, ...]}}``.
+    Shape: ``{"modes": {MODE: {...pooled}}, "repeats": [{"order": [...], "modes": {MODE:
+    {...}}}, ...], "paired": {...}, "targets": {...}, "config": {...}, "turns": {MODE:
+    [LiveTurn as dict, ...]}}``.
 
     Raises:
         ConfigError: an invalid spec.
@@ -556,6 +678,10 @@ def run_tiers_live(
         output_tokens=spec.output_tokens, think_time_s=spec.think_time_s,
         session_interval_s=spec.session_interval_s, seed=spec.seed, with_messages=True)
     by_id = {req.request_id: req for req in workload}
+    repeats: list[dict[str, Any]] = []
+    pooled_turns: dict[str, list[LiveTurn]] = {m: [] for m in spec.modes}
+    pooled_counters: dict[str, Counter[str]] = {m: Counter() for m in spec.modes}
+    wall: dict[str, list[float]] = {m: [] for m in spec.modes}
     with contextlib.ExitStack() as stack:
         if spec.log_dir is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-tl-")))
@@ -565,41 +691,82 @@ def run_tiers_live(
         fleet: Fleet = start_fleet(_fleet_specs(spec), timeout_s=60.0, log_dir=work / "engines")
         stack.callback(fleet.stop)
         small, large, cold = fleet.by_pool("small"), fleet.by_pool("large"), fleet.by_pool("cold")
-        modes: dict[str, dict[str, Any]] = {}
-        all_turns: dict[str, list[dict[str, Any]]] = {}
-        wall: dict[str, float] = {}
-        for mode in spec.modes:
-            if on_mode_start is not None:
-                on_mode_start(mode, len(workload))
-            asyncio.run(_reset_caches([r.url for r in fleet.replicas]))
-            slug = mode.replace("+", "-")
-            config_path = work / f"router-{slug}.yaml"
-            config_path.write_text(router_yaml(spec, mode, small, large))
-            router = _start_router(config_path, work / f"router-{slug}.log")
-            try:
-                turns, wall[mode] = asyncio.run(_run_sessions(router.url, workload, spec,
-                                                              on_turn))
-                counters = asyncio.run(_scrape(router.url))
-            finally:
-                router.stop()
-            seen: set[str] = set()
-            escalated: list[tuple[LiveTurn, WorkloadRequest]] = []
-            for turn in sorted(turns, key=lambda t: (t.session, t.turn)):
-                if turn.pool == "large" and turn.session not in seen:
-                    seen.add(turn.session)
-                    turn.escalated = True
-                    escalated.append((turn, by_id[turn.request_id]))
-            asyncio.run(_cold_probes(cold[0].url, escalated, spec.request_timeout_s))
-            modes[mode] = live_mode_metrics(turns, counters)
-            all_turns[mode] = [asdict(t) for t in turns]
+        for repeat in range(spec.repeats):
+            order = mode_order(spec.modes, repeat)
+            rep_modes: dict[str, dict[str, Any]] = {}
+            for mode in order:
+                if on_mode_start is not None:
+                    on_mode_start(mode if spec.repeats == 1 else f"{mode} (repeat {repeat})",
+                                  len(workload))
+                turns, counters, cpu, wall_s = _run_mode(spec, mode, repeat, workload, work,
+                                                         small, large, cold, on_turn)
+                escalated: list[tuple[LiveTurn, WorkloadRequest]] = []
+                seen: set[str] = set()
+                for turn in sorted(turns, key=lambda t: (t.session, t.turn)):
+                    if turn.pool == "large" and turn.session not in seen:
+                        seen.add(turn.session)
+                        turn.escalated = True
+                        escalated.append((turn, by_id[turn.request_id]))
+                asyncio.run(_cold_probes(cold[0].url, escalated, spec.request_timeout_s))
+                rep_modes[mode] = {**live_mode_metrics(turns, counters), "cpu_s": cpu,
+                                   "wall_s": round(wall_s, 2)}
+                pooled_turns[mode] += turns
+                pooled_counters[mode].update(counters)
+                wall[mode].append(round(wall_s, 2))
+            repeats.append({"repeat": repeat, "order": order,
+                            "modes": {m: rep_modes[m] for m in spec.modes}})
+    modes = {m: live_mode_metrics(pooled_turns[m], pooled_counters[m]) for m in spec.modes}
+    for m in spec.modes:
+        modes[m]["cpu_s"] = _sum_cpu([rep["modes"][m]["cpu_s"] for rep in repeats])
+    pairs = paired(repeats)
     config = asdict(spec)
     config.update(modes=list(spec.modes), log_dir=str(spec.log_dir) if spec.log_dir else None,
-                  num_requests=len(workload), wall_s={m: round(w, 2) for m, w in wall.items()},
+                  num_requests=len(workload), wall_s=wall,
                   small_profile_source=get_profile(spec.small_profile).source,
                   large_profile_source=get_profile(spec.large_profile).source,
                   git_sha=_git_sha(), python=sys.version.split()[0],
                   machine=platform.machine(), cpus=os.cpu_count())
-    return {"modes": modes, "targets": targets(modes), "config": config, "turns": all_turns}
+    return {"modes": modes, "repeats": repeats, "paired": pairs,
+            "targets": live_targets(modes, pairs, spec.repeats), "config": config,
+            "turns": {m: [asdict(t) for t in pooled_turns[m]] for m in spec.modes}}
+
+
+_ModeRun = tuple[list[LiveTurn], dict[str, float], dict[str, float | None], float]
+
+
+def _run_mode(spec: TiersLiveSpec, mode: str, repeat: int, workload: Sequence[WorkloadRequest],
+              work: Path, small: Sequence[ReplicaHandle], large: Sequence[ReplicaHandle],
+              cold: Sequence[ReplicaHandle], on_turn: Callable[[], None] | None,
+              ) -> _ModeRun:  # fmt: skip
+    """One mode once on fresh caches and a fresh router: turns, counters, CPU, wall time."""
+    asyncio.run(_reset_caches([r.url for r in (*small, *large, *cold)]))
+    slug = mode.replace("+", "-") + (f"-r{repeat}" if spec.repeats > 1 else "")
+    config_path = work / f"router-{slug}.yaml"
+    config_path.write_text(router_yaml(spec, mode, small, large))
+    router = _start_router(config_path, work / f"router-{slug}.log")
+    try:
+        before = {"small_engines": _group_cpu_s(small), "large_engines": _group_cpu_s(large),
+                  "router": _cpu_s(router.process.pid), "client": time.process_time()}
+        turns, wall_s = asyncio.run(_run_sessions(router.url, workload, spec, on_turn))
+        after = {"small_engines": _group_cpu_s(small), "large_engines": _group_cpu_s(large),
+                 "router": _cpu_s(router.process.pid), "client": time.process_time()}
+        counters = asyncio.run(_scrape(router.url))
+    finally:
+        router.stop()
+    for turn in turns:
+        turn.repeat = repeat
+    cpu = {k: _delta(after[k], before[k]) for k in before}
+    return turns, counters, cpu, wall_s
+
+
+def _sum_cpu(values: Sequence[Mapping[str, float | None]]) -> dict[str, float | None]:
+    keys = {k for v in values for k in v}
+    out: dict[str, float | None] = {}
+    for k in sorted(keys):
+        parts = [v.get(k) for v in values]
+        out[k] = None if any(p is None for p in parts) else round(
+            sum(p for p in parts if p is not None), 3)
+    return out
 
 
 def _git_sha() -> str | None:

@@ -47,6 +47,11 @@ With the memory store, ``consider(..., claim=True)`` does all of it in one call.
 
 The obvious alternative, a timestamp on the session record, was rejected: it grows without
 bound with the number of sessions, and it is not shared between router processes.
+
+What this module does not decide: whether a warm-up it fired may be *sent now*. That depends
+on the warm-ups in flight (at most one per session, at most
+``warm_ahead.max_in_flight_per_replica`` per target replica, later stages coalesced), which
+is the state of tasks, so ``shell/warm.py`` (``WarmSlots``) owns it.
 """
 
 from __future__ import annotations

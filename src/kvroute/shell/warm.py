@@ -1,51 +1,228 @@
 """The background sender of warm-ahead requests (``core/warm.py`` decides, this sends).
 
-Owns the warm-up tasks: claim the session's shared cooldown (``SessionState.try_start_warm``,
-Redis ``SET NX PX`` with several routers), route the warm-up through ``RouterCore.route`` in
-the target pool (same tenant scope, same ``cache_salt``, so the engine computes exactly the
-blocks the escalated request will look up), POST the ``max_tokens: 1`` body, and count what
-happened. It must not import ``shell/app.py`` (the app builds the route request for it).
+Owns the warm-up tasks and their in-flight bookkeeping (:class:`WarmSlots`): claim the
+session's shared cooldown (``SessionState.try_start_warm``, Redis ``SET NX PX`` with several
+routers), route the warm-up through ``RouterCore.route`` in the target pool (same tenant
+scope, same ``cache_salt``, so the engine computes exactly the blocks the escalated request
+will look up), POST the ``max_tokens: 1`` body, and count what happened. It must not import
+``shell/app.py`` (the app builds the route request for it).
 
-Never on the request's critical path: ``fire`` only creates a task. A warm-up that fails,
-times out (``warm_ahead.timeout_s``) or finds no replica costs a counter
-(``kvroute_warm_total{outcome="failed", reason}``) and a log line, nothing else; at most
-``warm_ahead.max_in_flight`` run at once (beyond that a warm-up is skipped, reason
-``busy``), so a slow large pool cannot pile up background work. A refused connection is
-reported to discovery like a failed request's.
+Never on the request's critical path: ``fire`` only records a job and maybe creates a task.
+A warm-up that fails, times out (``warm_ahead.timeout_s`` after it was sent) or finds no
+replica costs a counter (``kvroute_warm_total{outcome="failed", reason}``) and a log line,
+nothing else.
+
+Why the in-flight guards exist: a warm-up is a full prefill on the target engine, and vLLM
+schedules FCFS, so a real request that escalates queues behind every warm-up already sent
+there, and warm-ups of many sessions arriving together pile up (``kvroute bench tiers-live``
+with 12 sessions on one large engine). Three bounds, in this order:
+
+1. **One warm-up per session in flight** (``WarmSlots.offer``). A later growth stage of a
+   session whose warm-up is still on its way *waits* for it rather than superseding it: the
+   earlier prompt is a prefix of the later one, so once it is cached the later warm-up only
+   prefills the growth, whereas two in flight together compute the shared prefix twice, and
+   cancelling the earlier one throws away whatever part of it the engine had not committed
+   to its cache yet. What waits is coalesced: a session has at most one job waiting, the
+   latest stage (the one the next escalation needs); an older waiting stage is dropped and
+   counted ``skipped``/``superseded``. A job not yet *committed* (still waiting for a
+   replica slot, nothing sent) is replaced in place the same way.
+2. **At most ``warm_ahead.max_in_flight_per_replica`` warm-ups per target replica**
+   (``WarmSlots.acquire``; per router process, the count is not shared through Redis).
+   Beyond it the warm-up is *deferred*, not dropped: it waits (uncommitted, so a later stage
+   can still replace it) until a warm-up on that replica ends, at most ``timeout_s``; if no
+   slot frees in time it is counted ``skipped``/``replica_busy`` and never sent. Deferral
+   keeps the engine's queue of warm-ups at the bound, so an escalated request waits behind
+   at most that many, while the session still gets its prefix warmed: a skipped warm-up
+   would leave that session's own escalation cold. A deferred warm-up sent after its session
+   already escalated is a cache hit on the engine (its prompt is a prefix of the escalated
+   one), so lateness costs little.
+3. **At most ``warm_ahead.max_in_flight`` sessions with warm-up work** (waiting or sending)
+   in this process; beyond it a new session's warm-up is skipped, reason ``busy``. This
+   bounds the tasks, and with (1) the jobs: at most two per session.
+
+The replica is known only after routing, and ``RouterCore.route`` records load and predicted
+blocks; a route that lands on a full replica is undone at once (``on_complete``; the
+predicted entries expire within ``predicted_ttl_s``) and the warm-up waits. Replicas are not
+excluded to find a free one: that would warm a replica without the session's earlier prefix.
+A refused connection is reported to discovery like a failed request's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 from kvroute.config import RouterConfig
-from kvroute.core.errors import NoEligibleReplica
+from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.router import RouterCore, RouteRequest
-from kvroute.core.types import ReplicaId, RequestId
+from kvroute.core.types import PoolName, ReplicaId, RequestId
 from kvroute.core.warm import WarmFire
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.shell.state import SessionState
 
-__all__ = ["WarmSender"]
+__all__ = ["Offer", "WarmJob", "WarmSender", "WarmSlots"]
 
 log = logging.getLogger("kvroute.warm")
 
 RouteRequestFactory = Callable[[RequestId], Awaitable[RouteRequest]]
 
 
+@dataclass(frozen=True, slots=True)
+class WarmJob:
+    """One warm-up to send: the planner's decision and everything the sender needs.
+
+    Attributes:
+        fire: the planner's decision (session, target pool, stage).
+        body: the warm-up body (``wire.openai.warm_request_body``, salt included).
+        path: ``/v1/chat/completions`` or ``/v1/completions``.
+        claim_key: the session's key in the shared cooldown store.
+        build: makes the ``RouteRequest`` for the target pool (tokenizing there).
+    """
+
+    fire: WarmFire
+    body: bytes
+    path: str
+    claim_key: str
+    build: RouteRequestFactory
+
+
+class Offer(enum.Enum):
+    """What ``WarmSlots.offer`` did with a job."""
+
+    START = "start"
+    """The session had no warm-up: start a task for it."""
+    REPLACED = "replaced"
+    """The session's warm-up was not committed yet (waiting for a replica slot): it now
+    carries this job instead."""
+    QUEUED = "queued"
+    """The session's warm-up is being sent: this job runs after it."""
+
+
+@dataclass(slots=True)
+class _SessionWarms:
+    job: WarmJob
+    committed: bool = False
+    next: WarmJob | None = None
+
+
+class WarmSlots:
+    """Warm-ups in flight per session and per replica: bookkeeping only, no I/O, no tasks.
+
+    Invariants: a session has at most one current job (committed once its sending begins)
+    and at most one job waiting behind it; ``in_flight(r) <= per_replica`` for every
+    replica (``acquire`` refuses beyond it, ``release`` gives a slot back).
+
+    Args:
+        per_replica: ``warm_ahead.max_in_flight_per_replica``.
+
+    Raises:
+        ConfigError: ``per_replica`` below 1.
+    """
+
+    __slots__ = ("_in_flight", "_per_replica", "_sessions")
+
+    def __init__(self, per_replica: int) -> None:
+        if per_replica < 1:
+            raise ConfigError(
+                f"warm_ahead.max_in_flight_per_replica must be >= 1, got {per_replica}; to "
+                "stop warm-ups set warm_ahead.enabled: false")
+        self._per_replica = per_replica
+        self._sessions: dict[str, _SessionWarms] = {}
+        self._in_flight: Counter[ReplicaId] = Counter()
+
+    def __len__(self) -> int:
+        """Sessions with a current job."""
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    # -- per session ---------------------------------------------------------------------
+
+    def offer(self, job: WarmJob) -> tuple[Offer, WarmJob | None]:
+        """Record ``job`` for its session; returns what happened and the job it superseded.
+
+        The superseded job (an older stage, never sent) is dropped by the caller with a
+        ``superseded`` count.
+        """
+        session = job.fire.session_id
+        entry = self._sessions.get(session)
+        if entry is None:
+            self._sessions[session] = _SessionWarms(job)
+            return Offer.START, None
+        if not entry.committed:
+            old, entry.job = entry.job, job
+            return Offer.REPLACED, old
+        old_next, entry.next = entry.next, job
+        return Offer.QUEUED, old_next
+
+    def current(self, session_id: str) -> WarmJob:
+        """The session's current job (``KeyError`` when it has none)."""
+        return self._sessions[session_id].job
+
+    def commit(self, session_id: str) -> WarmJob:
+        """Fix the session's current job (it is about to be sent); later offers queue."""
+        entry = self._sessions[session_id]
+        entry.committed = True
+        return entry.job
+
+    def advance(self, session_id: str) -> WarmJob | None:
+        """The current job is done: make the waiting one current (uncommitted) and return
+        it, or forget the session and return None."""
+        entry = self._sessions[session_id]
+        if entry.next is None:
+            del self._sessions[session_id]
+            return None
+        entry.job, entry.next, entry.committed = entry.next, None, False
+        return entry.job
+
+    def drop(self, session_id: str) -> None:
+        """Forget the session's jobs (its task ended without ``advance``: cancelled)."""
+        self._sessions.pop(session_id, None)
+
+    # -- per replica ---------------------------------------------------------------------
+
+    def in_flight(self, replica: ReplicaId) -> int:
+        return self._in_flight[replica]
+
+    def has_room(self, replicas: Iterable[ReplicaId]) -> bool:
+        """True when some replica of ``replicas`` is below the bound (False when empty)."""
+        return any(self._in_flight[r] < self._per_replica for r in replicas)
+
+    def acquire(self, replica: ReplicaId) -> bool:
+        """Take a slot on ``replica``; False (nothing taken) when it is at the bound."""
+        if self._in_flight[replica] >= self._per_replica:
+            return False
+        self._in_flight[replica] += 1
+        return True
+
+    def release(self, replica: ReplicaId) -> None:
+        """Give back a slot ``acquire`` took."""
+        left = self._in_flight[replica] - 1
+        if left < 0:
+            raise AssertionError(f"warm-up slot of {replica} released more often than taken")
+        if left:
+            self._in_flight[replica] = left
+        else:
+            del self._in_flight[replica]
+
+
 class WarmSender:
     """Sends warm-ahead requests in background tasks (module docstring).
 
-    Invariant: ``len(self.tasks) <= max_in_flight``; every task releases the load it put
-    on ``RouterCore`` (``on_complete``) on every exit path, and ``close`` cancels them all.
+    Invariant: ``len(self.tasks) <= max_in_flight``, one task per session with warm-up
+    work; every task releases the load it put on ``RouterCore`` (``on_complete``) and the
+    replica slot it took on every exit path, and ``close`` cancels them all.
 
     Args:
-        config: ``warm_ahead`` (timeout, bound, cooldown) and the replicas' URLs.
+        config: ``warm_ahead`` (timeout, bounds, cooldown) and the replicas' URLs.
         core: the router core (routing and load bookkeeping of the warm-up).
         upstream: the pooled upstream client.
         metrics: ``warm_total``.
@@ -65,11 +242,17 @@ class WarmSender:
         self._on_replica_failure = on_replica_failure
         self.timeout_s = config.warm_ahead.timeout_s
         self.max_in_flight = config.warm_ahead.max_in_flight
+        self.slots = WarmSlots(config.warm_ahead.max_in_flight_per_replica)
         self.tasks: set[asyncio.Task[None]] = set()
+        self._freed: asyncio.Event | None = None
 
     def fire(self, fire: WarmFire, body: bytes, path: str, claim_key: str,
              build: RouteRequestFactory) -> bool:  # fmt: skip
-        """Start one warm-up in the background; False (counted ``busy``) when at the bound.
+        """Hand one warm-up to the background; False (counted ``busy``) when a new session's
+        warm-up would exceed ``max_in_flight``.
+
+        A session that already has a warm-up keeps one task: the job replaces its waiting
+        one or queues behind the one being sent (module docstring, guard 1).
 
         Args:
             fire: the planner's decision.
@@ -78,14 +261,20 @@ class WarmSender:
             claim_key: the session's key in the shared cooldown store.
             build: makes the ``RouteRequest`` for the target pool (tokenizing there).
         """
-        if len(self.tasks) >= self.max_in_flight:
+        session = fire.session_id
+        if session not in self.slots and len(self.tasks) >= self.max_in_flight:
             self._metrics.warm("skipped", "busy")
             return False
-        task = asyncio.get_running_loop().create_task(
-            self._run(fire, body, path, claim_key, build), name=f"kvroute-warm-{fire.session_id}"
-        )
-        self.tasks.add(task)
-        task.add_done_callback(self._reap)
+        offer, superseded = self.slots.offer(WarmJob(fire, body, path, claim_key, build))
+        if superseded is not None:
+            self._metrics.warm("skipped", "superseded")
+            log.debug("warm-ahead of session %s: stage %d superseded by stage %d before it "
+                      "was sent", session, superseded.fire.stage, fire.stage)
+        if offer is Offer.START:
+            task = asyncio.get_running_loop().create_task(
+                self._session_loop(session), name=f"kvroute-warm-{session}")
+            self.tasks.add(task)
+            task.add_done_callback(self._reap)
         return True
 
     def _reap(self, task: asyncio.Task[None]) -> None:
@@ -104,39 +293,101 @@ class WarmSender:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _run(self, fire: WarmFire, body: bytes, path: str, claim_key: str,
-                   build: RouteRequestFactory) -> None:  # fmt: skip
-        cooldown_s = self._config.warm_ahead.cooldown_s
-        claimed = (self._state is None or cooldown_s <= 0
-                   or await self._state.try_start_warm(claim_key, cooldown_s))
-        if not claimed:
-            self._metrics.warm("skipped", "cooldown_shared")
-            return
-        request_id = RequestId(f"warm-{uuid.uuid4().hex}")
+    async def _session_loop(self, session: str) -> None:
+        """The session's jobs, one after the other (guard 1)."""
         try:
+            job: WarmJob | None = self.slots.current(session)
+            while job is not None:
+                await self._run(session)
+                job = self.slots.advance(session)  # None: the session is forgotten
+        except BaseException:
+            self.slots.drop(session)
+            raise
+
+    # -- replica slots -------------------------------------------------------------------
+
+    def _pool_replicas(self, pool: str) -> list[ReplicaId]:
+        return [r.name for r in self._core.pool(PoolName(pool)).replicas
+                if self._core.is_healthy(r.name)]
+
+    async def _slot_freed(self) -> None:
+        """Wait until some warm-up releases its replica slot."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        await self._freed.wait()
+
+    def _release(self, replica: ReplicaId) -> None:
+        self.slots.release(replica)
+        if self._freed is not None:
+            self._freed.set()
+            self._freed = None
+
+    # -- one warm-up ---------------------------------------------------------------------
+
+    async def _run(self, session: str) -> None:
+        """Wait for room (uncommitted), claim, route, send, count: the session's current job."""
+        job = self.slots.current(session)
+        request_id = RequestId(f"warm-{uuid.uuid4().hex}")
+        waiting = False
+        decision = None
+        try:
+            # Guard 2, before anything is fixed (a later stage may still replace the job):
+            # wait at most timeout_s for a slot, then at most timeout_s for the answer.
             async with asyncio.timeout(self.timeout_s):
-                route_request = await build(request_id)
-                decision = self._core.route(route_request)
-                self._metrics.warm("fired", fire.target_pool_name)
+                waiting = True
+                while not self.slots.has_room(replicas := self._pool_replicas(
+                        self.slots.current(session).fire.target_pool_name)) and replicas:
+                    await self._slot_freed()
+                waiting = False
+            job = self.slots.commit(session)
+            async with asyncio.timeout(self.timeout_s):
+                cooldown_s = self._config.warm_ahead.cooldown_s
+                claimed = (self._state is None or cooldown_s <= 0
+                           or await self._state.try_start_warm(job.claim_key, cooldown_s))
+                if not claimed:
+                    self._metrics.warm("skipped", "cooldown_shared")
+                    return
+                route_request = await job.build(request_id)
+                while True:
+                    decision = self._core.route(route_request)
+                    if self.slots.acquire(decision.replica):
+                        break
+                    # Routed to a full replica (another warm-up took the last slot during
+                    # the awaits above): undo the route and wait for a slot.
+                    self._core.on_complete(decision.replica, request_id)
+                    decision = None
+                    waiting = True
+                    await self._slot_freed()
+                    waiting = False
+                self._metrics.warm("fired", job.fire.target_pool_name)
                 try:
-                    url = self._config.replica(decision.replica).url + path
-                    await self._upstream.open(url, body, stream=False,
+                    url = self._config.replica(decision.replica).url + job.path
+                    await self._upstream.open(url, job.body, stream=False,
                                               headers={"X-Request-Id": request_id})
                     self._core.on_first_token(decision.replica, request_id)
                 finally:
                     self._core.on_complete(decision.replica, request_id)
+                    self._release(decision.replica)
         except NoEligibleReplica as exc:
-            self._failed("no_replica", fire, str(exc))
+            self._failed("no_replica", job.fire, str(exc))
             return
         except TimeoutError:
-            self._failed("timeout", fire, f"no answer within {self.timeout_s:g}s")
+            if waiting:
+                job = self.slots.current(session)  # the latest stage, if one replaced it
+                self._metrics.warm("skipped", "replica_busy")
+                log.info("warm-ahead of session %s to pool %r skipped: no warm-up slot on its "
+                         "replica freed within %gs", job.fire.session_id,
+                         job.fire.target_pool_name, self.timeout_s)
+            else:
+                self._failed("timeout", job.fire, f"no answer within {self.timeout_s:g}s")
             return
         except UpstreamError as exc:
-            self._failed(exc.kind, fire, str(exc))
-            if exc.kind == "connect" and self._on_replica_failure is not None:
+            self._failed(exc.kind, job.fire, str(exc))
+            if exc.kind == "connect" and self._on_replica_failure is not None \
+                    and decision is not None:
                 self._on_replica_failure(decision.replica, str(exc))
             return
-        self._metrics.warm("completed", fire.target_pool_name)
+        self._metrics.warm("completed", job.fire.target_pool_name)
 
     def _failed(self, reason: str, fire: WarmFire, detail: str) -> None:
         self._metrics.warm("failed", reason)
