@@ -31,6 +31,8 @@ def test_memo_equals_hasher_on_shared_prefixes(prefix: list[int],
         tokens = prefix + suffix
         assert memo.wire_hashes(tokens, cache_salt=salt) == hasher.wire_hashes(
             tokens, cache_salt=salt)
+        assert memo.hash_blocks(tokens, cache_salt=salt) == hasher.hash_blocks(
+            tokens, cache_salt=salt)
         assert len(memo) <= max_entries
 
 

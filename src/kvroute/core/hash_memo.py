@@ -63,26 +63,39 @@ class BlockHashMemo:
         hasher = self.hasher
         if lora is not None or hasher.lookahead_tokens or not self.max_entries:
             return hasher.wire_hashes(token_ids, cache_salt=cache_salt, lora=lora)
-        bs = hasher.block_size
-        num_blocks = hasher.num_hashable_blocks(len(token_ids))
+        return [wire for _, wire in self._walk(token_ids, cache_salt)]
+
+    def hash_blocks(self, token_ids: Sequence[int], *,
+                    cache_salt: str | None = None) -> list[BlockHash]:
+        """The digests of ``token_ids``' full blocks, as ``BlockHasher.hash_blocks`` (what an
+        engine keeps; the simulated engine hashes each prompt through this)."""
+        hasher = self.hasher
+        if hasher.lookahead_tokens or not self.max_entries:
+            return hasher.hash_blocks(token_ids, cache_salt=cache_salt)
+        return [digest for digest, _ in self._walk(token_ids, cache_salt)]
+
+    def _walk(self, token_ids: Sequence[int],
+              cache_salt: str | None) -> list[tuple[BlockHash, WireHash]]:
+        bs = self.hasher.block_size
+        num_blocks = self.hasher.num_hashable_blocks(len(token_ids))
         memo = self._memo
-        out: list[WireHash] = []
+        out: list[tuple[BlockHash, WireHash]] = []
         parent: object = ("salt", cache_salt)  # block 0's only extra key stands in for NONE_HASH
         digest: BlockHash | None = None
         for index in range(num_blocks):
-            key = (parent, tuple(token_ids[index * bs : (index + 1) * bs]))
-            found = memo.get(key)
+            found = memo.get((parent, tuple(token_ids[index * bs : (index + 1) * bs])))
             if found is None:
                 self._fill(token_ids, index, digest, cache_salt, num_blocks, out)
                 return out
-            digest, wire = found
-            out.append(wire)
+            out.append(found)
+            digest = found[0]
             parent = digest
         self.hits += num_blocks
         return out
 
     def _fill(self, token_ids: Sequence[int], start: int, parent: BlockHash | None,
-              cache_salt: str | None, num_blocks: int, out: list[WireHash]) -> None:
+              cache_salt: str | None, num_blocks: int,
+              out: list[tuple[BlockHash, WireHash]]) -> None:
         """Hash blocks ``start..`` with the hasher, append them to ``out`` and memoise them."""
         hasher = self.hasher
         self.hits += start
@@ -96,9 +109,9 @@ class BlockHashMemo:
         prev: object = ("salt", cache_salt) if start == 0 else parent
         for offset, digest in enumerate(digests):
             index = start + offset
-            wire = to_wire_hash(digest)
-            memo[(prev, tuple(token_ids[index * bs : (index + 1) * bs]))] = (digest, wire)
-            out.append(wire)
+            entry = (digest, to_wire_hash(digest))
+            memo[(prev, tuple(token_ids[index * bs : (index + 1) * bs]))] = entry
+            out.append(entry)
             prev = digest
         while len(memo) > self.max_entries:
             memo.popitem(last=False)
