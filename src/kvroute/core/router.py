@@ -37,7 +37,7 @@ from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.events import EventBatch
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher, LoraKey
-from kvroute.core.index import LookupScope, PrefixIndex
+from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch
 from kvroute.core.load import LoadTracker
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
@@ -314,7 +314,7 @@ class RouterCore:
             scores=selection.scores,
             cached_by_replica=selection.expected_cached_tokens,
         )
-        self._commit(decision, entry)
+        self._commit(decision, entry, matches.get(selection.replica, NO_MATCH))
         return decision
 
     def reroute(self, decision: RoutingDecision, failed: ReplicaId) -> RoutingDecision | None:
@@ -353,7 +353,20 @@ class RouterCore:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _commit(self, decision: RoutingDecision, entry: _Pool) -> None:
+    def _commit(self, decision: RoutingDecision, entry: _Pool,
+                held: PrefixMatch = NO_MATCH) -> None:
+        """Record the dispatch: load, and predicted entries for the blocks the replica will
+        store.
+
+        ``held`` is how the chosen replica already holds the request's leading blocks. When
+        that whole run is on the engine's GPU (confirmed by its events, no prediction, no
+        offloaded block the request would bring back), those blocks are not predicted again:
+        a request sharing a long cached prefix writes (and later expires) entries only for
+        its new blocks, most of the index work per request. Predicting them would change no
+        lookup while they stay: a confirmed block already counts for that replica, at a
+        better medium; if the engine evicts one, it stores it again when this request
+        recomputes it, and says so.
+        """
         request = decision.request
         self.load.on_dispatch(
             decision.replica,
@@ -365,7 +378,10 @@ class RouterCore:
         )
         if decision.block_hashes and (entry.policy.uses_predicted or decision.approximate):
             index = self.approx_index if decision.approximate else self.index
-            index.add_predicted(decision.replica, decision.block_hashes, request.scope)
+            other = held.num_cpu_blocks + held.num_storage_blocks + held.num_predicted_blocks
+            confirmed = 0 if other else held.num_gpu_blocks
+            index.add_predicted(decision.replica, decision.block_hashes[confirmed:],
+                                request.scope)
 
     def _pool(self, name: PoolName) -> _Pool:
         entry = self._pools.get(name)

@@ -56,6 +56,23 @@ def test_request_lands_where_the_engine_reports_its_prefix() -> None:
     assert len(decision.block_hashes) == 20
 
 
+def test_only_blocks_not_confirmed_on_the_chosen_replica_are_predicted() -> None:
+    """A request behind a cached 20-block prefix predicts its 2 new blocks, not all 22; its
+    sibling still co-locates, through the confirmed prefix and the 2 predictions."""
+    rc, _ = core()
+    rc.apply_events(ReplicaId("r2"), stored(PROMPT))
+    tail = list(range(5000, 5032))  # two new blocks
+    first = rc.route(request("a", PROMPT + tail + [1]))
+    assert first.replica == "r2"
+    assert rc.index.stats().num_predicted == 2
+    sibling = rc.route(request("b", PROMPT + tail + [2]))
+    assert sibling.replica == "r2" and sibling.expected_cached_tokens == 352
+    # With nothing confirmed, every block is predicted (the burst case).
+    rc2, _ = core()
+    rc2.route(request("c", PROMPT))
+    assert rc2.index.stats().num_predicted == 20
+
+
 def test_salted_prefix_is_not_matched_without_the_salt() -> None:
     rc, _ = core()
     rc.apply_events(ReplicaId("r2"), stored(PROMPT, salt="acme-salt"))
