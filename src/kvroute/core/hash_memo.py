@@ -78,18 +78,19 @@ class BlockHashMemo:
               cache_salt: str | None) -> list[tuple[BlockHash, WireHash]]:
         bs = self.hasher.block_size
         num_blocks = self.hasher.num_hashable_blocks(len(token_ids))
-        memo = self._memo
+        tokens = tuple(token_ids[: num_blocks * bs])  # slices of a tuple are tuples
+        get = self._memo.get
         out: list[tuple[BlockHash, WireHash]] = []
+        append = out.append
         parent: object = ("salt", cache_salt)  # block 0's only extra key stands in for NONE_HASH
-        digest: BlockHash | None = None
-        for index in range(num_blocks):
-            found = memo.get((parent, tuple(token_ids[index * bs : (index + 1) * bs])))
+        for start in range(0, num_blocks * bs, bs):
+            found = get((parent, tokens[start : start + bs]))
             if found is None:
-                self._fill(token_ids, index, digest, cache_salt, num_blocks, out)
+                digest = out[-1][0] if out else None
+                self._fill(token_ids, start // bs, digest, cache_salt, num_blocks, out)
                 return out
-            out.append(found)
-            digest = found[0]
-            parent = digest
+            append(found)
+            parent = found[0]
         self.hits += num_blocks
         return out
 
