@@ -210,6 +210,47 @@ def test_engine_mode_sends_vllms_own_request_shapes() -> None:
     run(go)
 
 
+def test_identical_prompts_are_tokenized_once() -> None:
+    """A burst of five identical prompts (siblings) makes one call; a repeat within the TTL
+    none; a different prompt its own; a stale entry is asked again."""
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool([a])}), session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["p"]
+            assert isinstance(tok, EngineTokenizer)
+            burst = await asyncio.gather(*(tok.token_ids(chat(HELLO)) for _ in range(5)))
+            assert all(ids == burst[0] and ids is not burst[0] for ids in burst[1:])
+            assert len(a.received) == 1
+            assert (rig.count("p", "ok"), rig.count("p", "shared")) == (1, 4)
+            again = await tok.token_ids(chat(HELLO))
+            assert again == burst[0] and len(a.received) == 1 and rig.count("p", "cached") == 1
+            assert await tok.token_ids(completion("Hello world")) == [406, 368]
+            assert len(a.received) == 2
+            tok.recent_ttl_s = 0.0  # every entry is now stale
+            await asyncio.sleep(0.01)
+            assert await tok.token_ids(chat(HELLO)) == burst[0]
+            assert len(a.received) == 3
+
+    run(go)
+
+
+def test_a_failed_call_is_shared_as_a_failure_and_not_remembered() -> None:
+    async def go() -> None:
+        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+            rig = Rig(make_config({"p": engine_pool([a])}), session)
+            await rig.discovery.refresh_now()
+            tok = rig.tokenizers["p"]
+            a.tokenize_status = 500
+            both = await asyncio.gather(tok.token_ids(chat(HELLO)), tok.token_ids(chat(HELLO)))
+            assert both == [None, None] and len(a.received) == 1
+            a.tokenize_status = 200
+            assert await tok.token_ids(chat(HELLO)) is not None
+            assert len(a.received) == 2
+
+    run(go)
+
+
 def test_engine_mode_forwards_tools_and_template_options() -> None:
     async def go() -> None:
         async with fakes(1) as (a,), aiohttp.ClientSession() as session:
@@ -255,6 +296,8 @@ def test_round_robin_over_healthy_replicas_only() -> None:
             rig = Rig(make_config({"p": engine_pool(servers)}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
+            assert isinstance(tok, EngineTokenizer)
+            tok.recent_ttl_s = -1.0  # no answer reused: every call goes to a replica
             for _ in range(6):
                 assert await tok.token_ids(chat(HELLO)) is not None
             assert [len(s.received) for s in servers] == [2, 2, 2]

@@ -32,7 +32,9 @@ both sides apply the same chat-template rules.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, Protocol
 
@@ -168,6 +170,14 @@ class EngineTokenizer:
     the cheaper fallback). ``failing`` is True from a failed call to the next good one, and
     each flip is logged once.
 
+    Identical prompts are tokenized once: the ``/tokenize`` body (model, messages, tools,
+    template options, byte for byte) keys an answer shared by calls in flight together (a
+    burst of siblings, ``n`` parallel samples of an agent step) and kept for
+    ``recent_ttl_s`` afterwards (a retry, a re-sent turn), at most ``recent_entries``
+    answers. Equal bodies give equal ids from the same engine build, so this is exact;
+    the TTL bounds how long a tokenizer swapped under an unchanged model name could be
+    answered from the old one. Outcomes ``shared`` and ``cached`` count these.
+
     Args:
         pool: the pool's config (its ``model`` is sent as ``model``).
         discovery: which replicas are healthy, and their URLs.
@@ -177,6 +187,8 @@ class EngineTokenizer:
     """
 
     mode: TokenizerMode = "engine"
+    recent_ttl_s: float = 30.0
+    recent_entries: int = 1024
 
     def __init__(
         self,
@@ -195,6 +207,8 @@ class EngineTokenizer:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._next = 0
         self.failing = False
+        self._recent: OrderedDict[bytes, tuple[float, list[int]]] = OrderedDict()
+        self._in_flight: dict[bytes, asyncio.Future[list[int] | None]] = {}
 
     async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
         direct = prompt_token_ids(parsed)
@@ -205,6 +219,37 @@ class EngineTokenizer:
         if body is None:
             self._metrics.tokenize(self.pool, "unsupported")
             return None
+        encoded = _JSON_ENCODER.encode(body)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        recent = self._recent.get(encoded)
+        if recent is not None:
+            if now - recent[0] <= self.recent_ttl_s:
+                self._metrics.tokenize(self.pool, "cached")
+                return list(recent[1])
+            del self._recent[encoded]
+        pending = self._in_flight.get(encoded)
+        if pending is not None:
+            ids = await asyncio.shield(pending)
+            self._metrics.tokenize(self.pool, "shared")
+            return None if ids is None else list(ids)
+        future: asyncio.Future[list[int] | None] = loop.create_future()
+        self._in_flight[encoded] = future
+        ids = None
+        try:
+            ids = await self._ask(encoded)
+        finally:
+            del self._in_flight[encoded]
+            future.set_result(ids)
+        if ids is not None:
+            self._recent[encoded] = (now, ids)
+            if len(self._recent) > self.recent_entries:
+                self._recent.popitem(last=False)
+            return list(ids)
+        return None
+
+    async def _ask(self, encoded: bytes) -> list[int] | None:
+        """One ``POST /tokenize`` (counted ``ok`` or by failure)."""
         replicas = self._discovery.healthy_replicas(self.pool)
         if not replicas:
             self._fail("no_replica", "no healthy replica to ask")
@@ -214,7 +259,7 @@ class EngineTokenizer:
         url = self._discovery.replica_url(replica) + "/tokenize"
         try:
             async with self._session.post(
-                url, data=_JSON_ENCODER.encode(body), timeout=self._timeout,
+                url, data=encoded, timeout=self._timeout,
                 headers={"Content-Type": "application/json"},
             ) as resp:
                 raw = await resp.read()
