@@ -16,6 +16,7 @@ the spread) and written as JSON shaped::
 
 from __future__ import annotations
 
+import math
 import platform
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvroute.bench.bounds import BoundsReport, compute_bounds
 from kvroute.bench.workloads import WORKLOADS, WorkloadRequest, mooncake
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
@@ -56,6 +58,9 @@ class SimBenchSpec:
         limit: the first N requests of the workload.
         ttft_slo_s: the goodput objective.
         workload_params: extra keyword arguments for a generated workload.
+        jitter_s: trace replays only: seeded uniform jitter in ``[0, jitter_s)`` added to
+            each arrival (the conversation trace quantises arrivals to 3-second buckets), so
+            that seeds give different but equally plausible arrival orders.
     """
 
     workload: str = "trace"
@@ -69,6 +74,7 @@ class SimBenchSpec:
     limit: int | None = None
     ttft_slo_s: float = 2.0
     workload_params: dict[str, Any] = field(default_factory=dict)
+    jitter_s: float = 0.0
 
     def validate(self) -> None:
         unknown = [p for p in self.policies if p not in POLICY_NAMES]
@@ -83,6 +89,12 @@ class SimBenchSpec:
             )
         if not self.policies or not self.seeds or not self.rate_scales:
             raise ConfigError("give at least one policy, one seed and one rate scale")
+        if not (math.isfinite(self.jitter_s) and self.jitter_s >= 0):
+            raise ConfigError(f"jitter must be a finite number of seconds >= 0, got "
+                              f"{self.jitter_s}")
+        if self.jitter_s and self.workload != "trace":
+            raise ConfigError("--jitter applies to trace replays only; generated workloads "
+                              "draw their own arrivals from --seed")
         if any(scale <= 0 for scale in self.rate_scales):
             raise ConfigError(f"rate scales must be > 0, got {self.rate_scales}")
         get_profile(self.profile)
@@ -92,7 +104,7 @@ def build_workload(spec: SimBenchSpec, *, rate_scale: float, seed: int) -> list[
     """The request stream for one (rate, seed) cell."""
     if spec.workload == "trace":
         return mooncake(spec.trace, limit=spec.limit, rate_scale=rate_scale,
-                        block_tokens=spec.block_tokens, seed=seed)
+                        block_tokens=spec.block_tokens, jitter_s=spec.jitter_s, seed=seed)
     params = dict(spec.workload_params)
     params.setdefault("seed", seed)
     requests = WORKLOADS[spec.workload](**params)
@@ -145,6 +157,25 @@ def run_sim_bench(
     return report, results
 
 
+def run_bounds(spec: SimBenchSpec) -> dict[int, BoundsReport]:
+    """What no router can beat on the workload (``bench.bounds``), per seed.
+
+    Bounds do not depend on the arrival rate (only on the arrival order), so they are
+    computed at the first rate scale. A trace replayed without jitter is the same request
+    stream for every seed: it is bounded once, under the first seed.
+    """
+    spec.validate()
+    profile = get_profile(spec.profile)
+    seeds = spec.seeds
+    if spec.workload == "trace" and not spec.jitter_s:
+        seeds = seeds[:1]
+    return {
+        seed: compute_bounds(build_workload(spec, rate_scale=spec.rate_scales[0], seed=seed),
+                             profile, spec.replicas)
+        for seed in seeds
+    }
+
+
 def _aggregate(runs: Sequence[dict[str, Any]], scales: Sequence[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     policies = list(dict.fromkeys(r["policy"] for r in runs))
@@ -182,6 +213,7 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
         "profile_source": profile_source, "rate_scales": list(spec.rate_scales),
         "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
         "ttft_slo_s": spec.ttft_slo_s, "workload_params": spec.workload_params,
+        "jitter_s": spec.jitter_s,
         "git_sha": sha, "python": sys.version.split()[0], "machine": platform.machine(),
     }
 

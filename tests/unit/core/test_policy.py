@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from kvroute.core.load import ReplicaLoad
 from kvroute.core.index import PrefixMatch
+from kvroute.core.load import ReplicaLoad
 from kvroute.core.policy import (
     Candidate,
     KvrouteCostPolicy,
@@ -35,9 +35,9 @@ def test_worked_example_from_the_docstring() -> None:
     req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
     sel = policy.select(req, [cand("A", queue=9000, gpu=62), cand("B"), cand("C", queue=2000, gpu=31)])
     assert sel.ranking == ("B", "C", "A")
-    assert sel.scores["A"] == pytest.approx(0.9012)
-    assert sel.scores["B"] == pytest.approx(0.15)
-    assert sel.scores["C"] == pytest.approx(0.2756)
+    assert sel.scores[ReplicaId("A")] == pytest.approx(0.9012)
+    assert sel.scores[ReplicaId("B")] == pytest.approx(0.15)
+    assert sel.scores[ReplicaId("C")] == pytest.approx(0.2756)
     assert sel.expected_cached_tokens == {"A": 992, "B": 0, "C": 496}
 
 
@@ -109,3 +109,26 @@ def test_waiting_requests_cost_a_step_each() -> None:
     assert policy.select(req, [hot, cand("cold")]).replica == "hot"
     hotter = cand("hot", queue=12 * 32, gpu=37, in_flight=12)
     assert policy.select(req, [hotter, cand("cold")]).replica == "cold"
+
+
+def test_waiting_cost_charges_requests_without_a_first_token_only() -> None:
+    """``waiting_cost_s`` prices queued requests, not decoding streams (``inflight_cost_s``
+    prices both)."""
+    def loaded(name: str, *, in_flight: int, decoding: int) -> Candidate:
+        return Candidate(ReplicaId(name), ReplicaLoad(prefill_rate_tps=10_000.0,
+                                                       num_in_flight=in_flight,
+                                                       num_decoding=decoding))
+
+    req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
+    policy = KvrouteCostPolicy(random.Random(0), decode_slowdown=0.0, inflight_cost_s=0.0,
+                               waiting_cost_s=0.003)
+    streams = loaded("streams", in_flight=10, decoding=10)  # ten decoding: not charged
+    queued = loaded("queued", in_flight=2, decoding=0)      # two waiting: 6 ms
+    sel = policy.select(req, [streams, queued])
+    assert sel.replica == "streams"
+    assert sel.scores[ReplicaId("queued")] - sel.scores[ReplicaId("streams")] == pytest.approx(0.006)
+    # The default in-flight term charges the ten decoding streams instead.
+    default = KvrouteCostPolicy(random.Random(0), decode_slowdown=0.0)
+    assert default.select(req, [streams, queued]).replica == "queued"
+    with pytest.raises(ValueError, match="waiting_cost_s"):
+        KvrouteCostPolicy(random.Random(0), waiting_cost_s=-0.001)

@@ -1,0 +1,392 @@
+"""What no router can beat on a workload: oracle prefix-cache hits and a zero-queue TTFT floor.
+
+A routing policy can only choose *where* a request's prefill runs; it cannot make a prefix
+that was never computed (or was evicted everywhere) a hit, and it cannot make a prefill
+faster than an idle engine computes it. This module computes both limits from the workload
+and the engine profile alone, with no simulation of routing:
+
+**Hit bounds** (in tokens, at the engine's block size ``B``; a prompt's blocks are chained,
+so block ``k`` can hit only if blocks ``0..k-1`` do, and a hit never covers the last token:
+at most ``(n - 1) // B`` blocks, as vLLM caps it):
+
+* ``unbounded``: every block any earlier request computed is cached forever (one engine with
+  infinite KV). Each request hits its longest previously seen prefix. Exact and per request;
+  no fleet, whatever its routing, hits more on any request.
+* ``opt``: one cache of the whole fleet's capacity (``replicas × num_gpu_blocks``) managed by
+  Belady's MIN (evict the block whose next use is furthest away). Any fleet's caches can be
+  seen as one cache of that size holding their union (duplicates only waste room), filled
+  on demand as requests are served; MIN maximises the hits of such a cache for a given
+  access order, so its total is an upper bound on the fleet's total hits. Running requests
+  do not pin their blocks here, which only loosens the bound. Counted as raw resident
+  blocks, without the last-token cap (which only loosens it further).
+* ``lru``: the same pooled capacity with least-recently-used eviction (vLLM's policy, the
+  tail of a prompt evicted before its head). Not a bound: an estimate of what perfect
+  affinity (every request on a replica holding its prefix, no block duplicated, no load
+  balancing) would give with the engines' own eviction.
+
+All three take requests in arrival order. A fleet serves requests in about that order (a
+request can only hit a later arrival's blocks by waiting for that prefill, which costs at
+least what the hit saves).
+
+**TTFT floor.** A request with ``n`` prompt tokens of which ``h`` are cache hits computes
+``u = n - h`` tokens in chunks of at most ``max_num_batched_tokens`` (``C``) per engine step.
+Each step costs at least ``fixed + a·chunk + c·context_after`` (``core.engine_model.
+StepTiming``; other requests in the step only add to it), so its TTFT is at least
+
+    k = ⌈u / C⌉ steps:   k·fixed + a·u + c·Σ_{j<k} (n − j·C)
+
+(the context term is smallest with the short chunk first). Worked example, the
+``llama-3.1-8b-h100`` profile (6 ms, 40 µs, 50 ns, C = 8,192), ``n = 12,000``, ``h = 2,048``:
+``u = 9,952``, ``k = 2``, floor = 12 ms + 398.08 ms + (12,000 + 3,808)·50 ns = 410.9 ms.
+
+* ``ttft floor, unbounded hits``: each request's floor with its ``unbounded`` hits, averaged.
+  A strict lower bound on the mean TTFT of any router.
+* ``ttft floor, fleet KV``: as above, but the ``a·u`` term summed with the ``opt`` total hits
+  instead (the step counts and context terms keep the per-request ``unbounded`` values,
+  which are lower bounds too). Also strict, and tighter.
+
+Pure: takes workload requests and a profile, does no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvroute.bench.traces import BlockTokens
+from kvroute.bench.workloads import WorkloadRequest
+from kvroute.core.engine_model import StepTiming
+from kvroute.core.errors import ConfigError
+from kvroute.sim.profiles import TimingProfile
+
+__all__ = [
+    "BoundRow",
+    "BoundsReport",
+    "compute_bounds",
+    "format_bounds_table",
+    "lru_hits",
+    "opt_hit_total",
+    "prompt_blocks",
+    "ttft_floor_s",
+    "unbounded_hits",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """Every request's full engine blocks as small integer ids, in prefix order.
+
+    Two requests share block id ``x`` at position ``k`` exactly when their first ``(k+1)·B``
+    tokens are equal (the ids name nodes of a prefix trie, as chained block hashes do).
+
+    Attributes:
+        block_size: ``B``, tokens per engine block.
+        offsets: request ``i``'s ids are ``ids[offsets[i]:offsets[i+1]]``.
+        ids: the concatenated block ids.
+        num_tokens: each request's prompt length.
+    """
+
+    block_size: int
+    offsets: array  # type: ignore[type-arg]
+    ids: array  # type: ignore[type-arg]
+    num_tokens: array  # type: ignore[type-arg]
+
+    def __len__(self) -> int:
+        return len(self.num_tokens)
+
+    def blocks(self, i: int) -> array:  # type: ignore[type-arg]
+        return self.ids[self.offsets[i]:self.offsets[i + 1]]
+
+    def cap_blocks(self, i: int) -> int:
+        """The most blocks request ``i`` can hit (its last token is always computed)."""
+        n = self.num_tokens[i]
+        return (n - 1) // self.block_size if n > 0 else 0
+
+
+def prompt_blocks(requests: Sequence[WorkloadRequest], block_size: int) -> PromptBlocks:
+    """Number every request's full ``block_size``-token blocks by prefix identity.
+
+    Trace prompts (``BlockTokens`` whose source block is a multiple of ``block_size``) are
+    walked one source block at a time: all engine blocks inside one source block hold the same
+    token, so one trie node per source block stands for up to ``source/B`` engine blocks.
+    Other prompts are walked one engine block (a tuple of ``B`` tokens) at a time.
+
+    Raises:
+        ConfigError: ``block_size`` < 1.
+    """
+    if block_size < 1:
+        raise ConfigError(f"block_size must be >= 1, got {block_size}")
+    # children[node] maps a segment key to the child node; node 0 is the empty prefix.
+    children: list[dict[object, int]] = [{}]
+    bases = array("q", [0])  # first block id of each node
+    next_id = 0
+    offsets = array("q", [0])
+    ids = array("q")
+    num_tokens = array("q")
+    for request in requests:
+        tokens = request.prompt_token_ids
+        n = len(tokens)
+        num_tokens.append(n)
+        full = n // block_size
+        node = 0
+        key: object
+        if isinstance(tokens, BlockTokens) and tokens.block_tokens % block_size == 0:
+            per_source = tokens.block_tokens // block_size
+            stride = per_source
+            source_ids = tokens.block_token_ids
+            remaining = full
+            s = 0
+            while remaining > 0:
+                key = source_ids[s]
+                child = children[node].get(key)
+                if child is None:
+                    child = len(children)
+                    children.append({})
+                    bases.append(next_id)
+                    next_id += stride
+                    children[node][key] = child
+                node = child
+                take = min(per_source, remaining)
+                base = bases[node]
+                ids.extend(range(base, base + take))
+                remaining -= take
+                s += 1
+        else:
+            for k in range(full):
+                key = tuple(tokens[k * block_size:(k + 1) * block_size])
+                child = children[node].get(key)
+                if child is None:
+                    child = len(children)
+                    children.append({})
+                    bases.append(next_id)
+                    next_id += 1
+                    children[node][key] = child
+                node = child
+                ids.append(bases[node])
+        offsets.append(len(ids))
+    return PromptBlocks(block_size, offsets, ids, num_tokens)
+
+
+def unbounded_hits(blocks: PromptBlocks) -> array:  # type: ignore[type-arg]
+    """Per-request hit tokens with an infinite cache (every block seen is kept)."""
+    seen: set[int] = set()
+    hits = array("q")
+    bs = blocks.block_size
+    for i in range(len(blocks)):
+        own = blocks.blocks(i)
+        cap = blocks.cap_blocks(i)
+        k = 0
+        while k < cap and own[k] in seen:
+            k += 1
+        hits.append(k * bs)
+        seen.update(own)
+    return hits
+
+
+def lru_hits(blocks: PromptBlocks, capacity_blocks: int) -> array:  # type: ignore[type-arg]
+    """Per-request hit tokens of one LRU cache of ``capacity_blocks`` blocks.
+
+    A served request touches its blocks tail first, so that among blocks last used together
+    the tail is evicted first (vLLM frees a request's blocks in reverse order).
+
+    Raises:
+        ConfigError: ``capacity_blocks`` < 1.
+    """
+    if capacity_blocks < 1:
+        raise ConfigError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = array("q")
+    bs = blocks.block_size
+    for i in range(len(blocks)):
+        own = blocks.blocks(i)
+        cap = blocks.cap_blocks(i)
+        k = 0
+        while k < cap and own[k] in cache:
+            k += 1
+        hits.append(k * bs)
+        for b in reversed(own):
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return hits
+
+
+def opt_hit_total(blocks: PromptBlocks, capacity_blocks: int) -> int:
+    """Total hit tokens of one cache of ``capacity_blocks`` blocks under Belady's MIN.
+
+    Every block access (request by request, head to tail) is a hit if the block is resident;
+    a miss loads it, evicting the resident block whose next use is furthest away (MIN is the
+    optimal demand-paging policy for a fixed access order). Hits are counted raw: a resident
+    block counts even when an earlier block of the same prompt missed, and the last-token cap
+    is not applied. Both only raise the total, which keeps it an upper bound.
+
+    Raises:
+        ConfigError: ``capacity_blocks`` < 1.
+    """
+    if capacity_blocks < 1:
+        raise ConfigError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    ids = blocks.ids
+    total = len(ids)
+    never = total  # later than every real access
+    next_use = array("q", bytes(8 * total))
+    last: dict[int, int] = {}
+    for t in range(total - 1, -1, -1):
+        b = ids[t]
+        next_use[t] = last.get(b, never)
+        last[b] = t
+    resident: dict[int, int] = {}  # block -> its current next use
+    heap: list[tuple[int, int]] = []  # (-next_use, block), stale entries skipped
+    hits = 0
+    push, pop = heapq.heappush, heapq.heappop
+    for t in range(total):
+        b = ids[t]
+        nu = next_use[t]
+        if b in resident:
+            hits += 1
+        elif len(resident) >= capacity_blocks:
+            while True:
+                neg, victim = pop(heap)
+                if resident.get(victim) == -neg:
+                    del resident[victim]
+                    break
+        resident[b] = nu
+        push(heap, (-nu, b))
+    return hits * blocks.block_size
+
+
+def ttft_floor_s(num_tokens: int, hit_tokens: int, timing: StepTiming, chunk_tokens: int) -> float:
+    """The least TTFT of a prompt of ``num_tokens`` with ``hit_tokens`` cached (module
+    docstring): ``k·fixed + a·u + c·Σ_{j<k}(n − j·C)`` with ``k = ⌈u/C⌉``, ``u ≥ 1``.
+
+    Raises:
+        ConfigError: a negative count, or ``chunk_tokens`` < 1.
+    """
+    if num_tokens < 0 or hit_tokens < 0 or chunk_tokens < 1:
+        raise ConfigError(
+            f"ttft_floor_s needs num_tokens, hit_tokens >= 0 and chunk_tokens >= 1, got "
+            f"{num_tokens}, {hit_tokens}, {chunk_tokens}"
+        )
+    u = max(num_tokens - hit_tokens, 1)
+    k = -(-u // chunk_tokens)
+    context = k * num_tokens - chunk_tokens * k * (k - 1) // 2
+    return k * timing.fixed_s + timing.prefill_token_s * u + timing.context_token_s * context
+
+
+@dataclass(frozen=True, slots=True)
+class BoundRow:
+    """One line of the bounds table.
+
+    Attributes:
+        name: what the row is (``hits: unbounded``, ``ttft floor, fleet KV``...).
+        kind: ``bound`` (no router can do better) or ``estimate``.
+        token_hit_rate: hit tokens over prompt tokens (the sim's ``token_hit_rate``).
+        ttft_mean_s: the mean TTFT floor with these hits (``None`` for hit-only rows).
+        note: how it was computed, in a few words.
+    """
+
+    name: str
+    kind: str
+    token_hit_rate: float
+    ttft_mean_s: float | None
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class BoundsReport:
+    """The bounds of one workload on one fleet shape."""
+
+    requests: int
+    prompt_tokens: int
+    replicas: int
+    capacity_blocks: int
+    block_size: int
+    rows: tuple[BoundRow, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+            "replicas": self.replicas, "capacity_blocks": self.capacity_blocks,
+            "block_size": self.block_size,
+            "rows": [{"name": r.name, "kind": r.kind, "token_hit_rate": r.token_hit_rate,
+                      "ttft_mean_s": r.ttft_mean_s, "note": r.note} for r in self.rows],
+        }
+
+
+def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, replicas: int,
+                   *, num_gpu_blocks: int | None = None, with_opt: bool = True) -> BoundsReport:
+    """Hit-rate bounds and TTFT floors of ``requests`` on ``replicas`` engines of ``profile``.
+
+    Args:
+        requests: the workload, in arrival order.
+        profile: block size, KV capacity, chunk budget and step timing of every engine.
+        replicas: engines in the fleet (the pooled capacity is ``replicas × num_gpu_blocks``).
+        num_gpu_blocks: per-engine KV blocks, overriding the profile's.
+        with_opt: also run Belady's MIN (the slowest part: one heap operation per block).
+
+    Raises:
+        ConfigError: no requests, or ``replicas`` < 1.
+    """
+    if not requests:
+        raise ConfigError("compute_bounds needs at least one request")
+    if replicas < 1:
+        raise ConfigError(f"replicas must be >= 1, got {replicas}")
+    bs = profile.block_size
+    per_engine = num_gpu_blocks if num_gpu_blocks is not None else profile.num_gpu_blocks
+    pooled = replicas * per_engine
+    timing = profile.timing
+    chunk = profile.max_num_batched_tokens
+    blocks = prompt_blocks(requests, bs)
+    n_total = sum(blocks.num_tokens)
+    if n_total == 0:
+        raise ConfigError("every request has an empty prompt: there is nothing to bound")
+    unb = unbounded_hits(blocks)
+    floors = [ttft_floor_s(n, h, timing, chunk) for n, h in zip(blocks.num_tokens, unb)]
+    count = len(blocks)
+    unb_total = sum(unb)
+    rows = [
+        BoundRow("hits: unbounded KV", "bound", unb_total / n_total, None,
+                 "every block any earlier request computed stays cached"),
+        BoundRow("ttft floor: unbounded KV hits", "bound", unb_total / n_total,
+                 sum(floors) / count,
+                 "own prefill only, no queueing, each request's unbounded hits"),
+    ]
+    if with_opt:
+        opt_total = opt_hit_total(blocks, pooled)
+        # The fleet hits at most min(MIN total, unbounded total): the a·u term with that.
+        extra = timing.prefill_token_s * (unb_total - min(opt_total, unb_total))
+        rows.append(BoundRow(
+            f"hits: fleet KV, Belady ({replicas} x {per_engine:,} blocks pooled)", "bound",
+            opt_total / n_total, None,
+            "one cache of the fleet's capacity, evicting the block reused furthest ahead"))
+        rows.append(BoundRow(
+            "ttft floor: fleet KV hits", "bound", opt_total / n_total,
+            (sum(floors) + extra) / count,
+            "as above, with the fleet-KV hit total"))
+    lru = lru_hits(blocks, pooled)
+    lru_one = lru_hits(blocks, per_engine)
+    rows.append(BoundRow(
+        f"hits: fleet KV, LRU ({replicas} x {per_engine:,} blocks pooled)", "estimate",
+        sum(lru) / n_total,
+        sum(ttft_floor_s(n, h, timing, chunk) for n, h in zip(blocks.num_tokens, lru)) / count,
+        "perfect affinity, no duplicates, vLLM's eviction; TTFT with no queueing"))
+    rows.append(BoundRow(
+        f"hits: one engine's KV, LRU ({per_engine:,} blocks)", "estimate",
+        sum(lru_one) / n_total, None, "everything on one engine of the fleet's size"))
+    return BoundsReport(count, n_total, replicas, per_engine, bs, tuple(rows))
+
+
+def format_bounds_table(report: BoundsReport) -> list[list[str]]:
+    """Rows of the printed bounds table (header first)."""
+    rows = [["bound", "kind", "token hit rate", "TTFT mean floor", "how"]]
+    for r in report.rows:
+        rows.append([
+            r.name, r.kind, f"{r.token_hit_rate:.3f}",
+            "—" if r.ttft_mean_s is None else f"{r.ttft_mean_s:.3f}s", r.note,
+        ])
+    return rows
