@@ -307,7 +307,12 @@ class WarmAheadConfig:
     ``max_in_flight_per_replica`` bounds the warm-ups sent to one target replica and not yet
     answered (beyond it a warm-up waits for a slot within ``timeout_s``, then is skipped,
     reason ``replica_busy``): the engine schedules FCFS, so an escalated request queues
-    behind every warm-up there (``shell/warm.py``).
+    behind every warm-up there (``shell/warm.py``). ``chunk_tokens`` splits a warm-up whose
+    exact token ids are known into growing prefixes that each compute at most that many
+    tokens (whole blocks), so an escalated request waits behind at most one chunk, not a
+    whole first warm-up (``core/warm.py``, ``chunk_bounds``); 0 sends one request. The
+    default, 512, is measured (``shell/warm.py``, guard 4): the wait it bounds is about
+    ``512 × the engine's prefill time per token``.
     """
 
     enabled: bool = True
@@ -317,6 +322,7 @@ class WarmAheadConfig:
     timeout_s: float = 30.0
     max_in_flight: int = 16
     max_in_flight_per_replica: int = 1
+    chunk_tokens: int = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -760,7 +766,8 @@ def _discovery(data: Any) -> DiscoveryConfig:
 def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
     d = _mapping("warm_ahead", data, "{enabled: true, fraction: 0.6, cooldown_s: 300}")
     _check_keys("warm_ahead", d, ("enabled", "fraction", "cooldown_s", "rewarm_fraction",
-                                  "timeout_s", "max_in_flight", "max_in_flight_per_replica"))
+                                  "timeout_s", "max_in_flight", "max_in_flight_per_replica",
+                                  "chunk_tokens"))
     base = WarmAheadConfig()
     enabled = _bool("warm_ahead.enabled", d.get("enabled", base.enabled))
     fraction = _num("warm_ahead.fraction", d.get("fraction", base.fraction))
@@ -779,7 +786,19 @@ def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
         timeout_s=_num("warm_ahead.timeout_s", d.get("timeout_s", base.timeout_s)),
         max_in_flight=_int("warm_ahead.max_in_flight", d.get("max_in_flight", base.max_in_flight), minimum=1),
         max_in_flight_per_replica=_per_replica(d.get("max_in_flight_per_replica", base.max_in_flight_per_replica)),
+        chunk_tokens=_chunk_tokens(d.get("chunk_tokens", base.chunk_tokens)),
     )
+
+
+def _chunk_tokens(value: Any) -> int:
+    key = "warm_ahead.chunk_tokens"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, "must be an integer",
+                    "Write a whole number of tokens, e.g. 512 (the default), or 0 to send each warm-up as one request.")
+    if value < 0:
+        raise _fail(key, value, "must be >= 0",
+                    "Use the most tokens one warm-up request may prefill, e.g. 512, or 0 to send each warm-up as one request.")
+    return value
 
 
 def _per_replica(value: Any) -> int:

@@ -127,6 +127,10 @@ def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
         (with_("warm_ahead.max_in_flight_per_replica", 0), ["warm_ahead.max_in_flight_per_replica", "(got 0)", ">= 1", "warm_ahead.enabled: false"]),
         (with_("warm_ahead.max_in_flight_per_replica", 1.5), ["warm_ahead.max_in_flight_per_replica", "(got 1.5)", "whole number"]),
         (with_("warm_ahead.max_in_flight_per_replica", True), ["warm_ahead.max_in_flight_per_replica", "(got True)", "integer"]),
+        (with_("warm_ahead.chunk_tokens", -1), ["warm_ahead.chunk_tokens", "(got -1)", ">= 0", "0 to send each warm-up as one request"]),
+        (with_("warm_ahead.chunk_tokens", 512.0), ["warm_ahead.chunk_tokens", "(got 512.0)", "integer", "e.g. 512"]),
+        (with_("warm_ahead.chunk_tokens", False), ["warm_ahead.chunk_tokens", "(got False)", "integer"]),
+        (with_("warm_ahead.chunk_token", 512), ["warm_ahead.chunk_token", "did you mean 'chunk_tokens'"]),
         (with_("tenants", [{"name": "a", "api_key_env": "sk-123abc"}]), ["tenants[0].api_key_env", "environment variable name"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "a", "api_key_env": "L"}]), ["tenants[1].name", "defined twice"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "b", "api_key_env": "K"}]), ["tenants[1].api_key_env", "already tenant 'a'"]),
@@ -146,6 +150,13 @@ def test_warm_ahead_per_replica_bound_default_and_value() -> None:
     assert parse_config(MINIMAL, env={}).warm_ahead.max_in_flight_per_replica == 1
     data = with_("warm_ahead.max_in_flight_per_replica", 3)
     assert parse_config(data, env={}).warm_ahead.max_in_flight_per_replica == 3
+
+
+def test_warm_ahead_chunk_tokens_default_and_values() -> None:
+    assert parse_config(MINIMAL, env={}).warm_ahead.chunk_tokens == 512
+    for value in (0, 16, 4096):
+        assert parse_config(with_("warm_ahead.chunk_tokens", value),
+                            env={}).warm_ahead.chunk_tokens == value
 
 
 def test_warm_ahead_env_override() -> None:

@@ -118,6 +118,8 @@ class TiersLiveSpec:
         warm_fraction / warm_rewarm_fraction: warm-ahead trigger and re-warm growth.
         warm_per_replica: ``warm_ahead.max_in_flight_per_replica`` (None: the router's
             default).
+        warm_chunk_tokens: ``warm_ahead.chunk_tokens`` (None: the router's default; 0: each
+            warm-up is one request).
         repeats: runs of every mode, interleaved (module docstring).
         modes: which of ``MODES`` to run, in order.
         request_timeout_s: per request.
@@ -141,6 +143,7 @@ class TiersLiveSpec:
     warm_fraction: float = 0.6
     warm_rewarm_fraction: float = 0.1
     warm_per_replica: int | None = None
+    warm_chunk_tokens: int | None = None
     repeats: int = 1
     modes: tuple[str, ...] = MODES
     request_timeout_s: float = 60.0
@@ -167,6 +170,10 @@ class TiersLiveSpec:
         if self.warm_per_replica is not None and self.warm_per_replica < 1:
             raise ConfigError(f"warm_per_replica must be >= 1, got {self.warm_per_replica}; "
                               "leave it unset for the router's default")
+        if self.warm_chunk_tokens is not None and self.warm_chunk_tokens < 0:
+            raise ConfigError(f"warm_chunk_tokens must be >= 0, got {self.warm_chunk_tokens}; "
+                              "0 sends each warm-up as one request, unset is the router's "
+                              "default")
         get_profile(self.small_profile)
         get_profile(self.large_profile)
 
@@ -251,7 +258,9 @@ def router_yaml(spec: TiersLiveSpec, mode: str, small: Sequence[ReplicaHandle],
                        "rewarm_fraction": spec.warm_rewarm_fraction, "cooldown_s": 300,
                        "timeout_s": spec.request_timeout_s,
                        **({} if spec.warm_per_replica is None
-                          else {"max_in_flight_per_replica": spec.warm_per_replica})},
+                          else {"max_in_flight_per_replica": spec.warm_per_replica}),
+                       **({} if spec.warm_chunk_tokens is None
+                          else {"chunk_tokens": spec.warm_chunk_tokens})},
         "admission": {"max_in_flight": 4096, "max_queue": 4096, "queue_timeout_s": 60},
         "discovery": {"health_interval_s": 1.0, "metrics_interval_s": 1.0,
                       "models_interval_s": 30},
@@ -538,6 +547,7 @@ def live_mode_metrics(turns: Sequence[LiveTurn], router: Mapping[str, float]) ->
         "warms_fired": int(router.get("warm_fired", 0)),
         "warms_completed": int(router.get("warm_completed", 0)),
         "warms_failed": int(router.get("warm_failed", 0)),
+        "warm_chunks": int(router.get("warm_chunk", 0)),
         "warm_skips": {k.split(":", 1)[1]: int(v) for k, v in sorted(router.items())
                        if k.startswith("warm_skipped:")},
         "cut_short": int(router.get("cut_short", 0)),

@@ -62,6 +62,11 @@ def bench_sim(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write PNG plots into this directory.")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    jitter: Annotated[float, typer.Option(help="Trace replays: add seeded uniform jitter in "
+                                          "[0, JITTER) seconds to each arrival.")] = 0.0,
+    bounds: Annotated[bool, typer.Option(help="Instead of running policies, print what no router "
+                                         "can beat on this workload: oracle token hit rates and "
+                                         "the zero-queue TTFT floor.")] = False,
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
     params: dict[str, Any] = {}
@@ -75,8 +80,12 @@ def bench_sim(
         profile=profile, rate_scales=_floats(rate_scale, "--rate-scale"),
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
         seeds=_ints(seed, "--seed"), limit=limit, ttft_slo_s=ttft_slo, workload_params=params,
+        jitter_s=jitter,
     )
     console = Console(stderr=True)
+    if bounds:
+        _print_bounds(spec, console, json_out)
+        return
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=quiet)
     task: list[Any] = []
@@ -106,6 +115,39 @@ def bench_sim(
     if plot is not None:
         for path in write_plots(report, results, plot):
             console.print(f"wrote {path}")
+    sys.stdout.flush()
+
+
+def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -> None:
+    """``kvroute bench sim --bounds``: the bounds table per seed (and JSON if asked)."""
+    from kvroute.bench.bounds import format_bounds_table
+    from kvroute.bench.sim_bench import run_bounds
+
+    try:
+        reports = run_bounds(spec)
+    except RouterError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    out = Console(width=max(Console().width, 150))
+    name = spec.trace if spec.workload == "trace" else spec.workload
+    for run_seed, report in reports.items():
+        rows = format_bounds_table(report)
+        table = Table(title=f"{name}: what no router can beat, {report.requests} requests, "
+                            f"{spec.replicas} x {spec.profile}, seed {run_seed}")
+        for head in rows[0]:
+            table.add_column(head, justify="left" if head in ("bound", "kind", "how") else "right")
+        for row in rows[1:]:
+            table.add_row(*row)
+        out.print(table)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"bounds": {str(k): v.as_dict() for k, v in reports.items()},
+                   "config": {"workload": spec.workload, "trace": spec.trace,
+                              "replicas": spec.replicas, "profile": spec.profile,
+                              "limit": spec.limit, "jitter_s": spec.jitter_s,
+                              "seeds": list(reports)}}
+        json_out.write_text(json.dumps(payload, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
     sys.stdout.flush()
 
 
@@ -278,14 +320,17 @@ def bench_tiers_live(
     seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
     warm_fraction: Annotated[float, typer.Option(help="Warm-ahead threshold (share of the small window).")] = 0.6,
     rewarm_fraction: Annotated[float, typer.Option(help="Growth (share of the small window) that allows another warm-up.")] = 0.1,
+    warm_per_replica: Annotated[int | None, typer.Option(help="warm_ahead.max_in_flight_per_replica of the router (default: the router's).")] = None,
+    warm_chunk_tokens: Annotated[int | None, typer.Option(help="warm_ahead.chunk_tokens of the router (default: the router's; 0 = one request per warm-up).")] = None,
     modes: Annotated[str, typer.Option(help="Comma-separated: reactive, proactive, proactive+warm.")] = "reactive,proactive,proactive+warm",
+    repeats: Annotated[int, typer.Option(help="Runs of every mode, interleaved (ABC, CBA, ...); the small-p99 target is judged on the median paired ratio.")] = 1,
     request_timeout: Annotated[float, typer.Option(help="Seconds one request may take.")] = 60.0,
     duration: Annotated[float, typer.Option(help="Seconds one mode's run may take.")] = 300.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Keep router configs and logs, engine logs here.")] = None,
 ) -> None:
     """Context-window tiers live: kvroute serve + simulated engines, reactive vs proactive vs warm."""
-    from kvroute.bench.tiers_live import TiersLiveSpec, run_tiers_live
+    from kvroute.bench.tiers_live import TiersLiveSpec, format_repeats, run_tiers_live
     from kvroute.bench.tiers_live import format_table as live_tiers_table
 
     console = Console(stderr=True)
@@ -297,7 +342,8 @@ def bench_tiers_live(
             think_time_s=think_time, session_interval_s=session_interval,
             system_prompt_tokens=system_tokens, user_tokens=user_tokens,
             output_tokens=output_tokens, seed=seed, warm_fraction=warm_fraction,
-            warm_rewarm_fraction=rewarm_fraction,
+            warm_rewarm_fraction=rewarm_fraction, warm_per_replica=warm_per_replica,
+            warm_chunk_tokens=warm_chunk_tokens, repeats=repeats,
             modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
             request_timeout_s=request_timeout, duration_s=duration, log_dir=log_dir)
         report = run_tiers_live(spec, on_mode_start=lambda mode, n: console.print(
@@ -314,6 +360,14 @@ def bench_tiers_live(
         table.add_row(*row)
     out = Console(width=max(Console().width, 150))
     out.print(table)
+    if repeats > 1:
+        rows = format_repeats(report)
+        per_repeat = Table(title=f"{repeats} repeats, modes interleaved")
+        for head in rows[0]:
+            per_repeat.add_column(head, justify="right")
+        for row in rows[1:]:
+            per_repeat.add_row(*row)
+        out.print(per_repeat)
     for name, goal in report["targets"].items():
         out.print(f"target {name}: met={goal['met']} "
                   + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))

@@ -48,6 +48,13 @@ With the memory store, ``consider(..., claim=True)`` does all of it in one call.
 The obvious alternative, a timestamp on the session record, was rejected: it grows without
 bound with the number of sessions, and it is not shared between router processes.
 
+Chunked warm-ups (:func:`chunk_bounds`): a session's first warm-up is a long prefill (2,700
+tokens on the live bench's large engine, a quarter of a second), and vLLM schedules FCFS with
+running prefills keeping their token budget, so an escalation that arrives during it waits for
+all of it. Sent as a series of growing prefixes (``prompt[:end_1]``, ``prompt[:end_2]``, ...,
+the whole prompt), each request computes only the blocks the previous one did not, and an
+escalation waits behind at most one chunk: it enters the engine's queue between chunks.
+
 What this module does not decide: whether a warm-up it fired may be *sent now*. That depends
 on the warm-ups in flight (at most one per session, at most
 ``warm_ahead.max_in_flight_per_replica`` per target replica, later stages coalesced), which
@@ -77,6 +84,7 @@ __all__ = [
     "WarmPlanner",
     "WarmSkip",
     "WarmSkipReason",
+    "chunk_bounds",
     "cooldown_key",
 ]
 
@@ -334,3 +342,51 @@ class WarmPlanner:
         An escalated request whose pool equals this counts as a warmed-prefix hit.
         """
         return self.memory.target_of(cooldown_key(session_id), now_s)
+
+
+def chunk_bounds(num_tokens: int, block_size: int, chunk_tokens: int,
+                 cached_tokens: int = 0) -> list[int]:
+    """Where to cut a warm-up of ``num_tokens`` prompt tokens into growing prefixes.
+
+    Returns the prefix lengths to send one after the other, strictly increasing, the last
+    equal to ``num_tokens``. Invariants: every length but the last is a multiple of
+    ``block_size`` (a prefix ending mid-block would leave its last partial block uncached,
+    and the next chunk would compute it again); no request computes more than
+    ``chunk_tokens`` tokens beyond what the previous one cached (``chunk_tokens`` rounded
+    down to whole blocks, at least one block).
+
+    The uncached part, ``num_tokens`` minus ``cached_tokens`` rounded down to whole blocks,
+    is split into ``ceil(uncached / chunk)`` chunks of nearly equal size (rounded up to
+    whole blocks, so only the last may be shorter) rather than full chunks and a remainder:
+    a tail of a few tokens would cost a round trip for nothing, and equal chunks make the
+    longest wait shorter. Worked example, blocks of 16, ``chunk_tokens`` 1024: 2,700
+    tokens, nothing cached → 3 chunks of ``ceil(2700/3/16)·16 = 912`` → ``[912, 1824,
+    2700]``; the same prompt with 2,000 tokens already cached (a later growth stage) →
+    ``[2700]``, one request, as without chunking.
+
+    Args:
+        num_tokens: the prompt's exact length in tokens (>= 1).
+        block_size: the target pool's tokens per block (>= 1).
+        chunk_tokens: ``warm_ahead.chunk_tokens``; 0 = one request (no chunking).
+        cached_tokens: what the target replica is expected to hold already (the router's
+            prefix match); those tokens are not counted in any chunk.
+
+    Raises:
+        ValueError: a negative or zero argument where the bounds above require more.
+    """
+    if num_tokens < 1 or block_size < 1 or chunk_tokens < 0 or cached_tokens < 0:
+        raise ValueError(
+            f"chunk_bounds needs num_tokens >= 1, block_size >= 1, chunk_tokens >= 0 and "
+            f"cached_tokens >= 0; got {num_tokens}, {block_size}, {chunk_tokens}, "
+            f"{cached_tokens}")
+    if chunk_tokens == 0:
+        return [num_tokens]
+    step = max(block_size, chunk_tokens // block_size * block_size)
+    start = min(cached_tokens, num_tokens - 1) // block_size * block_size
+    uncached = num_tokens - start
+    chunks = -(-uncached // step)
+    if chunks <= 1:
+        return [num_tokens]
+    size = -(-uncached // (chunks * block_size)) * block_size
+    ends = [start + k * size for k in range(1, chunks) if start + k * size < num_tokens]
+    return [*ends, num_tokens]

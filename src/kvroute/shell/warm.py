@@ -15,7 +15,7 @@ nothing else.
 Why the in-flight guards exist: a warm-up is a full prefill on the target engine, and vLLM
 schedules FCFS, so a real request that escalates queues behind every warm-up already sent
 there, and warm-ups of many sessions arriving together pile up (``kvroute bench tiers-live``
-with 12 sessions on one large engine). Three bounds, in this order:
+with 12 sessions on one large engine). Three bounds, in this order, and chunking:
 
 1. **One warm-up per session in flight** (``WarmSlots.offer``). A later growth stage of a
    session whose warm-up is still on its way *waits* for it rather than superseding it: the
@@ -40,6 +40,28 @@ with 12 sessions on one large engine). Three bounds, in this order:
    in this process; beyond it a new session's warm-up is skipped, reason ``busy``. This
    bounds the tasks, and with (1) the jobs: at most two per session.
 
+4. **A long warm-up is sent in chunks** (``warm_ahead.chunk_tokens``, default 512;
+   ``core.warm.chunk_bounds``). Bounds 1-3 keep the engine's queue of warm-ups short, but
+   the engine runs what it admitted to the end: an escalation arriving during another
+   session's first warm-up (≈2,700 tokens on the live bench) waited for all of it. When
+   the router holds the prompt's exact token ids for the target pool, the warm-up is sent
+   as growing prefixes of those ids (``POST /v1/completions``, ``prompt: ids[:end]``,
+   ``wire.openai.warm_chunk_body``), each computing at most ``chunk_tokens`` new tokens,
+   all to the replica the warm-up was routed to, then the original body as the last
+   request (so what the escalation looks up is cached even if the tokenizer the router
+   asked disagreed with the engine's chat template). Between chunks the replica slot is
+   released and taken again, so the engine's FCFS queue takes escalations, and other
+   sessions' warm-ups waiting for the slot, between two chunks. Without exact ids
+   (approximate pool, multimodal prompt, tokenizer down) a prefix of the text is not a
+   prefix of the engine's tokens, and the warm-up is one request as before.
+   Why 512 (``kvroute bench tiers-live``, 12 sessions, 4 repeats): an escalation waits at
+   most one chunk plus its own uncached growth (≈300 tokens); on the 70B profile a
+   1,024-token chunk alone is 0.28 of a cold 4k prefill, and the worst escalated turn
+   stayed at 0.40; 512 brought it to 0.26 (0.17 mean); 256 did no better (0.33) and sent
+   2.4× the requests, each a fixed engine step and router CPU. With 8 sessions, where
+   warm-ups rarely meet an escalation, it gained nothing (worst 0.27 against 0.18 without;
+   single runs of this bench spread by ±0.1), so the choice rests on the crowded case.
+
 The replica is known only after routing, and ``RouterCore.route`` records load and predicted
 blocks; a route that lands on a full replica is undone at once (``on_complete``; the
 predicted entries expire within ``predicted_ttl_s``) and the warm-up waits. Replicas are not
@@ -60,12 +82,13 @@ from dataclasses import dataclass
 
 from kvroute.config import RouterConfig
 from kvroute.core.errors import ConfigError, NoEligibleReplica
-from kvroute.core.router import RouterCore, RouteRequest
+from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.types import PoolName, ReplicaId, RequestId
-from kvroute.core.warm import WarmFire
+from kvroute.core.warm import WarmFire, chunk_bounds
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.shell.state import SessionState
+from kvroute.wire.openai import warm_chunk_body
 
 __all__ = ["Offer", "WarmJob", "WarmSender", "WarmSlots"]
 
@@ -332,7 +355,8 @@ class WarmSender:
         decision = None
         try:
             # Guard 2, before anything is fixed (a later stage may still replace the job):
-            # wait at most timeout_s for a slot, then at most timeout_s for the answer.
+            # wait at most timeout_s for a slot, then at most timeout_s for the answer
+            # (of every chunk, with the waits for the slot between chunks).
             async with asyncio.timeout(self.timeout_s):
                 waiting = True
                 while not self.slots.has_room(replicas := self._pool_replicas(
@@ -360,14 +384,7 @@ class WarmSender:
                     await self._slot_freed()
                     waiting = False
                 self._metrics.warm("fired", job.fire.target_pool_name)
-                try:
-                    url = self._config.replica(decision.replica).url + job.path
-                    await self._upstream.open(url, job.body, stream=False,
-                                              headers={"X-Request-Id": request_id})
-                    self._core.on_first_token(decision.replica, request_id)
-                finally:
-                    self._core.on_complete(decision.replica, request_id)
-                    self._release(decision.replica)
+                await self._send(job, route_request, decision)
         except NoEligibleReplica as exc:
             self._failed("no_replica", job.fire, str(exc))
             return
@@ -388,6 +405,71 @@ class WarmSender:
                 self._on_replica_failure(decision.replica, str(exc))
             return
         self._metrics.warm("completed", job.fire.target_pool_name)
+
+    async def _send(self, job: WarmJob, request: RouteRequest, decision: RoutingDecision,
+                    ) -> None:  # fmt: skip
+        """Send the routed warm-up, in chunks when ``_chunk_plan`` makes some (guard 4), and
+        release its load and its replica slot (taken by the caller) on every exit path.
+
+        Every chunk goes to ``decision.replica``: the first chunk's blocks are there, and
+        the escalation will be routed to where the prefix is. Between chunks the slot is
+        released, control is yielded once (a warm-up already routed to this replica and
+        waiting for its slot takes it first), and it is taken again, waiting for it if need
+        be; the caller's ``timeout_s`` bounds the whole series.
+        """
+        replica, request_id = decision.replica, decision.request.request_id
+        ids = request.prompt_token_ids
+        ends = self._chunk_plan(request, decision)
+        url = self._config.replica(replica).url
+        holding = True
+        try:
+            for k, end in enumerate(ends):
+                if k:
+                    self._release(replica)
+                    holding = False
+                    await asyncio.sleep(0)
+                    while not self.slots.acquire(replica):
+                        await self._slot_freed()
+                    holding = True
+                if k == len(ends) - 1:
+                    path, body, chunk_id = job.path, job.body, request_id
+                else:
+                    assert ids is not None, "a chunk plan exists only for exact token ids"
+                    path, chunk_id = "/v1/completions", RequestId(f"{request_id}-c{k}")
+                    body = warm_chunk_body(ids[:end], model=job.fire.target_model,
+                                           cache_salt=request.cache_salt)
+                await self._upstream.open(url + path, body, stream=False,
+                                          headers={"X-Request-Id": chunk_id})
+                if len(ends) > 1:
+                    self._metrics.warm("chunk", job.fire.target_pool_name)
+            # NOTE: a chunked warm-up's duration includes the waits between its chunks, so
+            # it would teach the load tracker a prefill rate far too low: only a warm-up
+            # sent as one request reports its first token. The load it put on the replica
+            # (its whole uncached prefill) stays counted until the last chunk answers,
+            # which is what the replica still has to compute for this session.
+            if len(ends) == 1:
+                self._core.on_first_token(replica, request_id)
+        finally:
+            self._core.on_complete(replica, request_id)
+            if holding:
+                self._release(replica)
+
+    def _chunk_plan(self, request: RouteRequest, decision: RoutingDecision) -> list[int]:
+        """The prefix lengths to send (``core.warm.chunk_bounds``); one entry, the whole
+        prompt, when chunking is off or the prompt has no exact token ids (approximate
+        pool, multimodal or an unavailable tokenizer: a prefix of text is not a prefix of
+        the engine's tokens)."""
+        ids = request.prompt_token_ids
+        chunk_tokens = self._config.warm_ahead.chunk_tokens
+        if ids is None or not ids or chunk_tokens == 0 or decision.approximate:
+            return [request.num_prompt_tokens]
+        block_size = self._core.pool(request.pool).block_size
+        ends = chunk_bounds(len(ids), block_size, chunk_tokens, decision.expected_cached_tokens)
+        if len(ends) > 1:
+            log.debug("warm-ahead of session %s to %s in %d chunks: %s (%d tokens expected "
+                      "cached)", request.session_id, decision.replica, len(ends), ends,
+                      decision.expected_cached_tokens)
+        return ends
 
     def _failed(self, reason: str, fire: WarmFire, detail: str) -> None:
         self._metrics.warm("failed", reason)

@@ -60,6 +60,7 @@ __all__ = [
     "tokenize_response",
     "usage",
     "validate_cache_salt",
+    "warm_chunk_body",
     "warm_request_body",
 ]
 
@@ -617,6 +618,29 @@ def warm_request_body(req: ParsedRequest, *, model: str | None = None) -> bytes:
         vllm_xargs=req.vllm_xargs,
     )  # fmt: skip
     return encode_request(warm, model=model, stream=False, set_fields=set_fields)
+
+
+def warm_chunk_body(token_ids: Sequence[int], *, model: str, cache_salt: str | None) -> bytes:
+    """The ``/v1/completions`` body of one chunk of a chunked warm-up: a prefix of the warm
+    prompt's exact token ids, ``max_tokens: 1``, not streamed.
+
+    A token-id prompt is hashed by the engine exactly as the chat prompt those ids came
+    from (vLLM adds no special tokens to ids, and ``cache_salt`` enters block 0 the same
+    way), so each chunk caches the blocks the full warm-up and the escalated request look
+    up. ``model`` is the target pool's served model (a LoRA adapter's name keeps the
+    adapter in the blocks' extra keys).
+
+    Raises:
+        ValueError: ``token_ids`` is empty (vLLM rejects an empty prompt; a caller bug).
+        RequestError: ``cache_salt`` is invalid.
+    """
+    if not token_ids:
+        raise ValueError("a warm-up chunk needs at least one token id")
+    body: dict[str, Any] = {"model": model, "prompt": list(token_ids), "max_tokens": 1,
+                            "stream": False}
+    if cache_salt is not None:
+        body["cache_salt"] = validate_cache_salt(cache_salt)
+    return _JSON_ENCODER.encode(body)
 
 
 # --------------------------------------------------------------------------------------------

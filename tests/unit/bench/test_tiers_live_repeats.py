@@ -4,18 +4,24 @@ and the targets judged on them (pure functions of the report; the live run is
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from kvroute.bench.tiers_live import (
     LiveTurn,
+    TiersLiveSpec,
     format_repeats,
     live_mode_metrics,
     live_targets,
     mode_order,
     paired,
+    router_yaml,
 )
+from kvroute.config import parse_config
+from kvroute.core.errors import ConfigError
+from kvroute.sim.launcher import ReplicaHandle
 
 MODES = ("reactive", "proactive", "proactive+warm")
 
@@ -92,3 +98,23 @@ def test_pooled_metrics_count_every_repeats_turns() -> None:
     assert m["requests"] == m["requests_small"] == 100
     assert m["small_ttft_p99_s"] == pytest.approx(0.50)
     assert m["warms_fired"] == 3
+
+
+@pytest.mark.parametrize(("chunk", "expected"), [(None, None), (0, 0), (512, 512)])
+def test_the_router_config_carries_the_warm_chunk_size(chunk: int | None,
+                                                       expected: int | None) -> None:
+    """``--warm-chunk-tokens`` reaches ``warm_ahead.chunk_tokens`` of the warm mode's router
+    (unset: the router's default), and the router accepts the config."""
+    small = [ReplicaHandle("s0", "small", "sim-small", "http://127.0.0.1:1", None, None, 4096, 16)]
+    large = [ReplicaHandle("l0", "large", "sim-large", "http://127.0.0.1:2", None, None, 16384, 16)]
+    spec = TiersLiveSpec(warm_chunk_tokens=chunk)
+    spec.validate()
+    doc = json.loads(router_yaml(spec, "proactive+warm", small, large))  # JSON is YAML
+    assert doc["warm_ahead"].get("chunk_tokens") == expected
+    parsed = parse_config(doc, env={})
+    assert parsed.warm_ahead.chunk_tokens == (512 if chunk is None else chunk)
+
+
+def test_a_negative_warm_chunk_size_is_refused() -> None:
+    with pytest.raises(ConfigError, match="warm_chunk_tokens must be >= 0"):
+        TiersLiveSpec(warm_chunk_tokens=-1).validate()

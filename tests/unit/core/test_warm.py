@@ -3,6 +3,8 @@ two router processes sharing one cooldown store."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvroute.core.errors import ConfigError
@@ -14,6 +16,7 @@ from kvroute.core.warm import (
     WarmPlanner,
     WarmSkip,
     WarmSkipReason,
+    chunk_bounds,
     cooldown_key,
 )
 
@@ -144,3 +147,63 @@ def test_two_routers_share_one_store_like_redis_set_nx_px() -> None:
 def test_bad_settings_name_the_key(kwargs: dict[str, float], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         WarmPlanner(**kwargs)  # type: ignore[arg-type]
+
+
+# -- chunk_bounds: how a long warm-up is cut into growing prefixes ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "block_size", "chunk_tokens", "cached", "expected"),
+    [
+        # The docstring's worked example: 2,700 tokens in 3 equal chunks of whole blocks.
+        (2700, 16, 1024, 0, [912, 1824, 2700]),
+        # A later growth stage: 2,000 already cached, 700 new fit one chunk.
+        (2700, 16, 1024, 2000, [2700]),
+        # Cached part not block-aligned: cut where the cached blocks end (1,984 = 124 blocks).
+        (3500, 16, 1024, 1990, [2752, 3500]),
+        (2700, 16, 0, 0, [2700]),  # off
+        (1024, 16, 1024, 0, [1024]),  # exactly one chunk
+        (1025, 16, 1024, 0, [528, 1025]),  # not 1,024 and a 1-token tail
+        (4096, 16, 1024, 0, [1024, 2048, 3072, 4096]),
+        (5000, 128, 1024, 0, [1024, 2048, 3072, 4096, 5000]),  # CPU backend's blocks
+        (5000, 128, 1000, 0, [896, 1792, 2688, 3584, 4480, 5000]),  # chunk rounded down
+        (100, 16, 5, 0, [16, 32, 48, 64, 80, 96, 100]),  # at least one block per chunk
+        (40, 16, 16, 40, [40]),  # all cached: one request (it recomputes the last block)
+        (1, 16, 1024, 0, [1]),
+    ],
+)
+def test_chunk_bounds(num_tokens: int, block_size: int, chunk_tokens: int, cached: int,
+                      expected: list[int]) -> None:
+    assert chunk_bounds(num_tokens, block_size, chunk_tokens, cached) == expected
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 1000, 1023, 1024, 1025, 2700, 9999])
+@pytest.mark.parametrize("block_size", [1, 16, 128])
+@pytest.mark.parametrize("chunk_tokens", [1, 100, 1024])
+@pytest.mark.parametrize("cached", [0, 7, 512, 5000])
+def test_chunk_bounds_invariants(num_tokens: int, block_size: int, chunk_tokens: int,
+                                 cached: int) -> None:
+    """Increasing, ending at the prompt, whole blocks before the end, no chunk computing
+    more than ``chunk_tokens`` (whole blocks, at least one) beyond the cached blocks, and no
+    more chunks than needed."""
+    ends = chunk_bounds(num_tokens, block_size, chunk_tokens, cached)
+    step = max(block_size, chunk_tokens // block_size * block_size)
+    start = min(cached, num_tokens - 1) // block_size * block_size
+    assert ends[-1] == num_tokens
+    assert all(a < b for a, b in itertools.pairwise([start, *ends]))
+    assert all(end % block_size == 0 for end in ends[:-1])
+    sizes = [b - a for a, b in itertools.pairwise([start, *ends])]
+    assert max(sizes) <= step
+    assert len(ends) == max(1, -(-(num_tokens - start) // step))
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    ((0, 16, 1024, 0), "num_tokens >= 1"),
+    ((100, 0, 1024, 0), "block_size >= 1"),
+    ((100, 16, -1, 0), "chunk_tokens >= 0"),
+    ((100, 16, 1024, -5), "cached_tokens >= 0"),
+])
+def test_chunk_bounds_rejects_impossible_arguments(args: tuple[int, int, int, int],
+                                                   fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        chunk_bounds(*args)

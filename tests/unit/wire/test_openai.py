@@ -440,6 +440,24 @@ def test_warm_request_body_adds_max_tokens() -> None:
     assert warm == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False}
 
 
+
+def test_warm_chunk_body_is_a_token_id_completion_of_the_prefix() -> None:
+    body = json.loads(oa.warm_chunk_body((5, 6, 7), model="large", cache_salt="tenant-a"))
+    assert body == {"model": "large", "prompt": [5, 6, 7], "max_tokens": 1, "stream": False,
+                    "cache_salt": "tenant-a"}
+    # vLLM reads a list of ints as one token-id prompt: the router reads it back the same way.
+    parsed = parse_request(oa.warm_chunk_body([5, 6, 7], model="m", cache_salt=None),
+                           "completions")
+    assert parsed.prompt == [5, 6, 7] and parsed.cache_salt is None and parsed.max_tokens == 1
+
+
+def test_warm_chunk_body_rejects_an_empty_prefix_and_a_bad_salt() -> None:
+    with pytest.raises(ValueError, match="at least one token id"):
+        oa.warm_chunk_body([], model="m", cache_salt=None)
+    with pytest.raises(RequestError, match="cache_salt"):
+        oa.warm_chunk_body([1], model="m", cache_salt="a/b")
+
+
 # ---------------------------------------------------------------------------- sessions
 
 
