@@ -176,7 +176,7 @@ class RouterMetrics:
             "no warm.", ["backend", "op"], namespace=ns, registry=r,
         )
         self._warm = Counter(
-            "warm", "Warm-ahead requests by outcome (fired, skipped, failed, hit).",
+            "warm", "Warm-ahead requests by outcome (fired, skipped, failed, hit, chunk).",
             ["outcome", "reason"], namespace=ns, registry=r,
         )
         self._escalations = Counter(
@@ -308,7 +308,7 @@ class RouterMetrics:
 
     def warm(self, outcome: str, reason: str | None = None) -> None:
         """Count a warm-ahead outcome: ``fired``, ``skipped`` (with a reason), ``failed``,
-        ``hit``."""
+        ``hit``, ``chunk`` (one per request of a warm-up sent in prefix chunks)."""
         self._warm.labels(outcome, reason or "").inc()
 
     def escalation(self, from_pool: str, to_pool: str, kind: str) -> None:
