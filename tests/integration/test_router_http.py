@@ -321,10 +321,10 @@ def test_events_missed_before_subscribing_are_replayed(make_fleet: FleetFactory,
 
     async def main() -> None:
         # The engine serves (and publishes) before the router exists.
-        async with aiohttp.ClientSession() as direct:
-            async with direct.post(fleet.replicas[1].url + "/v1/chat/completions",
-                                   json=chat(prefix) | {"model": MODEL}) as resp:
-                assert resp.status == 200
+        async with aiohttp.ClientSession() as direct, direct.post(
+                fleet.replicas[1].url + "/v1/chat/completions",
+                json=chat(prefix) | {"model": MODEL}) as resp:
+            assert resp.status == 200
         await with_router(config_for(fleet), body)
 
     run(main())
@@ -459,11 +459,11 @@ def test_salt_reaches_the_engine(make_fleet: FleetFactory, config_for: ConfigFor
     async def body(rt: RouterRuntime, c: Client) -> None:
         status, _, raw = await c.post(chat(prefix), headers=bearer("key-acme"))
         assert status == 200
-        async with aiohttp.ClientSession() as direct:
-            # Unsalted, straight to the engine: no hit on the tenant's salted blocks.
-            async with direct.post(fleet.replicas[0].url + "/v1/chat/completions",
-                                   json=chat(prefix) | {"model": MODEL}) as resp:
-                usage = (await resp.json())["usage"]
+        # Unsalted, straight to the engine: no hit on the tenant's salted blocks.
+        async with aiohttp.ClientSession() as direct, direct.post(
+                fleet.replicas[0].url + "/v1/chat/completions",
+                json=chat(prefix) | {"model": MODEL}) as resp:
+            usage = (await resp.json())["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
         status, _, raw = await c.post(chat(prefix), headers=bearer("key-acme"))
         assert json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192

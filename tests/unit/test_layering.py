@@ -60,9 +60,9 @@ def _violations(path: Path, ring: str) -> list[str]:
             and node.attr not in ALLOWED_FROM_RANDOM
         ):
             found.append(f"line {node.lineno}: random.{node.attr} (global RNG)")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id in ("open", "input", "print", "__import__", "exec", "eval"):
-                found.append(f"line {node.lineno}: calls {node.func.id}()")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("open", "input", "print", "__import__", "exec", "eval")):
+            found.append(f"line {node.lineno}: calls {node.func.id}()")
     return found
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 from kvroute.core.errors import ConfigError
+from kvroute.core.index import PrefixMatch
 from kvroute.core.load import ReplicaLoad
 from kvroute.core.peer_policies import POLICY_NAMES, make_policy
-from kvroute.core.index import PrefixMatch
 from kvroute.core.policy import Candidate, PolicyInput
 from kvroute.core.text_prefix import CharRadixTree, ChunkHashTrie, common_prefix_len
 from kvroute.core.types import ReplicaId

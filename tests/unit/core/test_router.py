@@ -12,7 +12,7 @@ from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.peer_policies import make_policy
-from kvroute.core.router import PoolSpec, ReplicaSpec, RouteRequest, RouterCore, text_chunk_hashes
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest, text_chunk_hashes
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, to_wire_hash
 
 POOL = PoolName("p")
@@ -183,7 +183,7 @@ def test_engine_reported_hashing_is_adopted() -> None:
 
 def test_configuration_errors() -> None:
     clock = ManualClock()
-    factory = lambda: make_policy("random", random.Random(0))  # noqa: E731
+    factory = lambda: make_policy("random", random.Random(0))
     with pytest.raises(ConfigError, match="at least one pool"):
         RouterCore([], factory, clock=clock)
     with pytest.raises(ConfigError, match="no replicas"):

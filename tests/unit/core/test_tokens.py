@@ -171,7 +171,7 @@ def test_prompt_forms() -> None:
     "body",
     [{"prompt": [1, "a"]}, {"prompt": []}, {"prompt": 3}, {"messages": "hi"},
      {"messages": ["hi"]}, {"messages": [user(3)]}, {"messages": [user("a")], "tools": {}},
-     {"messages": [user(["x"])]}],  # fmt: skip
+     {"messages": [user(["x"])]}],
 )
 def test_malformed_bodies_raise_one_error_type(body: dict[str, Any]) -> None:
     with pytest.raises(MalformedBodyError, match="must be"):
@@ -186,7 +186,7 @@ def test_malformed_bodies_raise_one_error_type(body: dict[str, Any]) -> None:
     [(png_bytes(100, 60), (100, 60)), (gif_bytes(640, 480), (640, 480)),
      (jpeg_bytes(1920, 1080), (1920, 1080)), (webp_vp8x(3000, 2000), (3000, 2000)),
      (webp_vp8l(300, 200), (300, 200)), (webp_vp8(512, 384), (512, 384)),
-     (b"not an image", None), (b"\xff\xd8\xff\xd9", None)],  # fmt: skip
+     (b"not an image", None), (b"\xff\xd8\xff\xd9", None)],
 )
 def test_image_headers(raw: bytes, size: tuple[int, int] | None) -> None:
     assert image_size(raw) == size
