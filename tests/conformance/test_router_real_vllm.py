@@ -520,8 +520,18 @@ def test_expected_cached_tokens_equal_engine_prefix_hits(pair: list[RealVllmEngi
         engines = {"r0": pair[0], "r1": pair[1]}
         rng = random.Random(11)
         turns: Counter[int] = Counter()
+        steps = workload(rng)
+        # Both engines must serve part of the workload, by construction rather than by the
+        # engines' relative speed (the cost model sends sequential cold prompts to the replica
+        # it has learned to be faster, so on some machines everything went to one): the
+        # shared system prompt is first computed on r1, straight on the engine, so its
+        # requests are drawn there by the cache.
+        system = next(m for kind, m in steps if kind == "shared")[0]
+        await client.engine_chat(pair[1], [system, user("Warm the system prompt.")],
+                                 max_tokens=1)
+        await all_events_applied(rt, "r1", pair[1])
         started = time.perf_counter()
-        for kind, messages in workload(rng):
+        for kind, messages in steps:
             sid = id(messages)
             sample = await measured_chat(rt, client, engines, hasher, kind, messages,
                                          max_tokens=16, temperature=0.0)
