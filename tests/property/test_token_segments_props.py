@@ -9,11 +9,10 @@ from collections.abc import Callable, Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvroute.hf_tokenizer import HFTokenizer, bundled_tokenizer_dir
 from kvroute.token_segments import SegmentEncoder
-
-tokenizers = pytest.importorskip("tokenizers")
 
 _MARKERS = ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 _WORDS = ["the", "cache", " prefix", "router", "  ", "\n", "\t", "é", "漢字", "🙂", ",", "a.b",
@@ -27,8 +26,6 @@ def _bundled() -> tuple[Callable[[str], Sequence[int]], dict[str, int]]:
 
 def _metaspace_first() -> tuple[Callable[[str], Sequence[int]], dict[str, int]]:
     """A SentencePiece-style BPE (Metaspace, prepend_scheme first) with special markers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")

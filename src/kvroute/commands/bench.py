@@ -10,9 +10,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvroute.bench.sim_bench import SimBenchSpec, format_table, run_sim_bench, write_plots
+from kvroute.commands.tables import rows_table, wide_console
 from kvroute.core.errors import RouterError
 
 bench_app = typer.Typer(help="Benchmarks: every policy side by side on the same requests.",
@@ -34,13 +34,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def print_report_table(console: Console, report: dict[str, Any], title: str) -> None:
-    rows = format_table(report)
-    table = Table(title=title)
-    for head in rows[0]:
-        table.add_column(head, justify="right" if head != "policy" else "left")
-    for row in rows[1:]:
-        table.add_row(*row)
-    console.print(table)
+    console.print(rows_table(title, format_table(report), left=("policy",)))
 
 
 @bench_app.command("sim")
@@ -105,7 +99,7 @@ def bench_sim(
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    out = Console(width=max(Console().width, 150))
+    out = wide_console()
     print_report_table(out, report, f"{workload if workload != 'trace' else trace}: "
                        f"{replicas} replicas, {profile}, rate x{spec.rate_scales[0]:g}")
     if json_out is not None:
@@ -128,17 +122,12 @@ def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    out = Console(width=max(Console().width, 150))
+    out = wide_console()
     name = spec.trace if spec.workload == "trace" else spec.workload
     for run_seed, report in reports.items():
-        rows = format_bounds_table(report)
-        table = Table(title=f"{name}: what no router can beat, {report.requests} requests, "
-                            f"{spec.replicas} x {spec.profile}, seed {run_seed}")
-        for head in rows[0]:
-            table.add_column(head, justify="left" if head in ("bound", "kind", "how") else "right")
-        for row in rows[1:]:
-            table.add_row(*row)
-        out.print(table)
+        out.print(rows_table(f"{name}: what no router can beat, {report.requests} requests, "
+                             f"{spec.replicas} x {spec.profile}, seed {run_seed}",
+                             format_bounds_table(report), left=("bound", "kind", "how")))
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"bounds": {str(k): v.as_dict() for k, v in reports.items()},
@@ -208,7 +197,7 @@ def bench_live(
         if task:
             progress.advance(task[0], n)
 
-    out = Console(width=max(Console().width, 150))
+    out = wide_console()
     try:
         specs = parse_router_specs(routers, kvroute_policies)
         with progress:
@@ -228,13 +217,8 @@ def bench_live(
         raise typer.Exit(2) from exc
     reports = result["reports"] if fidelity else {workload: result}
     for name, report in reports.items():
-        rows = live_table(report)
-        table = Table(title=f"{name}: {engines} engines")
-        for head in rows[0]:
-            table.add_column(head, justify="left" if head == "router" else "right")
-        for row in rows[1:]:
-            table.add_row(*row)
-        out.print(table)
+        out.print(rows_table(f"{name}: {engines} engines", live_table(report),
+                             left=("router",)))
         for router, reason in report["skipped"].items():
             console.print(f"[yellow]skipped {router}:[/yellow] {reason}")
     if json_out is not None:
@@ -283,15 +267,10 @@ def bench_tiers(
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    rows = tiers_table(report)
-    table = Table(title=f"tiers: {sessions} sessions, small {small_window} ({small_profile} x"
-                        f"{replicas_small}), large {large_window} ({large_profile} x{replicas_large})")
-    for head in rows[0]:
-        table.add_column(head, justify="left" if head == "mode" else "right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    out = Console(width=max(Console().width, 150))
-    out.print(table)
+    out = wide_console()
+    out.print(rows_table(f"tiers: {sessions} sessions, small {small_window} ({small_profile} x"
+                         f"{replicas_small}), large {large_window} ({large_profile} "
+                         f"x{replicas_large})", tiers_table(report), left=("mode",)))
     for name, goal in report["targets"].items():
         out.print(f"target {name}: met={goal['met']} "
                   + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))
@@ -351,23 +330,13 @@ def bench_tiers_live(
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    rows = live_tiers_table(report)
-    table = Table(title=f"tiers live: {sessions} sessions, small {small_window} ({small_profile} "
-                        f"x{replicas_small}), large {large_window} ({large_profile} x{replicas_large})")
-    for head in rows[0]:
-        table.add_column(head, justify="left" if head == "mode" else "right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    out = Console(width=max(Console().width, 150))
-    out.print(table)
+    out = wide_console()
+    out.print(rows_table(f"tiers live: {sessions} sessions, small {small_window} "
+                         f"({small_profile} x{replicas_small}), large {large_window} "
+                         f"({large_profile} x{replicas_large})", live_tiers_table(report),
+                         left=("mode",)))
     if repeats > 1:
-        rows = format_repeats(report)
-        per_repeat = Table(title=f"{repeats} repeats, modes interleaved")
-        for head in rows[0]:
-            per_repeat.add_column(head, justify="right")
-        for row in rows[1:]:
-            per_repeat.add_row(*row)
-        out.print(per_repeat)
+        out.print(rows_table(f"{repeats} repeats, modes interleaved", format_repeats(report)))
     for name, goal in report["targets"].items():
         out.print(f"target {name}: met={goal['met']} "
                   + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))

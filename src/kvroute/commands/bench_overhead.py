@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
+from kvroute.commands.tables import rows_table, wide_console
 from kvroute.core.errors import RouterError
 
 HELP = ("Router overhead side by side: direct, a bare relay, kvroute (engine /tokenize and "
@@ -58,12 +58,9 @@ def bench_overhead(
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    table = Table(title=f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...")
-    for head in _HEADS:
-        table.add_column(head, justify="left" if head in ("router", "phase") else "right")
-    for row in format_rows(report):
-        table.add_row(*row)
-    Console(width=max(Console().width, 160)).print(table)
+    wide_console(160).print(rows_table(
+        f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...",
+        [_HEADS, *format_rows(report)], left=("router", "phase")))
     for router, reason in report["skipped"].items():
         console.print(f"[yellow]skipped {router}:[/yellow] {reason}")
     if json_out is not None:

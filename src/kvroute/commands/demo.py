@@ -43,9 +43,9 @@ from typing import Annotated, Any, Final
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvroute.bench.workloads import WorkloadRequest, mooncake
+from kvroute.commands.tables import rows_table
 from kvroute.core.errors import ConfigError, RouterError
 
 __all__ = [
@@ -175,12 +175,7 @@ def demo_table(report: dict[str, Any]) -> list[list[str]]:
 
 
 def _print_rows(console: Console, rows: Sequence[Sequence[str]], title: str) -> None:
-    table = Table(title=title)
-    for head in rows[0]:
-        table.add_column(head, justify="left" if head == "policy" else "right")
-    for row in rows[1:]:
-        table.add_row(*row)
-    console.print(table)
+    console.print(rows_table(title, rows, left=("policy",)))
 
 
 def _progress(console: Console) -> Progress:

@@ -87,31 +87,32 @@ class BlockHashMemo:
             found = get((parent, tokens[start : start + bs]))
             if found is None:
                 digest = out[-1][0] if out else None
-                self._fill(token_ids, start // bs, digest, cache_salt, num_blocks, out)
+                self._fill(tokens, start // bs, digest, cache_salt, num_blocks, out)
                 return out
             append(found)
             parent = found[0]
         self.hits += num_blocks
         return out
 
-    def _fill(self, token_ids: Sequence[int], start: int, parent: BlockHash | None,
+    def _fill(self, tokens: tuple[int, ...], start: int, parent: BlockHash | None,
               cache_salt: str | None, num_blocks: int,
               out: list[tuple[BlockHash, WireHash]]) -> None:
-        """Hash blocks ``start..`` with the hasher, append them to ``out`` and memoise them."""
+        """Hash blocks ``start..`` of ``tokens`` (the hashable prefix, as a tuple) with the
+        hasher, append them to ``out`` and memoise them."""
         hasher = self.hasher
         self.hits += start
         self.misses += num_blocks - start
         if start == 0:
-            digests = hasher.hash_blocks(token_ids, cache_salt=cache_salt)
+            digests = hasher.hash_blocks(tokens, cache_salt=cache_salt)
         else:
-            digests = hasher.hash_blocks(token_ids, start_block=start, parent=parent)
+            digests = hasher.hash_blocks(tokens, start_block=start, parent=parent)
         bs = hasher.block_size
         memo = self._memo
         prev: object = ("salt", cache_salt) if start == 0 else parent
         for offset, digest in enumerate(digests):
             index = start + offset
             entry = (digest, to_wire_hash(digest))
-            memo[(prev, tuple(token_ids[index * bs : (index + 1) * bs]))] = entry
+            memo[(prev, tokens[index * bs : (index + 1) * bs])] = entry
             out.append(entry)
             prev = digest
         while len(memo) > self.max_entries:

@@ -145,12 +145,12 @@ class RouterRuntime:
                 self._seen[rep.name] = SubscriberStats()
                 sub.start().add_done_callback(self._subscriber_ended)
         self.state = build_state(config, metrics=self.metrics)
-        tokenizers = build_tokenizers(config, self.discovery, self.session, self.metrics)
-        self.tokenizers = tokenizers
+        self.tokenizers = build_tokenizers(config, self.discovery, self.session, self.metrics)
         self.app = build_app(
             config, core=self.core, upstream=Upstream(self.session, config.timeouts),
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
-            tokenizers=tokenizers, extra_state=self._extra_state, on_scrape=self.sync_metrics,
+            tokenizers=self.tokenizers, extra_state=self._extra_state,
+            on_scrape=self.sync_metrics,
             on_replica_failure=self.discovery.report_failure,
         )
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)

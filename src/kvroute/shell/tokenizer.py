@@ -12,9 +12,9 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
   the chat template of ``tokenizer_config.json`` through sandboxed ``jinja2``), loaded once at
   start-up. Chat prompts are encoded piecewise from a cache of already-seen pieces
   (``kvroute.token_segments`` inside ``HFTokenizer``: the system prompt and earlier turns
-  cost a lookup, only new text is encoded), on the event loop's thread: ``tokenizers`` holds the GIL while it
-  encodes, so a worker thread bought no concurrency, only a hand-off (measured in
-  ``benchmarks/micro/bench_router_path.py``).
+  cost a lookup, only new text is encoded), on the event loop's thread: ``tokenizers``
+  holds the GIL while it encodes (a spinning thread beside ``encode`` got ~5% of its pace),
+  so a worker thread bought no concurrency, only a hand-off.
 * ``none``: always None; the pool routes in the declared approximate mode.
 
 Requests that already carry token ids (completions with ``prompt: [ints]``) need no call in
