@@ -19,6 +19,7 @@ CASES = {
     "bench_decode_apply.py": ["--batches", "20", "--repeat", "1"],
     "bench_engine_model.py": ["--requests", "8"],
     "bench_events_decode.py": ["--batches", "10", "--repeat", "1"],
+    "bench_handler.py": ["--requests", "20", "--repeats", "1"],
     "bench_hashing.py": ["--repeats", "2", "--blocks", "4"],
     "bench_index.py": ["--quick"],
     "bench_router_path.py": ["--requests", "20", "--repeats", "1", "--no-engine"],

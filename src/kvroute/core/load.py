@@ -39,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvroute.core.types import ReplicaId, RequestId
 
@@ -46,9 +47,12 @@ DEFAULT_RATE_EWMA_ALPHA = 0.2
 RATE_CLAMP_FACTOR = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
+class ReplicaLoad(NamedTuple):
     """A snapshot of one replica's load, the input every policy scores.
+
+    A named tuple, not a frozen dataclass: every decision builds one per replica, and a
+    tuple is built in a third of the time a frozen dataclass's ``__init__`` takes, immutable
+    all the same.
 
     Attributes:
         outstanding_prefill_tokens: prompt tokens dispatched there that have not produced a
@@ -268,16 +272,10 @@ class LoadTracker:
             # Work queued by other router processes (or before our restart) is invisible to
             # our own accounting; the engine's waiting count times a typical prompt is a floor.
             outstanding = max(outstanding, int(record.engine_waiting * record.mean_prompt_tokens))
-        return ReplicaLoad(
-            outstanding_prefill_tokens=outstanding,
-            num_in_flight=len(record.in_flight),
-            num_decoding=record.num_decoding,
-            prefill_rate_tps=record.rate_tps,
-            engine_running=record.engine_running,
-            engine_waiting=record.engine_waiting,
-            kv_usage=record.kv_usage,
-            active_kv_tokens=record.active_kv_tokens,
-            last_chosen_s=record.last_chosen_s,
+        return ReplicaLoad(  # positional (field order): the fastest way to build one
+            outstanding, len(record.in_flight), record.num_decoding, record.rate_tps,
+            record.engine_running, record.engine_waiting, record.kv_usage,
+            record.active_kv_tokens, record.last_chosen_s,
         )
 
     def _record(self, replica: ReplicaId) -> _ReplicaRecord:

@@ -81,7 +81,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvroute.core.index import PrefixMatch
 from kvroute.core.load import ReplicaLoad
@@ -126,9 +126,9 @@ class PolicyInput:
     preferred_replica: ReplicaId | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One replica a policy may choose, with what is known about it."""
+class Candidate(NamedTuple):
+    """One replica a policy may choose, with what is known about it (a named tuple: one is
+    built per replica and decision, see ``ReplicaLoad``)."""
 
     replica: ReplicaId
     load: ReplicaLoad
@@ -208,22 +208,21 @@ def rank_by_cost(
     candidates' list order.
     """
     sign = 1.0 if lower_is_better else -1.0
-    keyed = []
-    for cand in candidates:
-        cost = sign * costs[cand.replica]
-        keyed.append((cost, cand.replica != preferred, cand.load.last_chosen_s, rng.random(),
-                      cand.replica))
-    keyed.sort(key=lambda item: (item[0], item[1], item[2], item[3]))
+    # Plain tuples sort natively (no key function); the replica name at the end is never
+    # reached, the random draw before it being unique.
+    keyed = [(sign * costs[cand.replica], cand.replica != preferred, cand.load.last_chosen_s,
+              rng.random(), cand.replica) for cand in candidates]
+    keyed.sort()
     # Collapse float noise: costs equal within the tolerance compare as equal.
-    ordered: list[tuple[float, bool, float, float, ReplicaId]] = []
-    for item in keyed:
-        if ordered:
-            prev = ordered[-1][0]
-            if abs(item[0] - prev) <= TIE_TOLERANCE * max(1.0, abs(prev)):
-                item = (prev, *item[1:])
-        ordered.append(item)
-    ordered.sort(key=lambda item: (item[0], item[1], item[2], item[3]))
-    return tuple(item[4] for item in ordered)
+    collapsed = False
+    for i in range(1, len(keyed)):
+        prev, item = keyed[i - 1][0], keyed[i]
+        if item[0] != prev and abs(item[0] - prev) <= TIE_TOLERANCE * max(1.0, abs(prev)):
+            keyed[i] = (prev, *item[1:])
+            collapsed = True
+    if collapsed:
+        keyed.sort()
+    return tuple(item[4] for item in keyed)
 
 
 class KvrouteCostPolicy:

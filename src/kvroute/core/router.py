@@ -145,6 +145,11 @@ class _Pool:
     hasher: BlockHashMemo
     policy: Policy
     healthy: set[ReplicaId]
+    names: tuple[ReplicaId, ...] = ()
+    """The replicas' names in configuration order (``spec.replicas``' names)."""
+
+    def __post_init__(self) -> None:
+        self.names = tuple(rep.name for rep in self.spec.replicas)
 
 
 def text_chunk_hashes(text: str, chunk_chars: int = APPROX_CHUNK_CHARS) -> list[WireHash]:
@@ -280,10 +285,11 @@ class RouterCore:
         index = self.approx_index if approximate else self.index
         matches = index.match(hashes, request.scope)
         now = self._clock.now()
+        snapshot, healthy, exclude = self.load.snapshot, entry.healthy, request.exclude
         candidates = [
-            Candidate(replica, self.load.snapshot(replica, now), matches.get(replica, NO_MATCH))
-            for replica in (rep.name for rep in entry.spec.replicas)
-            if replica in entry.healthy and replica not in request.exclude
+            Candidate(replica, snapshot(replica, now), matches.get(replica, NO_MATCH))
+            for replica in entry.names
+            if replica in healthy and replica not in exclude
         ]
         if not candidates:
             raise NoEligibleReplica(
@@ -296,7 +302,7 @@ class RouterCore:
             block_size=APPROX_CHUNK_CHARS // 4 if approximate else entry.spec.block_size,
             block_hashes=hashes,
             expected_output_tokens=request.expected_output_tokens,
-            now_s=self._clock.now(),
+            now_s=now,
             session_id=request.session_id,
             routing_text=request.routing_text if entry.policy.needs_text else "",
             preferred_replica=request.preferred_replica,

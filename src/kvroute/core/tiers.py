@@ -76,8 +76,9 @@ that is only a lower bound is never the basis of a clamp on its own: the clamp t
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Final
 
 from kvroute.core.errors import ConfigError
@@ -267,10 +268,17 @@ class Place:
     pool_name: str
     clamped_max_tokens: int | None
     reason: PlaceReason
-    log_line: str
-    input_tokens: int
+    describe: Callable[[], str] = field(repr=False, compare=False)
+    """Renders the decision line; called only when it is logged (every request gets a
+    placement, few placements are logged, and the line costs more than the decision)."""
+    input_tokens: int = 0
     skipped: tuple[Skip, ...] = ()
     stale_pools: tuple[int, ...] = ()
+
+    @property
+    def log_line(self) -> str:
+        """The decision line (see ``proactive_log_line``)."""
+        return self.describe()
 
     @property
     def escalated(self) -> bool:
@@ -449,11 +457,11 @@ def plan_tier(
         clamp = None if clamped is None else (requested_max_tokens or 0, clamped)
         if reason is PlaceReason.UNCERTAIN:
             notes.append(f"band {low}..{high}tok straddles, no exact count: stays on low")
-        line = proactive_log_line(estimate, floor, too_small, pool.name, fits=fits,
-                                  clamp=clamp, notes=notes)  # fmt: skip
+        describe = partial(proactive_log_line, estimate, floor, tuple(too_small), pool.name,
+                           fits=fits, clamp=clamp, notes=tuple(notes))
         if reason is PlaceReason.FITS and too_small:
             reason = PlaceReason.ESCALATED
-        return Place(i, pool.name, clamped, reason, line, low, tuple(skipped), tuple(stale))
+        return Place(i, pool.name, clamped, reason, describe, low, tuple(skipped), tuple(stale))
 
     for i, pool in enumerate(pools):
         skip = eligibility(pool, i, request_model)

@@ -52,6 +52,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final, Protocol
 
 from kvroute.config import RouteConfig, RouterConfig
@@ -494,7 +495,9 @@ class Tiering:
         assert isinstance(plan, Place), f"plan_tier returned {type(plan).__name__}"
         notable = (plan.reason is not PlaceReason.FITS or plan.clamped_max_tokens is not None
                    or plan.skipped or plan.stale_pools)  # fmt: skip
-        log.log(logging.INFO if notable else logging.DEBUG, "%s", plan.log_line)
+        level = logging.INFO if notable else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "%s", plan.log_line)
         self._log_external_skips(skipped, parsed.model, f"placed on {plan.pool_name!r}")
         walk.estimate = estimate
         walk.place = plan
@@ -520,8 +523,8 @@ class Tiering:
             if skip is None:
                 line = f"{LOG_TAG} reactive-only: → {pools[i].name!r} (proactive off)"
                 log.debug("%s", line)
-                walk.place = Place(i, pools[i].name, None, PlaceReason.FITS, line,
-                                   walk.estimate.low, tuple(skipped))
+                walk.place = Place(i, pools[i].name, None, PlaceReason.FITS,
+                                   partial(str, line), walk.estimate.low, tuple(skipped))
                 walk.state = AttemptState.first(walk.place, walk.estimate, parsed.max_tokens)
                 return walk
             skipped.append(skip)
@@ -641,5 +644,5 @@ def _count(usage: Mapping[str, Any] | None, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-_NO_PLACE: Final = Place(0, "", None, PlaceReason.FITS, "", 0)
+_NO_PLACE: Final = Place(0, "", None, PlaceReason.FITS, partial(str, ""), 0)
 """Placeholder of a walk under construction (replaced before ``plan`` returns it)."""
