@@ -727,9 +727,11 @@ def test_warm_ups_per_replica_are_bounded_and_the_rest_deferred(small_fleet: Fle
 
 
 def test_a_warm_up_that_waits_out_its_timeout_for_a_slot_is_skipped(small_fleet: Fleet) -> None:
-    """Bound 1, timeout 1 s, the engine never answers: the first warm-up times out holding
-    the slot, the second gets it and times out too, the third waited its whole second for a
-    slot: ``skipped``/``replica_busy``, never sent."""
+    """Bound 1, timeout 2.5 s, the engine never answers: the first warm-up times out holding
+    the slot, the second gets it and times out too, the third waited its whole timeout for a
+    slot: ``skipped``/``replica_busy``, never sent. (The timeout must exceed the time the
+    three requests take to fire their warm-ups, or the third finds the second's slot free:
+    at 1 s, a loaded CI machine got there.)"""
     rng = random.Random(91)
 
     async def test(rt: RouterRuntime, c: Client, engine: _GatedEngine) -> None:
@@ -738,11 +740,11 @@ def test_a_warm_up_that_waits_out_its_timeout_for_a_slot_is_skipped(small_fleet:
                                            max_tokens=8), session_id=f"busy-{i}")
             assert reply.status == 200
         await wait_for(lambda: counter(rt, "warm", outcome="skipped", reason="replica_busy")
-                       == 1, timeout_s=5.0, what="the third warm-up to give up waiting")
+                       == 1, timeout_s=10.0, what="the third warm-up to give up waiting")
         await wait_for(lambda: counter(rt, "warm", outcome="failed", reason="timeout") == 2,
-                       timeout_s=5.0, what="the two sent warm-ups to time out")
+                       timeout_s=10.0, what="the two sent warm-ups to time out")
         assert len(engine.bodies) == 2 and engine.max_held == 1
         assert counter(rt, "warm", outcome="fired", reason="large") == 2
         assert not rt.core.load.snapshot(ReplicaId("l-gated")).num_in_flight
 
-    _gated_run(small_fleet, {"timeout_s": 1.0}, test)
+    _gated_run(small_fleet, {"timeout_s": 2.5}, test, timeout_s=40.0)

@@ -60,7 +60,6 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Protocol, TypeVar
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -73,6 +72,7 @@ from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.tiers import GiveUp, Retry
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.shell.admission import Admission, AdmissionRejected
+from kvroute.shell.engine_client import ConnectTimeout
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import MonotonicClock, SessionState
@@ -278,7 +278,7 @@ def _is_connect_failure(error: UpstreamError) -> bool:
     """No connection to the replica: refused, unreachable, or a connect (not read) timeout."""
     if error.kind == "connect":
         return True
-    return error.kind == "timeout" and isinstance(error.__cause__, aiohttp.ConnectionTimeoutError)
+    return error.kind == "timeout" and isinstance(error.__cause__, ConnectTimeout)
 
 
 def request_ids() -> Iterator[str]:

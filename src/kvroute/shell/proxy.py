@@ -1,8 +1,9 @@
-"""The upstream side: one pooled HTTP client, timeouts on every call, and the streaming relay.
+"""The upstream side: forwarding through the engine client, timeouts, and the streaming relay.
 
-Owns the aiohttp ``ClientSession`` the router sends engine traffic through and the rules for
-what counts as "before the first byte" (retryable elsewhere) and "after" (the stream is ended
-with a well-formed error event). It does not choose replicas: ``shell/app.py`` asks the core
+Owns the rules for what counts as "before the first byte" (retryable elsewhere) and "after"
+(the stream is ended with a well-formed error event), over ``shell/engine_client.py``'s pooled
+connections; and ``make_client_session``, the aiohttp session the rest of the shell uses for
+calls off the request path (discovery, ``/tokenize``, health). It does not choose replicas: ``shell/app.py`` asks the core
 and hands a URL here (choosing is separate from sending).
 
 Theory of operation
@@ -26,10 +27,9 @@ back, so if the engine dies mid-stream the client gets every complete event, the
 ``wire.sse.error_event`` and ``data: [DONE]``. vLLM writes one event per chunk, so the held
 tail is normally empty and nothing is delayed.
 
-TCP_NODELAY: aiohttp's protocol base class sets it on every client and server socket
-(``aiohttp.base_protocol.BaseProtocol.connection_made``); an integration test checks that
-this is still so on both sides, because a relay with Nagle on adds ~40 ms to each small SSE
-write (see the overhead anchors: sglang-router's +43 ms TTFC).
+TCP_NODELAY: the engine client sets it on its sockets, and aiohttp's protocol base class on
+the server's (``aiohttp.base_protocol.BaseProtocol.connection_made``): a relay with Nagle on
+adds ~40 ms to each small SSE write (see the overhead anchors: sglang-router's +43 ms TTFC).
 """
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ from aiohttp import web
 
 from kvroute.config import TimeoutsConfig
 from kvroute.core.errors import RouterError
+from kvroute.shell.engine_client import (
+    ConnectFailed,
+    ConnectTimeout,
+    EngineClient,
+    EngineClientError,
+    EngineResponse,
+)
 from kvroute.wire.sse import DONE, error_event
 
 __all__ = [
@@ -52,6 +59,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamReply",
     "make_client_session",
+    "make_engine_client",
     "relay_stream",
 ]
 
@@ -102,7 +110,7 @@ class UpstreamReply:
     status: int
     headers: Mapping[str, str]
     body: bytes
-    response: aiohttp.ClientResponse | None
+    response: EngineResponse | None
 
     def close(self) -> None:
         if self.response is not None:
@@ -135,18 +143,23 @@ def relay_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
 
 
+def make_engine_client(timeouts: TimeoutsConfig, *, keepalive_s: float = 60.0) -> EngineClient:
+    """The router's forwarding client: connect and total timeouts from the configuration."""
+    return EngineClient(connect_timeout_s=timeouts.connect_s, total_timeout_s=timeouts.total_s,
+                        keepalive_s=keepalive_s)
+
+
 class Upstream:
-    """Sends requests to engines through one shared ``ClientSession``.
+    """Sends forwarded requests to engines through one shared ``EngineClient``.
 
     Args:
-        session: the router's client session (``make_client_session``).
-        timeouts: connect, first-byte and total timeouts in seconds.
+        client: the router's engine client (``make_engine_client``).
+        timeouts: first-byte and total timeouts in seconds (connect: the client's own).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, timeouts: TimeoutsConfig) -> None:
-        self.session = session
+    def __init__(self, client: EngineClient, timeouts: TimeoutsConfig) -> None:
+        self.client = client
         self.timeouts = timeouts
-        self._timeout = aiohttp.ClientTimeout(total=timeouts.total_s, connect=timeouts.connect_s)
 
     async def open(self, url: str, body: bytes, *, stream: bool,
                    headers: Mapping[str, str] | None = None) -> UpstreamReply:
@@ -156,29 +169,23 @@ class Upstream:
             UpstreamError: before anything was relayed; ``retryable`` says whether another
                 replica might do better.
         """
-        send_headers = {"Content-Type": "application/json"}
-        if headers:
-            send_headers.update(headers)
         limit = self.timeouts.first_byte_s if stream else self.timeouts.total_s
-        resp: aiohttp.ClientResponse | None = None
+        resp: EngineResponse | None = None
         try:
             async with asyncio.timeout(limit):
-                resp = await self.session.post(url, data=body, headers=send_headers,
-                                               timeout=self._timeout)
+                resp = await self.client.post(url, body, headers)
                 if resp.status >= 400:
                     err_body = await resp.read()
-                    resp.release()
                     raise UpstreamError(
                         "status", f"{url} answered HTTP {resp.status}",
                         retryable=resp.status >= 500, status=resp.status, body=err_body,
-                        content_type=resp.headers.get("Content-Type", "application/json"),
+                        content_type=resp.headers.get("content-type", "application/json"),
                     )
                 if not stream:
                     data = await resp.read()
-                    resp.release()
                     return UpstreamReply(resp.status, relay_headers(resp.headers), data, None)
-                first = await resp.content.readany()
-                if not first and resp.content.at_eof():
+                first = await resp.readany()
+                if not first and resp.at_eof():
                     raise UpstreamError(
                         "disconnect", f"{url} ended the stream before its first byte",
                         retryable=True,
@@ -195,19 +202,16 @@ class Upstream:
             raise UpstreamError(
                 "timeout", f"{url} sent no {what} within {limit:g}s", retryable=stream,
             ) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError("connect", f"cannot connect to {url}: {exc.os_error}",
+        except ConnectTimeout as exc:  # nothing reached the engine: always safe elsewhere
+            raise UpstreamError("timeout", f"{url}: {exc}", retryable=True) from exc
+        except ConnectFailed as exc:
+            raise UpstreamError("connect", f"cannot connect to {url}: {exc.os_error or exc}",
                                 retryable=True) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
-                aiohttp.ClientOSError) as exc:
+        except EngineClientError as exc:  # disconnected, or not HTTP
             if resp is not None:
                 resp.close()
             raise UpstreamError("disconnect", f"{url} dropped the connection: {exc}",
                                 retryable=True) from exc
-        except aiohttp.ClientError as exc:
-            if resp is not None:
-                resp.close()
-            raise UpstreamError("disconnect", f"{url} failed: {exc!r}", retryable=True) from exc
         except BaseException:
             # Cancelled (the client went away) or a bug: never leave the engine generating.
             if resp is not None:
@@ -259,8 +263,8 @@ async def relay_stream(
                     if maybe is not None:
                         await maybe
             try:
-                chunk = await resp.content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                chunk = await resp.readany()
+            except (EngineClientError, TimeoutError) as exc:
                 kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
                 message = (
                     f"replica {replica} failed after the stream started ({kind}: "

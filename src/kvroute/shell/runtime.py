@@ -8,8 +8,9 @@ Start-up order (each step needs the previous one):
 
 1. ``RouterCore`` from the config (pools start in approximate mode until discovery has read
    block size and hash algorithm from the engines, unless the config fixes both);
-2. one ``aiohttp.ClientSession`` (keep-alive pool, TCP_NODELAY) shared by discovery, the
-   tokenizers and the proxy;
+2. one ``aiohttp.ClientSession`` (keep-alive pool, TCP_NODELAY) shared by discovery and the
+   tokenizers, and the proxy's ``EngineClient`` (``shell/engine_client.py``) for forwarded
+   requests and warm-ups;
 3. ``Discovery.refresh_now()`` — health, windows, hashing — before the first request;
 4. one ``EventSubscriber`` per replica with ``kv_events``; their callbacks call
    ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
@@ -46,8 +47,9 @@ from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.types import ReplicaId
 from kvroute.shell.app import build_app
 from kvroute.shell.discovery import Discovery
+from kvroute.shell.engine_client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.shell.proxy import Upstream, make_client_session
+from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
 from kvroute.shell.tokenizer import LocalTokenizer, PromptTokenizer, build_tokenizers
 from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
@@ -104,6 +106,7 @@ class RouterRuntime:
         self.subscribers: dict[ReplicaId, EventSubscriber] = {}
         self._seen: dict[ReplicaId, SubscriberStats] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.engine_client: EngineClient | None = None
         self.discovery: Discovery | None = None
         self.state: SessionState | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
@@ -128,6 +131,7 @@ class RouterRuntime:
         config = self.config
         secrets = resolve_secrets(config, self._env)
         self.session = make_client_session(config.timeouts)
+        self.engine_client = make_engine_client(config.timeouts)
         self.discovery = Discovery(config, self.core, self.session, self.metrics,
                                    provider_keys=secrets.provider_keys)
         await self.discovery.refresh_now()
@@ -147,7 +151,7 @@ class RouterRuntime:
         self.state = build_state(config, metrics=self.metrics)
         self.tokenizers = build_tokenizers(config, self.discovery, self.session, self.metrics)
         self.app = build_app(
-            config, core=self.core, upstream=Upstream(self.session, config.timeouts),
+            config, core=self.core, upstream=Upstream(self.engine_client, config.timeouts),
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
             tokenizers=self.tokenizers, extra_state=self._extra_state,
             on_scrape=self.sync_metrics,
@@ -186,6 +190,9 @@ class RouterRuntime:
         if self.discovery is not None:
             await step(self.discovery.stop())
             self.discovery = None
+        if self.engine_client is not None:
+            await step(self.engine_client.close())
+            self.engine_client = None
         if self.session is not None:
             await step(self.session.close())
             self.session = None
