@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -39,7 +39,7 @@ class Server:
         self._server: asyncio.Server | None = None
         self.port = 0
 
-    async def __aenter__(self) -> Server:
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
