@@ -148,10 +148,11 @@ class HFTokenizer:
             value = value.get("content")
         return value if isinstance(value, str) else None
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> Sequence[int]:
         """The ids of ``text``. Without special tokens added (how vLLM encodes a rendered chat
         prompt) they come from the piece cache (``token_segments``): the same ids, computed
-        only for text not seen before."""
+        only for text not seen before, as an ``array('I')``; with them, a list. Convert with
+        ``list()`` where a list is required (a JSON body: an array is not JSON)."""
         if not add_special_tokens:
             return self.pieces.encode(text)
         return list(self._tok.encode(text, add_special_tokens=True).ids)

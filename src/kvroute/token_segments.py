@@ -24,6 +24,13 @@ argument costs one wrong routing decision at most, never a silent drift.
 
 Memory: pieces are kept in an LRU bounded by their total tokens (``max_tokens``), as
 ``array('I')`` (4 bytes a token).
+
+Output: ``encode`` returns an ``array('I')`` too, the cached pieces concatenated (an array
+``+=`` an array of the same type code is one memcpy) with the special tokens' ids in between.
+A list would cost an int object per token (~1,500 for a typical chat prompt) that nothing
+downstream needs: the router's block-hash memo keys blocks by the array's raw bytes
+(``core.hash_memo``). An array never compares equal to a list, so the checks here compare
+arrays with arrays; callers that need a list (JSON bodies) convert at that edge.
 """
 
 from __future__ import annotations
@@ -105,19 +112,20 @@ class SegmentEncoder:
     def cached_tokens(self) -> int:
         return self._cached_tokens
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text`` (``add_special_tokens=False``)."""
+    def encode(self, text: str) -> array[int]:
+        """The ids of ``text`` (``add_special_tokens=False``), as ``array('I')`` whether they
+        come from the cache or, with the cache off, from ``encode_whole``."""
         if not self.enabled:
-            return list(self._encode(text))
+            return array("I", self._encode(text))
         try:
             ids = self._encode_pieces(text)
         except _Unsplittable as exc:
-            whole = list(self._encode(text))
-            self._disable(text, whole, [], reason=str(exc))
+            whole = array("I", self._encode(text))
+            self._disable(text, whole, (), reason=str(exc))
             return whole
         self._calls += 1
         if self._verify_every and self._calls % self._verify_every == 0:
-            whole = list(self._encode(text))
+            whole = array("I", self._encode(text))
             if whole != ids:
                 self._disable(text, whole, ids)
                 return whole
@@ -125,19 +133,19 @@ class SegmentEncoder:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _encode_pieces(self, text: str) -> list[int]:
+    def _encode_pieces(self, text: str) -> array[int]:
         assert self._pattern is not None
-        out: list[int] = []
+        out = array("I")
         previous: str | None = None
         for i, piece in enumerate(self._pattern.split(text)):
             if i % 2:  # a special token (split() puts the captured separators at odd indices)
                 out.append(self._ids[piece])
                 previous = piece
             elif piece:
-                out.extend(self._piece(previous, piece))
+                out += self._piece(previous, piece)  # same type code: a memcpy
         return out
 
-    def _piece(self, previous: str | None, piece: str) -> Sequence[int]:
+    def _piece(self, previous: str | None, piece: str) -> array[int]:
         key = (previous, piece)
         cached = self._cache.get(key)
         if cached is not None:
@@ -169,7 +177,7 @@ class SegmentEncoder:
         try:
             for probe in _PROBES:
                 text = probe.format(s0=s0, s1=s1)
-                if list(self._encode(text)) != self._encode_pieces(text):
+                if array("I", self._encode(text)) != self._encode_pieces(text):
                     log.warning("%s: piecewise tokenization differs from whole-prompt "
                                 "tokenization on a probe; the token cache is off (every prompt "
                                 "is encoded whole)", self._name)
@@ -183,7 +191,7 @@ class SegmentEncoder:
             self.hits = self.misses = 0
         return True
 
-    def _disable(self, text: str, whole: list[int], pieces: list[int],
+    def _disable(self, text: str, whole: Sequence[int], pieces: Sequence[int],
                  reason: str | None = None) -> None:
         self.mismatches += 1
         self.enabled = False

@@ -1,6 +1,10 @@
-"""``BlockHashMemo`` answers exactly what ``BlockHasher`` computes, whatever it has memoised."""
+"""``BlockHashMemo`` answers exactly what ``BlockHasher`` computes, whatever it has memoised,
+for lists (tuple keys) and ``array('I')`` (bytes keys) mixed on one memo."""
 
 from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -11,29 +15,52 @@ from kvroute.core.hashing import HASH_ALGOS, BlockHasher, LoraKey
 
 _tokens = st.lists(st.integers(min_value=0, max_value=2**20), min_size=0, max_size=90)
 _salts = st.one_of(st.none(), st.sampled_from(["tenant-a", "tenant-b"]))
+_forms = st.sampled_from(["list", "I", "Q"])
+"""How a request's ids reach the memo: a list, the tokenizer's ``array('I')`` (bytes keys),
+or another array type (tuple keys, like a list)."""
+
+
+def _as(form: str, tokens: list[int]) -> Sequence[int]:
+    return tokens if form == "list" else array(form, tokens)
 
 
 @settings(max_examples=150, deadline=None)
 @given(
     prefix=_tokens,
-    suffixes=st.lists(st.tuples(_tokens, _salts), min_size=1, max_size=6),
+    suffixes=st.lists(st.tuples(_tokens, _salts, _forms), min_size=1, max_size=6),
     block_size=st.sampled_from([1, 4, 16]),
     algo=st.sampled_from(sorted(HASH_ALGOS)),
     max_entries=st.sampled_from([0, 3, 1000]),
 )
-def test_memo_equals_hasher_on_shared_prefixes(prefix: list[int],
-                                               suffixes: list[tuple[list[int], str | None]],
-                                               block_size: int, algo: str,
-                                               max_entries: int) -> None:
+def test_memo_equals_hasher_on_shared_prefixes(
+        prefix: list[int], suffixes: list[tuple[list[int], str | None, str]], block_size: int,
+        algo: str, max_entries: int) -> None:
     hasher = BlockHasher(algo, block_size, seed="0" if algo.startswith("xxhash") else None)
     memo = BlockHashMemo(hasher, max_entries=max_entries)
-    for suffix, salt in suffixes * 2:  # the second round runs on a warm memo
+    for suffix, salt, form in suffixes * 2:  # the second round runs on a warm memo
         tokens = prefix + suffix
-        assert memo.wire_hashes(tokens, cache_salt=salt) == hasher.wire_hashes(
+        ids = _as(form, tokens)
+        assert memo.wire_hashes(ids, cache_salt=salt) == hasher.wire_hashes(
             tokens, cache_salt=salt)
-        assert memo.hash_blocks(tokens, cache_salt=salt) == hasher.hash_blocks(
+        assert memo.hash_blocks(ids, cache_salt=salt) == hasher.hash_blocks(
             tokens, cache_salt=salt)
         assert len(memo) <= max_entries
+
+
+def test_array_and_list_of_one_prompt_are_memoised_apart_and_both_hit() -> None:
+    hasher = BlockHasher("sha256", 16)
+    memo = BlockHashMemo(hasher)
+    tokens = list(range(16 * 20 + 5))  # 20 blocks (2 spans, 4 blocks) and a partial block
+    expected = hasher.wire_hashes(tokens, cache_salt="acme")
+    assert memo.wire_hashes(array("I", tokens), cache_salt="acme") == expected
+    entries = len(memo)
+    assert entries == 20 + 2
+    assert memo.wire_hashes(tokens, cache_salt="acme") == expected  # tuple keys: a miss
+    assert len(memo) == 2 * entries and memo.misses == 40
+    for ids in (array("I", tokens), tokens):
+        assert memo.wire_hashes(ids, cache_salt="acme") == expected
+    assert memo.misses == 40 and memo.hits == 40 and len(memo) == 2 * entries
+    assert memo.wire_hashes(array("I", tokens)) == hasher.wire_hashes(tokens)  # salt: a miss
 
 
 def test_memo_hits_the_shared_prefix_and_stays_bounded() -> None:

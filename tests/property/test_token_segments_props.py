@@ -4,6 +4,7 @@ Metaspace tokenizer whose first piece is encoded differently (``prepend_scheme: 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -50,7 +51,7 @@ def test_piecewise_ids_equal_whole_ids(name: str, texts: list[str]) -> None:
     seg = SegmentEncoder(encode, split, verify_every=0)
     assert seg.enabled
     for text in texts * 2:  # the second round is served from the cache
-        assert seg.encode(text) == list(encode(text))
+        assert seg.encode(text).tolist() == list(encode(text))
 
 
 def test_shared_system_prompt_is_encoded_once() -> None:
@@ -66,10 +67,31 @@ def test_shared_system_prompt_is_encoded_once() -> None:
     system = "You are a careful assistant. " * 40
     for question in ("What is a block?", "Why route by prefix?", "How big is the cache?"):
         text = f"<s><|system|>\n{system}<|end|>\n<|user|>\n{question}<|end|>\n<|assistant|>\n"
-        assert seg.encode(text) == list(encode(text))
+        assert seg.encode(text).tolist() == list(encode(text))
     system_calls = [c for c in calls if system in c]
     assert len(system_calls) == 1
     assert seg.hits > 0 and seg.cached_tokens > 0
+
+
+def test_encode_returns_packed_ids_equal_to_the_whole_prompt_encode() -> None:
+    """The bundled tokenizer's chat prompt: an ``array('I')`` from the cache (first and
+    second time) and with the cache off, equal as a list to the whole-prompt ids."""
+    tok = HFTokenizer.from_dir(bundled_tokenizer_dir())
+    system = "You are a careful assistant who answers in short sentences. " * 30
+    text = tok.render_chat([{"role": "system", "content": system},
+                            {"role": "user", "content": "Why route by prefix?"}])
+    plain = Tokenizer.from_file(str(bundled_tokenizer_dir() / "tokenizer.json"))
+    whole = list(plain.encode(text, add_special_tokens=False).ids)
+    assert tok.pieces.enabled
+    for _ in range(2):  # a miss, then cached pieces
+        ids = tok.encode(text, add_special_tokens=False)
+        assert isinstance(ids, array) and ids.typecode == "I"
+        assert ids.tolist() == whole
+    assert tok.pieces.hits > 0
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    off = SegmentEncoder(encode, split, max_tokens=0)
+    assert not off.enabled
+    assert off.encode(text).tolist() == whole and off.encode(text).typecode == "I"
 
 
 def test_memory_bound_evicts_least_recent() -> None:
@@ -101,10 +123,13 @@ def test_a_mismatch_turns_the_cache_off_and_says_so(caplog: pytest.LogCaptureFix
         first = seg.encode(text)   # call 1: not verified
         second = seg.encode(text)  # call 2: verified, differs, cache off
     assert first != second
-    assert second == sometimes_wrong(text)
+    assert second.tolist() == sometimes_wrong(text)
     assert not seg.enabled and seg.mismatches == 1
     assert "token cache is now off" in caplog.text
-    assert seg.encode(text) == sometimes_wrong(text)
+    assert f"at token {len(second) - 1} of {len(second)}" in caplog.text  # the last id differs
+    off = seg.encode(text)
+    assert isinstance(off, array) and off.typecode == "I"
+    assert off.tolist() == sometimes_wrong(text)
 
 
 def test_no_markers_or_zero_budget_means_whole_encoding() -> None:

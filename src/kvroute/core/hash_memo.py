@@ -16,17 +16,30 @@ being most of what a memo hit costs.
 
 Why: hashing is the router's largest per-token cost (sha256 of a pickled block, ~1.4 µs for
 16 tokens, ~7 µs for 128), and most of a prompt's blocks (system prompt, earlier turns) were
-hashed for an earlier request. A memo lookup costs a tuple slice and a dict probe.
+hashed for an earlier request. A memo lookup costs a slice and a dict probe.
+
+Two key forms: an ``array('I')`` (what the local tokenizer's piece cache returns) is keyed by
+slices of its raw bytes (``tobytes()``, one memcpy; a block is ``itemsize * block_size``
+bytes), any other sequence by tuples of its ints. A bytes slice hashes and compares in C over
+contiguous memory, where a tuple key needs an int object per token and hashes them one by one
+(building the prompt's tuple and hashing its slices were most of a warm walk: ~30 µs for a
+1,500-token prompt as a list, ~10-17 µs as bytes). The forms never meet: a bytes key never
+equals a tuple key, so the same tokens as a list and as an array are memoised apart, each
+exactly. Only type code ``'I'`` takes the bytes form: with one item size, a block key and a
+span key always differ in length; another type code could make one array's span the bytes
+of another's block. The hasher itself always reads the ids as ints.
 
 Inputs are token ids the caller has already validated as ints (the tokenizer's ids, or a
-completion's checked ``prompt``): a key made of equal-comparing non-ints (``1.0``) could hit.
-Memory: at most ``max_entries`` entries (blocks and spans), each a key tuple and its digests,
+completion's checked ``prompt``): a tuple key made of equal-comparing non-ints (``1.0``) could
+hit (an ``array('I')`` holds only ints in ``0..2**32-1``).
+Memory: at most ``max_entries`` entries (blocks and spans), each a key and its digests,
 evicted oldest-inserted first. Hits do not refresh an entry (that costs a third of a hit): a
 hot prefix that ages out is re-inserted by the next request that misses it.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
@@ -42,7 +55,9 @@ DEFAULT_MEMO_BLOCKS: Final = 262_144
 SPAN_BLOCKS: Final = 8
 """Blocks per memoised span (128 tokens at block size 16)."""
 
-_Key = tuple[object, tuple[int, ...]]
+_Tokens = tuple[int, ...] | bytes
+"""The hashable prefix as keys slice it: a tuple of ints, or the raw bytes of an ``array('I')``."""
+_Key = tuple[object, _Tokens]
 _Entry = tuple[tuple[BlockHash, ...], tuple[WireHash, ...]]
 """Digests and wire hashes of a block (one each) or of a span (``SPAN_BLOCKS`` each)."""
 
@@ -91,19 +106,18 @@ class BlockHashMemo:
               cache_salt: str | None) -> tuple[list[BlockHash], list[WireHash]]:
         """Digests and wire hashes of every full block: spans while they hit, then blocks,
         then the hasher for the first block not memoised and everything after it."""
-        bs = self.hasher.block_size
         num_blocks = self.hasher.num_hashable_blocks(len(token_ids))
-        tokens = tuple(token_ids[: num_blocks * bs])  # slices of a tuple are tuples
+        tokens, step = self._key_tokens(token_ids, num_blocks)
         get = self._memo.get
         digests: list[BlockHash] = []
         wires: list[WireHash] = []
         root: object = ("salt", cache_salt)  # block 0's only extra key stands in for NONE_HASH
         parent = root
-        span_tokens = SPAN_BLOCKS * bs
+        span_step = SPAN_BLOCKS * step
         block = 0
         while block + SPAN_BLOCKS <= num_blocks:
-            start = block * bs
-            found = get((parent, tokens[start : start + span_tokens]))
+            start = block * step
+            found = get((parent, tokens[start : start + span_step]))
             if found is None:
                 break
             digests += found[0]
@@ -112,10 +126,10 @@ class BlockHashMemo:
             block += SPAN_BLOCKS
         first_missed_span = block
         while block < num_blocks:
-            start = block * bs
-            found = get((parent, tokens[start : start + bs]))
+            start = block * step
+            found = get((parent, tokens[start : start + step]))
             if found is None:
-                self._fill(tokens, block, cache_salt, num_blocks, digests, wires)
+                self._fill(token_ids, tokens, step, block, cache_salt, digests, wires)
                 break
             digests += found[0]
             wires += found[1]
@@ -123,43 +137,55 @@ class BlockHashMemo:
             block += 1
         else:
             self.hits += num_blocks
-        self._add_spans(tokens, first_missed_span, root, digests, wires)
+        self._add_spans(tokens, step, first_missed_span, root, digests, wires)
         return digests, wires
 
-    def _fill(self, tokens: tuple[int, ...], start: int, cache_salt: str | None,
-              num_blocks: int, digests: list[BlockHash], wires: list[WireHash]) -> None:
-        """Hash blocks ``start..`` of ``tokens`` (the hashable prefix, as a tuple) with the
-        hasher, append them to ``digests``/``wires`` and memoise them."""
+    def _key_tokens(self, token_ids: Sequence[int], num_blocks: int) -> tuple[_Tokens, int]:
+        """What keys slice (see the module docstring) and its length per block: the bytes of
+        an ``array('I')`` (``itemsize * block_size`` a block), else a tuple of the hashable
+        prefix (``block_size`` a block)."""
+        bs = self.hasher.block_size
+        if isinstance(token_ids, array) and token_ids.typecode == "I":
+            return token_ids.tobytes(), token_ids.itemsize * bs
+        return tuple(token_ids[: num_blocks * bs]), bs
+
+    def _fill(self, token_ids: Sequence[int], tokens: _Tokens, step: int, start: int,
+              cache_salt: str | None, digests: list[BlockHash], wires: list[WireHash]) -> None:
+        """Hash blocks ``start..`` with the hasher, append them to ``digests``/``wires`` and
+        memoise them under slices of ``tokens`` (``step`` a block).
+
+        The hasher reads ints: the tuple of the hashable prefix when keys are tuples (already
+        built; a lazy sequence is not materialised twice), else the ``array('I')`` itself (it
+        converts only the blocks it hashes)."""
         hasher = self.hasher
-        self.hits += start
-        self.misses += num_blocks - start
+        ints = tokens if isinstance(tokens, tuple) else token_ids
         if start == 0:
-            new = hasher.hash_blocks(tokens, cache_salt=cache_salt)
+            new = hasher.hash_blocks(ints, cache_salt=cache_salt)
         else:
-            new = hasher.hash_blocks(tokens, start_block=start, parent=digests[-1])
-        bs = hasher.block_size
+            new = hasher.hash_blocks(ints, start_block=start, parent=digests[-1])
+        self.hits += start
+        self.misses += len(new)
         memo = self._memo
         prev: object = ("salt", cache_salt) if start == 0 else digests[-1]
         for offset, digest in enumerate(new):
-            index = start + offset
+            at = (start + offset) * step
             wire = to_wire_hash(digest)
-            memo[(prev, tokens[index * bs : (index + 1) * bs])] = ((digest,), (wire,))
+            memo[(prev, tokens[at : at + step])] = ((digest,), (wire,))
             digests.append(digest)
             wires.append(wire)
             prev = digest
         self._evict()
 
-    def _add_spans(self, tokens: tuple[int, ...], first: int, root: object,
+    def _add_spans(self, tokens: _Tokens, step: int, first: int, root: object,
                    digests: list[BlockHash], wires: list[WireHash]) -> None:
         """Memoise the full spans from block ``first`` on (the walk found none of them)."""
-        bs = self.hasher.block_size
         memo = self._memo
         added = False
         for block in range(first, len(digests) - SPAN_BLOCKS + 1, SPAN_BLOCKS):
             parent = digests[block - 1] if block else root
             end = block + SPAN_BLOCKS
-            memo[(parent, tokens[block * bs : end * bs])] = (tuple(digests[block:end]),
-                                                              tuple(wires[block:end]))
+            memo[(parent, tokens[block * step : end * step])] = (tuple(digests[block:end]),
+                                                                  tuple(wires[block:end]))
             added = True
         if added:
             self._evict()

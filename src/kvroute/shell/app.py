@@ -56,7 +56,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Protocol, TypeVar
 
@@ -482,7 +482,7 @@ class Router:
         (asked once per walk), else the text; the session's pin if it is in this pool."""
         if self.tiering.is_external(pool_name):
             return self._external_request(walk, pool_name, request_id, tenant, session)
-        token_ids = _prompt_ids_from_body(walk.parsed)
+        token_ids: Sequence[int] | None = _prompt_ids_from_body(walk.parsed)
         if token_ids is None:
             token_ids = await self.tiering.tokens(walk, pool_name)
         needs_text = getattr(POLICY_FACTORIES[self.config.policy.name], "needs_text", False)

@@ -184,7 +184,7 @@ class TierWalk:
     estimate: TokenEstimate
     place: Place
     state: AttemptState
-    token_ids: dict[PoolName, list[int] | None] = field(default_factory=dict)
+    token_ids: dict[PoolName, Sequence[int] | None] = field(default_factory=dict)
     num_overflows: int = 0
     warm_hit: bool = False
 
@@ -427,8 +427,9 @@ class Tiering:
         except MalformedBodyError as exc:  # parse_request validated the body: a bug if here
             raise AssertionError(f"a validated body could not be estimated: {exc}") from exc
 
-    async def tokens(self, walk: TierWalk, pool: PoolName) -> list[int] | None:
-        """The prompt's token ids for ``pool`` (its tokenizer), asked at most once per walk."""
+    async def tokens(self, walk: TierWalk, pool: PoolName) -> Sequence[int] | None:
+        """The prompt's token ids for ``pool`` (its tokenizer), asked at most once per walk: a
+        list or an ``array('I')`` (``PromptTokenizer.token_ids``)."""
         if pool in walk.token_ids:
             return walk.token_ids[pool]
         if self.is_external(pool):  # a provider has no /tokenize and no index to hash for

@@ -82,8 +82,12 @@ class PromptTokenizer(Protocol):
 
     mode: TokenizerMode
 
-    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
-        """The prompt's token ids, or None: route this request approximately."""
+    async def token_ids(self, parsed: ParsedRequest) -> Sequence[int] | None:
+        """The prompt's token ids, or None: route this request approximately.
+
+        A list, or an ``array('I')`` from a local tokenizer's piece cache (the block-hash memo
+        keys those by their bytes, with no int object per token): read them as a sequence,
+        and convert with ``list()`` before JSON-encoding or comparing them with a list."""
         ...
 
 
@@ -158,7 +162,7 @@ class ApproximateTokenizer:
     def __init__(self, pool: str) -> None:
         self.pool = pool
 
-    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
+    async def token_ids(self, parsed: ParsedRequest) -> Sequence[int] | None:
         return None
 
 
@@ -319,8 +323,8 @@ class LocalTokenizer:
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``, then
     encoded with ``add_special_tokens`` (default False, as vLLM encodes chat prompts: the
     template writes BOS itself), which ``HFTokenizer`` serves from its piece cache
-    (``token_segments``). Completion strings: encoded with ``add_special_tokens`` (default
-    True).
+    (``token_segments``) as an ``array('I')``. Completion strings: encoded with
+    ``add_special_tokens`` (default True), as a list.
 
     Args:
         pool: the pool's name.
@@ -354,7 +358,7 @@ class LocalTokenizer:
             raise ConfigError(f"pools.{pool}.tokenizer.local: {exc}") from exc
         return cls(pool, tok, metrics)
 
-    async def token_ids(self, parsed: ParsedRequest) -> list[int] | None:
+    async def token_ids(self, parsed: ParsedRequest) -> Sequence[int] | None:
         direct = prompt_token_ids(parsed)
         if direct is not None:
             self._metrics.tokenize(self.pool, "token_ids")
@@ -374,7 +378,7 @@ class LocalTokenizer:
         self._metrics.tokenize(self.pool, "ok")
         return ids
 
-    def _encode(self, body: Mapping[str, Any]) -> list[int]:
+    def _encode(self, body: Mapping[str, Any]) -> Sequence[int]:
         if "messages" in body:
             kwargs = body.get("chat_template_kwargs")
             tools = body.get("tools")

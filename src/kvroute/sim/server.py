@@ -442,7 +442,8 @@ class _Prepared:
     """A generation request after tokenization and the overflow checks."""
 
     parsed: oa.ParsedRequest
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
+    """A list, or the ``array('I')`` of an HF tokenizer's piece cache: ``list()`` it for JSON."""
     max_tokens: int | None
 
 
@@ -695,12 +696,13 @@ class SimServer:
         return text
 
     def _chat_ids(self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
-                  tools: Sequence[Any] | None) -> list[int]:
+                  tools: Sequence[Any] | None) -> Sequence[int]:
         text = self._chat_text(body, messages, tools)
         return self.tokenizer.encode(text, add_special_tokens=bool(
             body.get("add_special_tokens", False)))
 
-    def _completion_ids(self, body: Mapping[str, Any], prompt: Any) -> tuple[list[int], int | None]:
+    def _completion_ids(self, body: Mapping[str, Any],
+                        prompt: Any) -> tuple[Sequence[int], int | None]:
         """The prompt's ids and, for a text prompt, its length in characters."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -1008,7 +1010,7 @@ class SimServer:
             "seed": body.get("seed"),
             "max_tokens": max_tokens,
         }
-        return self._json({"token_ids": prep.prompt_ids, "features": None,
+        return self._json({"token_ids": list(prep.prompt_ids), "features": None,
                            "sampling_params": sampling})
 
     async def _render_chat(self, request: web.Request) -> web.Response:

@@ -77,8 +77,8 @@ class Tokenizer(Protocol):
         factor of its character pre-check); None when a token has no length bound."""
         ...
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> Sequence[int]:
+        """Token ids of ``text`` (a list, or ``HFTokenizer``'s ``array('I')``)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
