@@ -729,9 +729,10 @@ def test_warm_ups_per_replica_are_bounded_and_the_rest_deferred(small_fleet: Fle
 def test_a_warm_up_that_waits_out_its_timeout_for_a_slot_is_skipped(small_fleet: Fleet) -> None:
     """Bound 1, timeout 2.5 s, the engine never answers: the first warm-up times out holding
     the slot, the second gets it and times out too, the third waited its whole timeout for a
-    slot: ``skipped``/``replica_busy``, never sent. (The timeout must exceed the time the
-    three requests take to fire their warm-ups, or the third finds the second's slot free:
-    at 1 s, a loaded CI machine got there.)"""
+    slot: ``skipped``/``replica_busy``, never sent. Both waiting warm-ups wake when the first
+    times out; the one that loses the slot after routing waits out the rest of the same slot
+    budget (it once got a fresh one there and raced the winner's timeout). The requests must
+    fire their warm-ups within one timeout of each other, hence 2.5 s on a loaded machine."""
     rng = random.Random(91)
 
     async def test(rt: RouterRuntime, c: Client, engine: _GatedEngine) -> None:

@@ -355,9 +355,12 @@ class WarmSender:
         decision = None
         try:
             # Guard 2, before anything is fixed (a later stage may still replace the job):
-            # wait at most timeout_s for a slot, then at most timeout_s for the answer
-            # (of every chunk, with the waits for the slot between chunks).
-            async with asyncio.timeout(self.timeout_s):
+            # wait at most timeout_s for a slot (one budget, from now: also spent by a wait
+            # after routing, when another warm-up took the last slot in between), then at
+            # most timeout_s for the answer (of every chunk, with the waits for the slot
+            # between chunks).
+            slot_deadline = asyncio.get_running_loop().time() + self.timeout_s
+            async with asyncio.timeout_at(slot_deadline):
                 waiting = True
                 while not self.slots.has_room(replicas := self._pool_replicas(
                         self.slots.current(session).fire.target_pool_name)) and replicas:
@@ -381,7 +384,8 @@ class WarmSender:
                     self._core.on_complete(decision.replica, request_id)
                     decision = None
                     waiting = True
-                    await self._slot_freed()
+                    async with asyncio.timeout_at(slot_deadline):
+                        await self._slot_freed()
                     waiting = False
                 self._metrics.warm("fired", job.fire.target_pool_name)
                 await self._send(job, route_request, decision)
