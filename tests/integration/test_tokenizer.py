@@ -32,6 +32,7 @@ from kvroute.core.errors import ConfigError
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.shell.discovery import Discovery
+from kvroute.shell.engine_client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.tokenizer import (
     ApproximateTokenizer,
@@ -151,13 +152,26 @@ def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(test(), TEST_SECONDS))
 
 
+@asynccontextmanager
+async def clients() -> AsyncIterator[tuple[aiohttp.ClientSession, EngineClient]]:
+    """The router's two clients: aiohttp's for discovery, the engine client for /tokenize."""
+    client = EngineClient(connect_timeout_s=2.0, total_timeout_s=30.0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield session, client
+    finally:
+        await client.close()
+
+
 class Rig:
-    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(self, config: RouterConfig,
+                 clients: tuple[aiohttp.ClientSession, EngineClient]) -> None:
+        session, self.client = clients
         self.metrics = RouterMetrics()
         self.core = make_core(config)
         self.discovery = Discovery(config, self.core, session, self.metrics,
                                    clock=ManualClock())
-        self.tokenizers = build_tokenizers(config, self.discovery, session, self.metrics)
+        self.tokenizers = build_tokenizers(config, self.discovery, self.client, self.metrics)
 
     def count(self, pool: str, outcome: str) -> float:
         return self.metrics.value(
@@ -187,7 +201,7 @@ def engine_pool(servers: list[FakeVllm], **extra: Any) -> dict[str, Any]:
 
 def test_engine_mode_sends_vllms_own_request_shapes() -> None:
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             rig = Rig(make_config({"p": engine_pool([a])}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
@@ -214,7 +228,7 @@ def test_identical_prompts_are_tokenized_once() -> None:
     """A burst of five identical prompts (siblings) makes one call; a repeat within the TTL
     none; a different prompt its own; a stale entry is asked again."""
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             rig = Rig(make_config({"p": engine_pool([a])}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
@@ -237,7 +251,7 @@ def test_identical_prompts_are_tokenized_once() -> None:
 
 def test_a_failed_call_is_shared_as_a_failure_and_not_remembered() -> None:
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             rig = Rig(make_config({"p": engine_pool([a])}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
@@ -253,7 +267,7 @@ def test_a_failed_call_is_shared_as_a_failure_and_not_remembered() -> None:
 
 def test_engine_mode_forwards_tools_and_template_options() -> None:
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             rig = Rig(make_config({"p": engine_pool([a])}), session)
             await rig.discovery.refresh_now()
             tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
@@ -271,7 +285,7 @@ def test_engine_mode_forwards_tools_and_template_options() -> None:
 
 def test_token_ids_and_unsupported_prompts_need_no_call() -> None:
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             rig = Rig(make_config({"p": engine_pool([a])}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
@@ -292,7 +306,7 @@ def test_token_ids_and_unsupported_prompts_need_no_call() -> None:
 
 def test_round_robin_over_healthy_replicas_only() -> None:
     async def go() -> None:
-        async with fakes(3) as servers, aiohttp.ClientSession() as session:
+        async with fakes(3) as servers, clients() as session:
             rig = Rig(make_config({"p": engine_pool(servers)}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
@@ -316,7 +330,7 @@ def test_failures_return_none_are_counted_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             rig = Rig(make_config({"p": engine_pool([a])}), session)
             await rig.discovery.refresh_now()
             tok = rig.tokenizers["p"]
@@ -338,11 +352,11 @@ def test_failures_return_none_are_counted_and_logged_once(
 
 def test_timeout_and_no_replica() -> None:
     async def go() -> None:
-        async with fakes(1) as (a,), aiohttp.ClientSession() as session:
+        async with fakes(1) as (a,), clients() as session:
             config = make_config({"p": engine_pool([a])})
             rig = Rig(config, session)
             await rig.discovery.refresh_now()
-            tok = EngineTokenizer(config.pools["p"], rig.discovery, session, rig.metrics,
+            tok = EngineTokenizer(config.pools["p"], rig.discovery, rig.client, rig.metrics,
                                   timeout_s=0.2)
             a.hang = True
             loop = asyncio.get_running_loop()
@@ -362,7 +376,7 @@ def test_timeout_and_no_replica() -> None:
 
 def test_approximate_mode_is_visible_in_metrics(caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
-        async with fakes(2) as (a, b), aiohttp.ClientSession() as session:
+        async with fakes(2) as (a, b), clients() as session:
             config = make_config({
                 "exact": engine_pool([a]),
                 "approx": {"model": "tiny", "tokenizer": "none",
@@ -453,14 +467,15 @@ def test_engine_and_local_modes_agree_with_the_engine(sim_fleet: Fleet, hf_dir: 
     ]
 
     async def go() -> None:
-        async with aiohttp.ClientSession() as session:
+        async with clients() as both:
+            session = both[0]
             replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
             config = make_config({
                 "eng": {"model": "tiny", "replicas": replicas},
                 "loc": {"model": "tiny", "tokenizer": {"local": str(hf_dir)},
                         "replicas": [{"name": "l0", "url": replicas[0]["url"]}]},
             })
-            rig = Rig(config, session)
+            rig = Rig(config, both)
             await rig.discovery.refresh_now()
             engine: PromptTokenizer = rig.tokenizers["eng"]
             local = rig.tokenizers["loc"]

@@ -149,7 +149,7 @@ class RouterRuntime:
                 self._seen[rep.name] = SubscriberStats()
                 sub.start().add_done_callback(self._subscriber_ended)
         self.state = build_state(config, metrics=self.metrics)
-        self.tokenizers = build_tokenizers(config, self.discovery, self.session, self.metrics)
+        self.tokenizers = build_tokenizers(config, self.discovery, self.engine_client, self.metrics)
         self.app = build_app(
             config, core=self.core, upstream=Upstream(self.engine_client, config.timeouts),
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,

@@ -38,13 +38,13 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, Protocol
 
-import aiohttp
 import msgspec
 
 from kvroute.config import PoolConfig, RouterConfig
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.shell.discovery import Discovery
+from kvroute.shell.engine_client import EngineClient, EngineClientError
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.token_segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
@@ -185,7 +185,8 @@ class EngineTokenizer:
     Args:
         pool: the pool's config (its ``model`` is sent as ``model``).
         discovery: which replicas are healthy, and their URLs.
-        session: the shared aiohttp session.
+        client: the router's engine client (the request path's lean HTTP client: a
+            ``/tokenize`` round trip is on every request's path too).
         metrics: ``kvroute_tokenize_total{pool, outcome}``.
         timeout_s: bound on one call.
     """
@@ -198,7 +199,7 @@ class EngineTokenizer:
         self,
         pool: PoolConfig,
         discovery: Discovery,
-        session: aiohttp.ClientSession,
+        client: EngineClient,
         metrics: RouterMetrics,
         *,
         timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
@@ -206,9 +207,9 @@ class EngineTokenizer:
         self.pool = pool.name
         self._model = pool.model
         self._discovery = discovery
-        self._session = session
+        self._client = client
         self._metrics = metrics
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._next = 0
         self.failing = False
         self._recent: OrderedDict[bytes, tuple[float, list[int]]] = OrderedDict()
@@ -261,17 +262,18 @@ class EngineTokenizer:
         replica = replicas[self._next % len(replicas)]
         self._next += 1
         url = self._discovery.replica_url(replica) + "/tokenize"
+        response = None
         try:
-            async with self._session.post(
-                url, data=encoded, timeout=self._timeout,
-                headers={"Content-Type": "application/json"},
-            ) as resp:
-                raw = await resp.read()
-                status = resp.status
+            async with asyncio.timeout(self._timeout_s):
+                response = await self._client.post(url, encoded)
+                raw = await response.read()
+                status = response.status
         except TimeoutError:
-            self._fail("timeout", f"POST {url} took longer than {self._timeout.total}s")
+            if response is not None:
+                response.close()
+            self._fail("timeout", f"POST {url} took longer than {self._timeout_s:g}s")
             return None
-        except aiohttp.ClientError as exc:
+        except EngineClientError as exc:
             self._fail("error", f"POST {url} failed: {type(exc).__name__}: {exc}")
             return None
         if status != 200:
@@ -403,7 +405,7 @@ class LocalTokenizer:
 def build_tokenizers(
     config: RouterConfig,
     discovery: Discovery,
-    session: aiohttp.ClientSession,
+    client: EngineClient,
     metrics: RouterMetrics,
 ) -> dict[str, PromptTokenizer]:
     """One tokenizer per pool, as ``pools.<name>.tokenizer`` asks; local ones load here.
@@ -420,7 +422,7 @@ def build_tokenizers(
         tokenizer: PromptTokenizer
         if setting.mode == "engine":
             timeout_s = float(getattr(setting, "timeout_s", DEFAULT_TOKENIZE_TIMEOUT_S))
-            tokenizer = EngineTokenizer(pool, discovery, session, metrics, timeout_s=timeout_s)
+            tokenizer = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
             log.info("pool %s: exact prompt tokens from the engines' /tokenize", pool.name)
         elif setting.mode == "local":
             if not setting.path:
