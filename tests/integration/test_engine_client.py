@@ -119,6 +119,7 @@ def test_whole_answers_reuse_one_connection_and_send_the_request_intact() -> Non
                 assert resp.headers["content-type"] == "application/json"
                 assert await resp.read() == b'{"ok": %d}' % i
                 assert resp.at_eof()
+                assert resp._timer is None  # no deadline timer outlives a finished answer
             await c.close()
             assert server.connections == 1
             head, body = server.requests[0]

@@ -407,8 +407,9 @@ class EngineClient:
             except BaseException:
                 conn.abort()  # cancelled or failed: never leave the engine generating
                 raise
-            response._timer = asyncio.get_running_loop().call_later(
-                self._total_timeout_s, response._expire)
+            if response._conn is not None:  # still arriving (a short answer is complete)
+                response._timer = asyncio.get_running_loop().call_later(
+                    self._total_timeout_s, response._expire)
             return response
         raise AssertionError("unreachable: the second attempt returns or raises")
 
