@@ -3,7 +3,7 @@
 Owns the rules for what counts as "before the first byte" (retryable elsewhere) and "after"
 (the stream is ended with a well-formed error event), over ``shell/engine_client.py``'s pooled
 connections; and ``make_client_session``, the aiohttp session the rest of the shell uses for
-calls off the request path (discovery, ``/tokenize``, health). It does not choose replicas: ``shell/app.py`` asks the core
+calls off the request path (discovery: models, metrics, health). It does not choose replicas: ``shell/app.py`` asks the core
 and hands a URL here (choosing is separate from sending).
 
 Theory of operation
@@ -119,7 +119,8 @@ class UpstreamReply:
 
 def make_client_session(timeouts: TimeoutsConfig, *, limit: int = 1024,
                         keepalive_s: float = 60.0) -> aiohttp.ClientSession:
-    """The one client session of a router: a keep-alive connection pool to every engine.
+    """The router's aiohttp session, for calls off the request path (discovery's model,
+    metrics and health reads): a keep-alive connection pool to every engine.
 
     Args:
         timeouts: the defaults every call starts from (``connect_s``, ``total_s``).

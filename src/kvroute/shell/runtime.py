@@ -8,9 +8,9 @@ Start-up order (each step needs the previous one):
 
 1. ``RouterCore`` from the config (pools start in approximate mode until discovery has read
    block size and hash algorithm from the engines, unless the config fixes both);
-2. one ``aiohttp.ClientSession`` (keep-alive pool, TCP_NODELAY) shared by discovery and the
-   tokenizers, and the proxy's ``EngineClient`` (``shell/engine_client.py``) for forwarded
-   requests and warm-ups;
+2. one ``aiohttp.ClientSession`` (keep-alive pool, TCP_NODELAY) for discovery, and one
+   ``EngineClient`` (``shell/engine_client.py``) for what every request sends: forwarded
+   requests, warm-ups and engine ``/tokenize`` calls;
 3. ``Discovery.refresh_now()`` — health, windows, hashing — before the first request;
 4. one ``EventSubscriber`` per replica with ``kv_events``; their callbacks call
    ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
