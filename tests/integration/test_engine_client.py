@@ -10,8 +10,12 @@ sockets.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Self
 
 import pytest
@@ -31,8 +35,9 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Await
 class Server:
     """A loopback server: counts connections and requests, runs ``handler`` per connection."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self.connections = 0
         self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
         self.closed_by_client = asyncio.Event()
@@ -40,7 +45,7 @@ class Server:
         self.port = 0
 
     async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -51,7 +56,8 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1/completions"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/v1/completions"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -388,5 +394,38 @@ def test_header_injection_and_non_http_urls_are_refused() -> None:
         with pytest.raises(ValueError, match="http"):
             await c.post("ftp://127.0.0.1:9/x", b"{}")
         await c.close()
+
+    run(main())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_engines_are_reached_over_tls(tmp_path: Path) -> None:
+    """An external provider over https: a self-signed certificate for 127.0.0.1, trusted by
+    the client's context and by nothing else."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    trusted = ssl.create_default_context(cafile=str(cert))
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        while await server.read_request(reader):
+            writer.write(whole(b'{"tls": true}'))
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(handler, tls=server_tls) as server:
+            c = EngineClient(connect_timeout_s=5.0, total_timeout_s=10.0, ssl_context=trusted)
+            for _ in range(2):
+                assert await (await c.post(server.url, b"{}")).read() == b'{"tls": true}'
+            assert server.connections == 1
+            await c.close()
+            untrusting = client()  # the system's trust store does not know this certificate
+            with pytest.raises(ConnectFailed, match="certificate"):
+                await untrusting.post(server.url, b"{}")
+            await untrusting.close()
 
     run(main())

@@ -363,13 +363,15 @@ class EngineClient:
         connect_timeout_s: bound on opening one connection.
         total_timeout_s: overall deadline of one answer, from the request to its last byte.
         keepalive_s: how long an idle connection is kept for reuse.
+        ssl_context: for ``https`` engines and providers; the system's default trust store
+            (``ssl.create_default_context``) when None.
 
     Connections are opened on demand and kept while idle; how many are in use at once is
     bounded by what uses them (the router's admission bound, the warm-ahead bound).
     """
 
     def __init__(self, *, connect_timeout_s: float, total_timeout_s: float,
-                 keepalive_s: float = 60.0) -> None:
+                 keepalive_s: float = 60.0, ssl_context: ssl.SSLContext | None = None) -> None:
         if min(connect_timeout_s, total_timeout_s, keepalive_s) <= 0:
             raise ValueError(
                 f"EngineClient needs positive timeouts (connect_timeout_s={connect_timeout_s}, "
@@ -380,7 +382,7 @@ class EngineClient:
         self._idle: dict[_Origin, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._origins: dict[str, tuple[_Origin, bytes]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._closed = False
 
     async def post(self, url: str, body: bytes,
