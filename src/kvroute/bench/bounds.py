@@ -53,7 +53,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvroute.bench.traces import BlockTokens
@@ -170,6 +170,14 @@ def prompt_blocks(requests: Sequence[WorkloadRequest], block_size: int) -> Promp
     return PromptBlocks(block_size, offsets, ids, num_tokens)
 
 
+def _leading_run(own: Sequence[int], cap: int, held: Container[int]) -> int:
+    """How many of ``own``'s leading blocks (at most ``cap``) ``held`` contains."""
+    k = 0
+    while k < cap and own[k] in held:
+        k += 1
+    return k
+
+
 def unbounded_hits(blocks: PromptBlocks) -> array:  # type: ignore[type-arg]
     """Per-request hit tokens with an infinite cache (every block seen is kept)."""
     seen: set[int] = set()
@@ -177,11 +185,7 @@ def unbounded_hits(blocks: PromptBlocks) -> array:  # type: ignore[type-arg]
     bs = blocks.block_size
     for i in range(len(blocks)):
         own = blocks.blocks(i)
-        cap = blocks.cap_blocks(i)
-        k = 0
-        while k < cap and own[k] in seen:
-            k += 1
-        hits.append(k * bs)
+        hits.append(_leading_run(own, blocks.cap_blocks(i), seen) * bs)
         seen.update(own)
     return hits
 
@@ -202,11 +206,7 @@ def lru_hits(blocks: PromptBlocks, capacity_blocks: int) -> array:  # type: igno
     bs = blocks.block_size
     for i in range(len(blocks)):
         own = blocks.blocks(i)
-        cap = blocks.cap_blocks(i)
-        k = 0
-        while k < cap and own[k] in cache:
-            k += 1
-        hits.append(k * bs)
+        hits.append(_leading_run(own, blocks.cap_blocks(i), cache) * bs)
         for b in reversed(own):
             if b in cache:
                 cache.move_to_end(b)

@@ -145,11 +145,6 @@ class _Pool:
     hasher: BlockHashMemo
     policy: Policy
     healthy: set[ReplicaId]
-    names: tuple[ReplicaId, ...] = ()
-    """The replicas' names in configuration order (``spec.replicas``' names)."""
-
-    def __post_init__(self) -> None:
-        self.names = tuple(rep.name for rep in self.spec.replicas)
 
 
 def text_chunk_hashes(text: str, chunk_chars: int = APPROX_CHUNK_CHARS) -> list[WireHash]:
@@ -287,9 +282,9 @@ class RouterCore:
         now = self._clock.now()
         snapshot, healthy, exclude = self.load.snapshot, entry.healthy, request.exclude
         candidates = [
-            Candidate(replica, snapshot(replica, now), matches.get(replica, NO_MATCH))
-            for replica in entry.names
-            if replica in healthy and replica not in exclude
+            Candidate(rep.name, snapshot(rep.name, now), matches.get(rep.name, NO_MATCH))
+            for rep in entry.spec.replicas
+            if rep.name in healthy and rep.name not in exclude
         ]
         if not candidates:
             raise NoEligibleReplica(

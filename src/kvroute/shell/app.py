@@ -349,7 +349,7 @@ class Router:
     on_scrape: Callable[[], None] | None = None
     warm: WarmSender | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
-    _request_ids: Iterator[str] = field(default_factory=lambda: request_ids())
+    _request_ids: Iterator[str] = field(default_factory=request_ids)
 
     # -- entry points ---------------------------------------------------------------------
 
