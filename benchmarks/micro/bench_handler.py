@@ -7,7 +7,8 @@ Usage::
 
 What ``kvroute bench overhead``'s ``kvroute-local`` router does per request, minus the sockets:
 ``Router.handle`` (``shell/app.py``) of the real application (``build_app``) is called with
-an aiohttp request whose body is already buffered, and its upstream is a canned engine answer
+a request as the router's HTTP server hands it over (``shell/http_server.Request``, body
+read), and its upstream is a canned engine answer
 (a whole chat completion with ``usage``), so every step of the router runs as served: body
 read, parse, admission, session, tier plan, local tokenization with the bundled Hugging Face
 tokenizer (chat template + piece cache), block hashing, the index lookup, the ``kvroute`` cost
@@ -20,8 +21,8 @@ The workload is the overhead benchmark's: ``generated_shared_prefix`` with 32 gr
 ~2,200-character system prompt and a short question (~1,500 tokens with the bundled
 tokenizer's 1,024-token vocabulary, ~94 blocks of 16).
 
-Not included: aiohttp's server protocol (parsing the HTTP request, writing the response) and
-its client (sending to the engine, reading its answer): a bare relay's whole cost
+Not included: the HTTP server's protocol (parsing the HTTP request, writing the response) and
+the engine client (sending to the engine, reading its answer): about a bare relay's cost
 (``kvroute bench overhead``'s ``passthrough``), measured live. Figures are per request: the
 mean and p50 of ``handle`` in µs, and this process's CPU µs per request over the series; the
 best of ``R`` repeats. CPU time is noisy on a shared machine: compare runs side by side.
@@ -41,9 +42,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aiohttp import streams
-from aiohttp.test_utils import make_mocked_request
-
 from kvroute.bench.live_client import build_live_requests
 from kvroute.bench.overhead import _WORKLOAD
 from kvroute.bench.workloads import WORKLOADS
@@ -51,7 +49,8 @@ from kvroute.config import Secrets, parse_config
 from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.types import ReplicaId
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
-from kvroute.shell.app import ROUTER_KEY, build_app
+from kvroute.shell.app import build_app
+from kvroute.shell.http_server import Request
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import UpstreamReply
 from kvroute.shell.runtime import build_core
@@ -94,37 +93,21 @@ def config_for(replicas: int) -> Any:
     }, env={})
 
 
-class _Protocol:
-    """What ``StreamReader`` asks of a server protocol (flow control, never exercised)."""
-
-    _reading_paused = False
-
-    def pause_reading(self) -> None:
-        return None
-
-    def resume_reading(self, resume_parser: bool = True) -> None:
-        return None
-
-
-def mocked(body: bytes, loop: asyncio.AbstractEventLoop) -> Any:
-    protocol: Any = _Protocol()
-    payload = streams.StreamReader(protocol, 2**16, loop=loop)
-    payload.feed_data(body)
-    payload.feed_eof()
-    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
-    return make_mocked_request("POST", "/v1/chat/completions", headers=headers,
-                               payload=payload, loop=loop)
+def mocked(body: bytes) -> Request:
+    headers = {"content-type": "application/json", "content-length": str(len(body))}
+    request = Request(None, "POST", "/v1/chat/completions", "", headers, "1.1", True)
+    request.body = body
+    return request
 
 
 async def run(n: int, repeats: int, replicas: int) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
     config = config_for(replicas)
     core = build_core(config, clock=MonotonicClock())
     metrics = RouterMetrics()
     tokenizer = LocalTokenizer.load("sim", str(bundled_tokenizer_dir()), metrics)
     app = build_app(config, core=core, upstream=CannedUpstream(),  # type: ignore[arg-type]
                     secrets=Secrets({}, None, {}), metrics=metrics, tokenizers={"sim": tokenizer})
-    router = app[ROUTER_KEY]
+    router = app.router
     workload = WORKLOADS["generated_shared_prefix"](**_WORKLOAD, seed=0, with_messages=True)
     bodies = [r.body for r in build_live_requests(workload, model="sim-model")]
     seq = dict.fromkeys((f"e{i}" for i in range(replicas)), 0)
@@ -143,7 +126,7 @@ async def run(n: int, repeats: int, replicas: int) -> dict[str, Any]:
     async def series(count: int) -> dict[str, float]:
         samples: list[int] = []
         event_ns: list[int] = []
-        requests = [mocked(bodies[i % len(bodies)], loop) for i in range(count)]
+        requests = [mocked(bodies[i % len(bodies)]) for i in range(count)]
         gc.collect()
         cpu0 = time.process_time()
         for i, request in enumerate(requests):

@@ -65,7 +65,6 @@ from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import AdminCapability
 from kvroute.core.router import RouteRequest, RoutingDecision
 from kvroute.core.types import ReplicaId, WireHash
-from kvroute.shell.app import ROUTER_KEY
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.wire.vllm_events import decode_replay_reply
 
@@ -757,7 +756,7 @@ def warm_settled(rt: RecordingRuntime) -> bool:
     the counters alone settle early and that stage then ran beside the next turn, adding
     its hits to the large engine's counter: seen once in CI)."""
     assert rt.app is not None, "the router is running"
-    warm = rt.app[ROUTER_KEY].warm
+    warm = rt.app.router.warm
     assert warm is not None, "warm-ahead is on in this test"
     return not warm.tasks and (
         warm_count(rt, "fired") == warm_count(rt, "completed") + warm_count(rt, "failed"))

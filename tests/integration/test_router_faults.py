@@ -301,10 +301,8 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(
         return abort, length, sum(running.values())
 
     async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
-        from kvroute.shell.app import ROUTER_KEY
-
         assert rt.app is not None
-        admission = rt.app[ROUTER_KEY].admission
+        admission = rt.app.router.admission
         # 4,000 tokens at >= 1.2 ms a step: several seconds if nobody stops it.
         request = chat(words(rng, 30), stream=True, max_tokens=4000)
         client = aiohttp.ClientSession()

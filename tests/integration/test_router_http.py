@@ -407,10 +407,8 @@ def test_admission_overload_answers_429_with_retry_after(shared_fleet: Fleet, co
 
 
 def _queued(rt: RouterRuntime) -> int:
-    from kvroute.shell.app import ROUTER_KEY
-
     assert rt.app is not None
-    return rt.app[ROUTER_KEY].admission.queued
+    return rt.app.router.admission.queued
 
 
 TENANT_ENV = {"ACME_KEY": "key-acme", "BETA_KEY": "key-beta", "ADMIN_KEY": "key-admin",

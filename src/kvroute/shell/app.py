@@ -61,7 +61,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final, Protocol, TypeVar
 
 import msgspec
-from aiohttp import web
 
 from kvroute.config import DEFAULT_TENANT, RouteConfig, RouterConfig, Secrets
 from kvroute.core.clock import Clock
@@ -73,6 +72,14 @@ from kvroute.core.tiers import GiveUp, Retry
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.shell.admission import Admission, AdmissionRejected
 from kvroute.shell.engine_client import ConnectTimeout
+from kvroute.shell.http_server import (
+    Answer,
+    Handler,
+    HttpServer,
+    Request,
+    Response,
+    StreamResponse,
+)
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import MonotonicClock, SessionState
@@ -94,10 +101,10 @@ from kvroute.wire.openai import (
 from kvroute.wire.overflow import Overflow, parse_overflow
 
 __all__ = [
-    "ROUTER_KEY",
     "DiscoveryView",
     "PromptTokenizer",
     "Router",
+    "RouterApp",
     "build_app",
     "forward_body",
     "routing_text",
@@ -215,8 +222,38 @@ def _read_completion(doc: Mapping[str, Any], reasons: dict[int, str]) -> None:
             reasons[index] = reason
 
 
+class _Choice(msgspec.Struct):
+    index: int | None = None
+    finish_reason: str | None = None
+
+
+class _Completion(msgspec.Struct):
+    """The two things read from a whole answer; msgspec skips every other field (the
+    generated text above all) without building objects for it."""
+
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+_COMPLETION_DECODER: Final = msgspec.json.Decoder(_Completion)
+
+
 def _completion_of(body: bytes) -> tuple[list[str | None], Mapping[str, Any] | None]:
-    """``finish_reason`` of each choice and the ``usage`` of a whole (non-streamed) answer."""
+    """``finish_reason`` of each choice and the ``usage`` of a whole (non-streamed) answer.
+
+    The typed decode is the fast path; an answer of another shape (a field of an unexpected
+    type) falls back to the lenient walk over the generic decode, so the two always agree.
+    """
+    try:
+        typed = _COMPLETION_DECODER.decode(body)
+    except msgspec.DecodeError:
+        pass  # ValidationError is a DecodeError: try the lenient walk
+    else:
+        found: dict[int, str] = {}
+        for pos, choice in enumerate(typed.choices):
+            if choice.finish_reason is not None:
+                found[choice.index if choice.index is not None else pos] = choice.finish_reason
+        return [found.get(i) for i in range(max(found, default=-1) + 1)], typed.usage
     try:
         doc = _JSON_DECODER.decode(body)
     except msgspec.DecodeError:
@@ -353,16 +390,16 @@ class Router:
 
     # -- entry points ---------------------------------------------------------------------
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Answer:
         return await self.handle(request, "chat")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Answer:
         return await self.handle(request, "completions")
 
-    async def handle(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def handle(self, request: Request, endpoint: Endpoint) -> Answer:
         try:
             tenant = self._tenant(request)
-            raw = await self._read_body(request)
+            raw = self._body(request)
             parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
             route = self._route(parsed)
         except RequestError as exc:
@@ -380,7 +417,7 @@ class Router:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _tenant(self, request: web.Request) -> TenantName:
+    def _tenant(self, request: Request) -> TenantName:
         if not self.secrets.api_keys:
             return DEFAULT_TENANT
         key = _bearer(request)
@@ -398,30 +435,17 @@ class Router:
             )
         return tenant
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.content_length
-        if declared is not None and declared > limit:
+    def _body(self, request: Request) -> bytes:
+        """The request's body; the server has already read it, up to ``max_body_bytes``."""
+        if request.body_too_large:
+            limit = self.config.max_body_bytes
+            declared = request.content_length
+            size = f"{declared} bytes, over" if declared is not None else "over"
             raise RequestError(
-                f"Request body is {declared} bytes, over this router's limit of {limit} "
-                "bytes. Send a shorter prompt, or raise the router's max_body_bytes setting.",
-                status=413,
+                f"Request body is {size} this router's limit of {limit} bytes. Send a "
+                "shorter prompt, or raise the router's max_body_bytes setting.", status=413,
             )
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = await request.content.read(64 * 1024)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(
-                    f"Request body is over this router's limit of {limit} bytes. Send a "
-                    "shorter prompt, or raise the router's max_body_bytes setting.",
-                    status=413,
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return request.body
 
     def _route(self, parsed: ParsedRequest) -> RouteConfig:
         route = self.config.routes.get(parsed.model)
@@ -434,10 +458,10 @@ class Router:
             )
         return route
 
-    async def _serve(self, request: web.Request, raw: bytes, parsed: ParsedRequest,
-                     route: RouteConfig, tenant: TenantName) -> web.StreamResponse:
+    async def _serve(self, request: Request, raw: bytes, parsed: ParsedRequest,
+                     route: RouteConfig, tenant: TenantName) -> Answer:
         request_id = RequestId(request.headers.get("x-request-id") or next(self._request_ids))
-        session_ref = session_from_request(request.headers.items(), parsed.body)
+        session_ref = session_from_request(request.headers, parsed.body, lowered=True)
         session = session_ref.session_id if session_ref is not None else None
         try:
             walk = await self.tiering.plan(route, parsed,
@@ -550,9 +574,9 @@ class Router:
             attempt.num_prompt_tokens, attempt.routing_us / 1e6, decision.approximate,
         )
 
-    async def _forward(self, request: web.Request, parsed: ParsedRequest, attempt: _Attempt,
+    async def _forward(self, request: Request, parsed: ParsedRequest, attempt: _Attempt,
                        decision: RoutingDecision, body: bytes, headers: Mapping[str, str],
-                       ctx: _Forward) -> web.StreamResponse:
+                       ctx: _Forward) -> Answer:
         path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
         current = decision
         active: ReplicaId | None = decision.replica  # the replica whose load is open
@@ -590,7 +614,7 @@ class Router:
                     self.core.on_complete(current.replica, attempt.request_id)
                     active = None
                     step = await self._overflow(attempt, current, overflow, ctx)
-                    if isinstance(step, web.Response):
+                    if isinstance(step, Response):
                         return step
                     current, body = step
                     active = current.replica
@@ -613,7 +637,7 @@ class Router:
             self._log(attempt, current, ctx.walk)
 
     async def _overflow(self, attempt: _Attempt, failed: RoutingDecision, overflow: Overflow,
-                        ctx: _Forward) -> tuple[RoutingDecision, bytes] | web.Response:
+                        ctx: _Forward) -> tuple[RoutingDecision, bytes] | Response:
         """Plan the next attempt after an overflow rejection (``core/tiers.plan_recovery``).
 
         Returns the next decision and body, or the 400 to answer (give up, or no replica).
@@ -622,7 +646,7 @@ class Router:
         plan = self.tiering.recover(walk, overflow, failed.replica)
         if isinstance(plan, GiveUp):
             attempt.outcome = f"overflow_{plan.reason.value}"
-            return _routed(web.Response(status=400, body=Tiering.give_up_body(plan),
+            return _routed(Response(status=400, body=Tiering.give_up_body(plan),
                                         content_type=_JSON), failed)
         pool_name = walk.pool_name
         attempt.pool = pool_name
@@ -696,27 +720,27 @@ class Router:
         nxt = self.core.reroute(decision, decision.replica)  # releases the failed load
         return nxt, True
 
-    def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError) -> web.Response:
+    def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError) -> Response:
         if exc.kind == "status" and exc.status is not None:
-            return _routed(web.Response(status=exc.status, body=exc.body,
+            return _routed(Response(status=exc.status, body=exc.body,
                                         content_type=_content_type(exc.content_type)), decision)
         status = 504 if exc.kind == "timeout" else 502
         message = (
             f"kvroute could not get an answer from replica {decision.replica}: {exc}. "
             "No other replica was available to retry on; check the engines' /health."
         )
-        return _routed(web.Response(status=status, body=error_body(message, status=status),
+        return _routed(Response(status=status, body=error_body(message, status=status),
                                     content_type=_JSON), decision)
 
-    def _whole(self, reply: UpstreamReply, decision: RoutingDecision) -> web.Response:
-        response = web.Response(status=reply.status, body=reply.body)
+    def _whole(self, reply: UpstreamReply, decision: RoutingDecision) -> Response:
+        response = Response(status=reply.status, body=reply.body)
         for key, value in reply.headers.items():
             response.headers[key] = value
         return _routed(response, decision)
 
-    async def _stream(self, request: web.Request, reply: UpstreamReply, attempt: _Attempt,
-                      decision: RoutingDecision, watcher: _StreamWatcher) -> web.StreamResponse:
-        response = web.StreamResponse(status=reply.status)
+    async def _stream(self, request: Request, reply: UpstreamReply, attempt: _Attempt,
+                      decision: RoutingDecision, watcher: _StreamWatcher) -> StreamResponse:
+        response = StreamResponse(status=reply.status)
         for key, value in reply.headers.items():
             response.headers[key] = value
         _routed(response, decision)
@@ -784,7 +808,7 @@ class Router:
 
     # -- other endpoints ----------------------------------------------------------------------
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         created = int(time.time())
         cards = []
         for name, route in self.config.routes.items():
@@ -795,7 +819,7 @@ class Router:
                                     root=self.tiering.upstream_model(route, pool)))
         return _json(models_response(cards))
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         pools = {
             name: sum(1 for rep in pool.replicas if self.core.is_healthy(rep.name))
             for name, pool in self.config.pools.items()
@@ -806,17 +830,17 @@ class Router:
                 "routes_without_replicas": dead}
         return _json(body, status=200 if not dead else 503)
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
         if self.on_scrape is not None:
             self.on_scrape()
         stats = self.core.index.stats()
         self.metrics.set_index_size(stats.num_entries, stats.num_hashes)
         body, content_type = self.metrics.render()
-        response = web.Response(body=body)
+        response = Response(body=body)
         response.headers["Content-Type"] = content_type
         return response
 
-    def _check_admin(self, request: web.Request) -> AdminCapability:
+    def _check_admin(self, request: Request) -> AdminCapability:
         if self.admin is None or self.secrets.admin_key is None:
             raise RequestError(
                 "Admin endpoints are disabled: set admin_key_env in the router's config and "
@@ -831,7 +855,7 @@ class Router:
                                status=403, code="forbidden")
         return self.admin
 
-    async def admin_index(self, request: web.Request) -> web.Response:
+    async def admin_index(self, request: Request) -> Response:
         try:
             capability = self._check_admin(request)
             hashes = _query_hashes(request.query.get("hashes"))
@@ -856,7 +880,7 @@ class Router:
             }
         return _json(body)
 
-    async def admin_state(self, request: web.Request) -> web.Response:
+    async def admin_state(self, request: Request) -> Response:
         try:
             self._check_admin(request)
         except RequestError as exc:
@@ -899,8 +923,8 @@ class Router:
 # --------------------------------------------------------------------------------------------
 
 
-def _bearer(request: web.Request) -> str | None:
-    value = request.headers.get("Authorization", "")
+def _bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
     scheme, _, key = value.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         return None
@@ -933,13 +957,13 @@ def _content_type(value: str) -> str:
     return value.split(";", 1)[0].strip() or _JSON
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=json.dumps(obj).encode(), content_type=_JSON)
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(status=status, body=json.dumps(obj).encode(), content_type=_JSON)
 
 
 def _error(status: int, body: bytes, *, pool: str = "none",
-           extra: Mapping[str, str] | None = None) -> web.Response:
-    response = web.Response(status=status, body=body, content_type=_JSON)
+           extra: Mapping[str, str] | None = None) -> Response:
+    response = Response(status=status, body=body, content_type=_JSON)
     response.headers[HDR_REPLICA] = "none"
     response.headers[HDR_POOL] = pool
     response.headers[HDR_CACHED] = "0"
@@ -948,7 +972,7 @@ def _error(status: int, body: bytes, *, pool: str = "none",
     return response
 
 
-_R = TypeVar("_R", bound=web.StreamResponse)
+_R = TypeVar("_R", Response, StreamResponse)
 
 
 def _routed(response: _R, decision: RoutingDecision) -> _R:
@@ -960,7 +984,29 @@ def _routed(response: _R, decision: RoutingDecision) -> _R:
     return response
 
 
-ROUTER_KEY: Final = web.AppKey("kvroute_router", Router)
+@dataclass(slots=True)
+class RouterApp:
+    """The router's HTTP side as built by ``build_app``: the handlers and the server that
+    routes requests to them. ``start`` listens; ``close`` stops listening, lets answers in
+    flight end (``grace_s``) and stops the warm-up sender."""
+
+    router: Router
+    http: HttpServer
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the bound port."""
+        return await self.http.start(host, port)
+
+    async def close(self, grace_s: float = 10.0) -> None:
+        try:
+            await self.http.close(grace_s)
+        finally:
+            if self.router.warm is not None:
+                await self.router.warm.close()
+
+
+def _openai_error(status: int, message: str) -> bytes:
+    return error_body(message, status=status)
 
 
 def build_app(
@@ -978,8 +1024,9 @@ def build_app(
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None,
     on_scrape: Callable[[], None] | None = None,
     clock: Clock | None = None,
-) -> web.Application:
-    """The composition root of the HTTP layer: wire the collaborators into an aiohttp app.
+) -> RouterApp:
+    """The composition root of the HTTP layer: wire the collaborators into the handlers and
+    their HTTP server (``shell/http_server.py``).
 
     Nothing is created behind the caller's back except what has no I/O (admission, metrics,
     the admin capability). ``shell/runtime.py`` builds the rest (client session, discovery,
@@ -1019,20 +1066,17 @@ def build_app(
         extra_state=extra_state, on_replica_failure=on_replica_failure, on_scrape=on_scrape,
         warm=warm,
     )
-    # The body limit is enforced by Router._read_body with an OpenAI-shaped 413; aiohttp's
-    # own limit is set just above it so it never answers first with its plain-text error.
-    app = web.Application(client_max_size=config.max_body_bytes + 1024 * 1024)
-    app[ROUTER_KEY] = router
-
-    async def stop_warm(_: web.Application) -> None:
-        await warm.close()
-
-    app.on_cleanup.append(stop_warm)
-    app.router.add_post("/v1/chat/completions", router.chat)
-    app.router.add_post("/v1/completions", router.completions)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/health", router.health)
-    app.router.add_get("/metrics", router.metrics_endpoint)
-    app.router.add_get("/admin/index", router.admin_index)
-    app.router.add_get("/admin/state", router.admin_state)
-    return app
+    # The server keeps bodies up to the limit and flags larger ones; Router._body answers
+    # those with the OpenAI-shaped 413 (so every error a client sees is in one shape).
+    routes: dict[str, dict[str, Handler]] = {
+        "/v1/chat/completions": {"POST": router.chat},
+        "/v1/completions": {"POST": router.completions},
+        "/v1/models": {"GET": router.models},
+        "/health": {"GET": router.health},
+        "/metrics": {"GET": router.metrics_endpoint},
+        "/admin/index": {"GET": router.admin_index},
+        "/admin/state": {"GET": router.admin_state},
+    }
+    server = HttpServer(routes, max_body_bytes=config.max_body_bytes,
+                        error_body=_openai_error)
+    return RouterApp(router, server)

@@ -27,8 +27,8 @@ back, so if the engine dies mid-stream the client gets every complete event, the
 ``wire.sse.error_event`` and ``data: [DONE]``. vLLM writes one event per chunk, so the held
 tail is normally empty and nothing is delayed.
 
-TCP_NODELAY: the engine client sets it on its sockets, and aiohttp's protocol base class on
-the server's (``aiohttp.base_protocol.BaseProtocol.connection_made``): a relay with Nagle on
+TCP_NODELAY: the engine client sets it on its sockets, and asyncio on every socket the
+router's HTTP server accepts (``shell/http_server.py``): a relay with Nagle on
 adds ~40 ms to each small SSE write (see the overhead anchors: sglang-router's +43 ms TTFC).
 """
 
@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
-from aiohttp import web
 
 from kvroute.config import TimeoutsConfig
 from kvroute.core.errors import RouterError
@@ -52,6 +51,7 @@ from kvroute.shell.engine_client import (
     EngineClientError,
     EngineResponse,
 )
+from kvroute.shell.http_server import StreamResponse
 from kvroute.wire.sse import DONE, error_event
 
 __all__ = [
@@ -229,7 +229,7 @@ def _event_boundary(data: bytes | bytearray) -> int:
 
 async def relay_stream(
     reply: UpstreamReply,
-    out: web.StreamResponse,
+    out: StreamResponse,
     *,
     replica: str,
     on_error: Callable[[str, str], None] | None = None,

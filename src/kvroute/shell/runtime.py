@@ -16,8 +16,8 @@ Start-up order (each step needs the previous one):
    ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
    core needs no locks;
-5. session state, tokenizers, then the HTTP site (handler cancellation on, so a client that
-   disconnects cancels its upstream request). A refused connection seen by the proxy or a
+5. session state, tokenizers, then the HTTP server (``shell/http_server.py``; a client that
+   disconnects cancels its handler and so its upstream request). A refused connection seen by the proxy or a
    warm-up goes to ``Discovery.report_failure``, which takes that replica out of routing at
    once; the tier logic (``shell/tiering.py``) reads windows and served models from the same
    ``Discovery`` and tells it to re-read a window an engine contradicted.
@@ -36,7 +36,6 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 import aiohttp
-from aiohttp import web
 
 from kvroute.config import RouterConfig, resolve_secrets
 from kvroute.core.clock import Clock
@@ -45,7 +44,7 @@ from kvroute.core.peer_policies import make_policy
 from kvroute.core.policy import Policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.types import ReplicaId
-from kvroute.shell.app import build_app
+from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.engine_client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
@@ -110,8 +109,7 @@ class RouterRuntime:
         self.discovery: Discovery | None = None
         self.state: SessionState | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
-        self.app: web.Application | None = None
-        self._runner: web.AppRunner | None = None
+        self.app: RouterApp | None = None
         self.url = ""
         self.port = 0
 
@@ -157,13 +155,7 @@ class RouterRuntime:
             on_scrape=self.sync_metrics,
             on_replica_failure=self.discovery.report_failure,
         )
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, config.listen.host, config.listen.port,
-                           backlog=1024, reuse_address=True)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.port = int(port)
+        self.port = await self.app.start(config.listen.host, config.listen.port)
         self.url = f"http://{config.listen.host}:{self.port}"
         log.info("kvroute listening on %s (policy %s, %d pools, %d replicas)", self.url,
                  config.policy.name, len(config.pools), len(config.replicas()))
@@ -178,9 +170,9 @@ class RouterRuntime:
             except Exception as exc:  # noqa: BLE001 - collected, the first is re-raised below
                 errors.append(exc)
 
-        if self._runner is not None:
-            await step(self._runner.cleanup())
-            self._runner = None
+        if self.app is not None:
+            await step(self.app.close())
+            self.app = None
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()

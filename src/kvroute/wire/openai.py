@@ -683,6 +683,7 @@ def session_from_request(
     body: Mapping[str, Any] | None = None,
     *,
     use_user: bool = True,
+    lowered: bool = False,
 ) -> SessionRef | None:
     """Find the session id of a request, in LiteLLM's order, then the body.
 
@@ -707,13 +708,15 @@ def session_from_request(
         headers: request headers as a mapping or as (name, value) pairs.
         body: the decoded request body, if any.
         use_user: whether ``user`` may stand in for a session id.
+        lowered: ``headers`` is already a mapping with lower-cased names, one value each
+            (the router's HTTP server gives it so); it is then read as it is.
     """
-    h = _lower_headers(headers)
+    h = headers if lowered and isinstance(headers, Mapping) else _lower_headers(headers)
     for name in ("x-litellm-trace-id", "x-litellm-session-id"):
         value = h.get(name)
         if value:
             return SessionRef(value, f"header:{name}")
-    for name in sorted(h):
+    for name in sorted(n for n in h if n.endswith("-session-id")):
         if name in ("x-litellm-session-id", "x-session-id"):
             continue
         if _VENDOR_SESSION_HEADER.fullmatch(name) and _VENDOR_SESSION_VALUE.fullmatch(h[name]):

@@ -1,0 +1,64 @@
+"""Reading ``finish_reason`` and ``usage`` from a whole answer: the typed fast path gives
+exactly what the lenient walk over a generic decode gives, for any JSON shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvroute.shell.app import _JSON_DECODER, _completion_of, _read_completion
+
+
+def lenient(body: bytes) -> tuple[list[str | None], Any]:
+    try:
+        doc = _JSON_DECODER.decode(body)
+    except msgspec.DecodeError:
+        return [], None
+    if not isinstance(doc, dict):
+        return [], None
+    reasons: dict[int, str] = {}
+    _read_completion(doc, reasons)
+    usage = doc.get("usage")
+    return ([reasons.get(i) for i in range(max(reasons, default=-1) + 1)],
+            usage if isinstance(usage, dict) else None)
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.sampled_from(
+    ["stop", "length", "tool_calls", ""]), st.floats(allow_nan=False, allow_infinity=False))
+choice = st.one_of(
+    scalars,
+    st.fixed_dictionaries({}, optional={
+        "index": st.one_of(st.integers(-2, 4), scalars),
+        "finish_reason": st.one_of(st.sampled_from(["stop", "length", None]), scalars),
+        "message": st.fixed_dictionaries({"role": st.just("assistant"),
+                                          "content": st.text(max_size=20)}),
+    }),
+)
+answer = st.one_of(
+    scalars,
+    st.lists(scalars, max_size=3),
+    st.fixed_dictionaries({}, optional={
+        "choices": st.one_of(st.lists(choice, max_size=4), scalars),
+        "usage": st.one_of(st.none(), st.dictionaries(st.sampled_from(
+            ["prompt_tokens", "completion_tokens", "total_tokens"]), st.integers(0, 99)),
+            scalars, st.lists(scalars, max_size=2)),
+        "id": st.text(max_size=8),
+    }),
+)
+
+
+@given(answer)
+def test_the_typed_read_agrees_with_the_lenient_one(doc: Any) -> None:
+    body = json.dumps(doc).encode()
+    assert _completion_of(body) == lenient(body)
+
+
+def test_a_usual_answer_and_bytes_that_are_not_json() -> None:
+    body = (b'{"id":"c1","choices":[{"index":0,"finish_reason":"length","message":'
+            b'{"role":"assistant","content":"hi"}}],"usage":{"prompt_tokens":7}}')
+    assert _completion_of(body) == (["length"], {"prompt_tokens": 7})
+    assert _completion_of(b"{not json") == ([], None)
