@@ -8,6 +8,42 @@ double-register series, and ``build_app`` passes the instance it wants (no singl
 Every method is a cheap, synchronous update; none does I/O. ``render()`` produces the body
 and content type for ``GET /metrics``.
 
+Counts are deferred: the methods called per request or per KV-event batch (``decision``,
+``tokenize``, ``warm``, ``upstream_error``, ``retry``, ``admission_reject``, ``discovery``,
+``state_error``, ``escalation``, ``cut_short``, ``events``) only add to plain Python numbers
+kept per label tuple, and those pending amounts are moved into the prometheus_client series
+when something reads the registry. The reason: prometheus_client pays for thread safety and
+generality on every update (``inc`` takes a lock, ``Histogram.observe`` walks the buckets
+under locks, ``labels()`` validates and locks), which at saturation was about 2% of the
+router's CPU; a dict update costs a fraction of that, and the move costs one ``inc`` per
+label tuple that changed since the last read (one per bucket for the histogram).
+
+Invariants:
+
+- Readers see exact, current values. The registry is a ``_FlushingRegistry``: its
+  ``collect()`` (which ``render``, ``value``, ``generate_latest``, ``get_sample_value`` and
+  any direct reader of ``registry`` go through) and its ``restricted_registry()`` move the
+  pending amounts in first. Counter increments are ints, which floats add exactly (below
+  2**53), so summing them before the ``inc`` gives the same value; the latency histogram's
+  sum is kept as the running total of the observations in arrival order, the very float
+  additions ``observe`` would have made, and its buckets are chosen by ``bisect_left`` on the
+  histogram's own bounds (the first bound >= the value, as ``observe`` picks it). Latencies
+  are finite (``perf_counter`` differences): a NaN, which ``observe`` counts in no bucket,
+  would land in the first one here.
+- Pending state is bounded: one tally per label tuple, and the label tuples are the same
+  bounded set the series hold children for (see the NOTE below); nothing grows with the
+  number of requests, so there is nothing to flush early.
+- One thread: every update and every read runs on the router's event loop. A read from
+  another thread (prometheus_client's own HTTP server, for one) could interleave a move with
+  an update and lose the update; kvroute serves ``/metrics`` from the loop.
+- The series' children are created at a label tuple's first count, not at the first move,
+  so the label values are checked at the caller and ``*_created`` is the first count's time.
+
+The histogram is written through prometheus_client's per-child ``_buckets`` (per-bucket,
+not cumulative, values) and ``_sum``: there is no public call that adds n observations at
+once. ``RouterMetrics()`` checks that layout on a probe histogram and refuses to start if a
+prometheus_client release changed it.
+
 Series (all prefixed ``kvroute_``):
 
 =====================================  =========  ==========================================
@@ -29,6 +65,7 @@ index_entries / index_hashes           gauge      -
 pool_approximate                       gauge      pool (1 = routing on text chunks)
 tokenizer_mode                         gauge      pool, mode (1 for the pool's current mode)
 tokenize_total                         counter    pool, outcome
+token_piece_cache                      gauge      pool, stat (a local tokenizer's piece cache)
 discovery_total                        counter    replica, outcome
 replica_healthy                        gauge      replica
 pool_window_tokens                     gauge      pool
@@ -45,7 +82,9 @@ label, so cardinality stays bounded by the fleet's size.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
+from typing import Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -55,6 +94,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import RestrictedRegistry
 
 __all__ = ["ROUTING_LATENCY_BUCKETS", "TOKENIZER_MODES", "RouterMetrics"]
 
@@ -66,21 +107,176 @@ ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
 
+_LATENCY_BOUNDS: Final[tuple[float, ...]] = (*ROUTING_LATENCY_BUCKETS, float("inf"))
+"""The routing-latency histogram's upper bounds as prometheus_client stores them (+Inf last)."""
+
+
+class _PendingCounts:
+    """One labelled ``Counter``'s increments not yet added to it, summed per label tuple.
+
+    Invariant: ``amounts`` and ``_children`` have the same keys, one per label tuple ever
+    counted; ``amounts[key]`` is what ``_children[key]`` still lacks (0 right after a flush).
+    Keys are never removed: a label tuple seen once is likely seen again, and the set is
+    bounded anyway.
+    """
+
+    __slots__ = ("_children", "_counter", "amounts")
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._children: dict[tuple[str, ...], Counter] = {}
+        self.amounts: dict[tuple[str, ...], int] = {}
+
+    def add(self, key: tuple[str, ...], amount: int) -> None:
+        try:
+            self.amounts[key] += amount
+        except KeyError:
+            self.start(key, amount)
+
+    def start(self, key: tuple[str, ...], amount: int) -> None:
+        """The first count of ``key``: its child is created now (see the module docstring)."""
+        self._children[key] = self._counter.labels(*key)
+        self.amounts[key] = amount
+
+    def flush(self) -> None:
+        amounts = self.amounts
+        for key, amount in amounts.items():
+            if amount:
+                self._children[key].inc(amount)
+                amounts[key] = 0
+
+
+class _LatencyTally:
+    """One pool's routing latencies not yet in its histogram child.
+
+    Invariant: ``counts[i]`` observations fell in bucket ``i`` (the first of
+    ``_LATENCY_BOUNDS`` >= the value) since the last flush; ``total`` is the sum of every
+    observation since start in arrival order, so it is the float ``observe`` would hold.
+    """
+
+    __slots__ = ("_child", "counts", "total")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        self.counts = [0] * len(_LATENCY_BOUNDS)
+        self.total = 0.0
+
+    def flush(self) -> None:
+        counts = self.counts
+        if not any(counts):
+            return
+        buckets = self._child._buckets
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+                counts[i] = 0
+        self._child._sum.set(self.total)
+
+
+class _DecisionTally:
+    """Decisions for one (pool, replica, reason, approximate) not yet in their counters.
+
+    ``prompt_tokens`` and ``cached_tokens`` go to the pool's children, which the tallies of
+    the pool's other replicas and reasons share; the pool's latencies are in ``latency``.
+    """
+
+    __slots__ = ("_cached", "_decisions", "_prompt", "cached_tokens", "count", "latency",
+                 "prompt_tokens")
+
+    def __init__(self, decisions: Counter, prompt: Counter, cached: Counter,
+                 latency: _LatencyTally) -> None:
+        self._decisions = decisions
+        self._prompt = prompt
+        self._cached = cached
+        self.latency = latency
+        self.count = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def flush(self) -> None:
+        if self.count:
+            self._decisions.inc(self.count)
+            self.count = 0
+        if self.prompt_tokens:
+            self._prompt.inc(self.prompt_tokens)
+            self.prompt_tokens = 0
+        if self.cached_tokens:
+            self._cached.inc(self.cached_tokens)
+            self.cached_tokens = 0
+
+
+class _FlushingRegistry(CollectorRegistry):
+    """A registry that calls ``before_read`` ahead of every read of its series.
+
+    ``collect()`` is the one path of ``generate_latest``, ``get_sample_value`` and direct
+    readers; ``restricted_registry()`` (prometheus_client's exposition helpers given
+    ``name[]``) reads the collectors itself, so its result gets the same hook.
+    """
+
+    def __init__(self, before_read: Callable[[], None]) -> None:
+        super().__init__(auto_describe=True)
+        self.before_read = before_read
+
+    def collect(self) -> Iterable[Metric]:
+        self.before_read()
+        return super().collect()
+
+    def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
+        return _FlushingRestrictedRegistry(names, self)
+
+
+class _FlushingRestrictedRegistry(RestrictedRegistry):
+    def __init__(self, names: Iterable[str], registry: _FlushingRegistry) -> None:
+        super().__init__(names, registry)
+        self._before_read = registry.before_read
+
+    def collect(self) -> Iterable[Metric]:
+        self._before_read()
+        return super().collect()
+
+
+def _check_histogram_layout() -> None:
+    """Refuse to run if prometheus_client's ``Histogram`` no longer keeps a child's
+    per-bucket (not cumulative) values in ``_buckets``, by ``_upper_bounds``, and its sum in
+    ``_sum``: ``_LatencyTally.flush`` writes there (see the module docstring)."""
+    expected = [2.0 if bound == 0.00005 else 0.0 for bound in _LATENCY_BOUNDS]
+    try:
+        probe = Histogram("probe", "layout check", registry=None,
+                          buckets=ROUTING_LATENCY_BUCKETS)
+        probe.observe(0.00003)
+        probe.observe(0.00003)
+        ok = (
+            tuple(probe._upper_bounds) == _LATENCY_BOUNDS
+            and [bucket.get() for bucket in probe._buckets] == expected
+            and probe._sum.get() == 0.00003 + 0.00003
+        )
+    except AttributeError:
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            "prometheus_client's Histogram internals changed (_upper_bounds, _buckets, "
+            "_sum); kvroute.shell.metrics writes its routing-latency buckets through them"
+        )
+
 
 class RouterMetrics:
     """kvroute's Prometheus series, in a registry of their own.
 
-    Invariant: every series is registered once, in ``__init__``; the methods only update.
+    Invariant: every series is registered once, in ``__init__``; the methods only update
+    (most of them deferred: see the module docstring), and every read of ``registry`` first
+    moves the pending amounts in.
 
     Args:
         namespace: prefix of every series name (``kvroute``).
     """
 
     def __init__(self, namespace: str = "kvroute") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        # Label children of the per-request series, by label values (see ``decision``).
-        self._decision_children: dict[tuple[str, str, str, bool], tuple[Any, Any, Any, Any]] = {}
-        self._tokenize_children: dict[tuple[str, str], Any] = {}
+        _check_histogram_layout()
+        # Pending request-path counts, by label values (see the module docstring).
+        self._decision_tallies: dict[tuple[str, str, str, bool], _DecisionTally] = {}
+        self._latencies: dict[str, _LatencyTally] = {}
+        self._pending: list[_PendingCounts] = []
+        self.registry: CollectorRegistry = _FlushingRegistry(self._flush)
         r = self.registry
         ns = namespace
         self._ns = namespace
@@ -100,38 +296,28 @@ class RouterMetrics:
             "routing_latency_seconds", "Time spent choosing a replica (tokenize excluded).",
             ["pool"], namespace=ns, registry=r, buckets=ROUTING_LATENCY_BUCKETS,
         )
-        self._upstream_errors = Counter(
+        self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
-        )
-        self._retries = Counter(
+        ))
+        self._retries = self._deferred(Counter(
             "retries", "Requests retried on another replica after this one failed.",
             ["replica"], namespace=ns, registry=r,
-        )
-        self._admission_rejects = Counter(
+        ))
+        self._admission_rejects = self._deferred(Counter(
             "admission_rejects", "Requests refused before routing, by reason.",
             ["reason"], namespace=ns, registry=r,
-        )
-        self._events_applied = Counter(
-            "kv_event_batches_applied", "KV-event batches applied to the index.",
-            ["replica"], namespace=ns, registry=r,
-        )
-        self._events_gaps = Counter(
-            "kv_event_gaps", "Sequence gaps detected in a replica's KV-event stream.",
-            ["replica"], namespace=ns, registry=r,
-        )
-        self._events_replays = Counter(
-            "kv_event_replays", "Replay requests sent to a replica's replay socket.",
-            ["replica"], namespace=ns, registry=r,
-        )
-        self._events_resets = Counter(
-            "kv_event_resets", "Times a replica's index entries were dropped as untrustworthy.",
-            ["replica"], namespace=ns, registry=r,
-        )
-        self._events_malformed = Counter(
-            "kv_event_malformed", "KV-event messages that could not be decoded.",
-            ["replica"], namespace=ns, registry=r,
-        )
+        ))
+        self._event_counts = tuple(self._deferred(Counter(
+            name, documentation, ["replica"], namespace=ns, registry=r,
+        )) for name, documentation in (
+            ("kv_event_batches_applied", "KV-event batches applied to the index."),
+            ("kv_event_gaps", "Sequence gaps detected in a replica's KV-event stream."),
+            ("kv_event_replays", "Replay requests sent to a replica's replay socket."),
+            ("kv_event_resets", ("Times a replica's index entries were dropped as "
+             "untrustworthy.")),
+            ("kv_event_malformed", "KV-event messages that could not be decoded."),
+        ))
         self._index_entries = Gauge(
             "index_entries", "(replica, block hash) entries in the prefix index.",
             namespace=ns, registry=r,
@@ -149,20 +335,20 @@ class RouterMetrics:
             "tokenizer_mode", "The pool's prompt tokenizer mode (1 for the current mode).",
             ["pool", "mode"], namespace=ns, registry=r,
         )
-        self._tokenize = Counter(
+        self._tokenize = self._deferred(Counter(
             "tokenize", "Prompt tokenizations by outcome.",
             ["pool", "outcome"], namespace=ns, registry=r,
-        )
+        ))
         self._piece_cache = Gauge(
             "token_piece_cache", "A local tokenizer's cache of prompt pieces: enabled (0/1; "
             "it turns itself off on any disagreement with whole-prompt tokenization), hits, "
             "misses, cached_tokens, mismatches (since start).",
             ["pool", "stat"], namespace=ns, registry=r,
         )
-        self._discovery = Counter(
+        self._discovery = self._deferred(Counter(
             "discovery", "Discovery probes by replica and outcome.",
             ["replica", "outcome"], namespace=ns, registry=r,
-        )
+        ))
         self._replica_healthy = Gauge(
             "replica_healthy", "1 if the replica is in routing.",
             ["replica"], namespace=ns, registry=r,
@@ -171,22 +357,36 @@ class RouterMetrics:
             "pool_window_tokens", "Smallest max_model_len among the pool's healthy replicas.",
             ["pool"], namespace=ns, registry=r,
         )
-        self._state_errors = Counter(
+        self._state_errors = self._deferred(Counter(
             "state_errors", "Shared-state operations that failed and degraded to no pin / "
             "no warm.", ["backend", "op"], namespace=ns, registry=r,
-        )
-        self._warm = Counter(
+        ))
+        self._warm = self._deferred(Counter(
             "warm", "Warm-ahead requests by outcome (fired, skipped, failed, hit, chunk).",
             ["outcome", "reason"], namespace=ns, registry=r,
-        )
-        self._escalations = Counter(
+        ))
+        self._escalations = self._deferred(Counter(
             "escalations", "Requests moved to a larger tier.",
             ["from_pool", "to_pool", "kind"], namespace=ns, registry=r,
-        )
-        self._cut_short = Counter(
+        ))
+        self._cut_short = self._deferred(Counter(
             "cut_short", "Responses the engine cut short (finish_reason length with fewer "
             "tokens than asked).", ["pool"], namespace=ns, registry=r,
-        )
+        ))
+
+    def _deferred(self, counter: Counter) -> _PendingCounts:
+        pending = _PendingCounts(counter)
+        self._pending.append(pending)
+        return pending
+
+    def _flush(self) -> None:
+        """Move every pending amount into its series (the registry calls this on each read)."""
+        for pending in self._pending:
+            pending.flush()
+        for tally in self._decision_tallies.values():
+            tally.flush()
+        for latency in self._latencies.values():
+            latency.flush()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -200,35 +400,42 @@ class RouterMetrics:
         routing_latency_s: float,
         approximate: bool,
     ) -> None:
-        """Record one routing decision.
-
-        NOTE: ``labels(...)`` takes a lock and validates its arguments on every call; the
-        children are kept here per label tuple instead (the label values are config names
-        and policy reasons, a small bounded set), which halves this method's cost.
-        """
+        """Record one routing decision (negative token counts count as 0)."""
         key = (pool, replica, reason, approximate)
-        children = self._decision_children.get(key)
-        if children is None:
-            children = self._decision_children[key] = (
-                self._decisions.labels(pool, replica, reason, "true" if approximate else "false"),
-                self._prompt_tokens.labels(pool),
-                self._cached_tokens.labels(pool),
-                self._routing_latency.labels(pool),
-            )
-        children[0].inc()
-        children[1].inc(max(prompt_tokens, 0))
-        children[2].inc(max(cached_tokens, 0))
-        children[3].observe(routing_latency_s)
+        tally = self._decision_tallies.get(key)
+        if tally is None:
+            tally = self._start_decision(key)
+        tally.count += 1
+        if prompt_tokens > 0:
+            tally.prompt_tokens += prompt_tokens
+        if cached_tokens > 0:
+            tally.cached_tokens += cached_tokens
+        latency = tally.latency
+        latency.counts[bisect_left(_LATENCY_BOUNDS, routing_latency_s)] += 1
+        latency.total += routing_latency_s
+
+    def _start_decision(self, key: tuple[str, str, str, bool]) -> _DecisionTally:
+        pool, replica, reason, approximate = key
+        latency = self._latencies.get(pool)
+        if latency is None:
+            latency = self._latencies[pool] = _LatencyTally(self._routing_latency.labels(pool))
+        tally = self._decision_tallies[key] = _DecisionTally(
+            self._decisions.labels(pool, replica, reason, "true" if approximate else "false"),
+            self._prompt_tokens.labels(pool),
+            self._cached_tokens.labels(pool),
+            latency,
+        )
+        return tally
 
     def upstream_error(self, replica: str, kind: str) -> None:
-        self._upstream_errors.labels(replica, kind).inc()
+        self._upstream_errors.add((replica, kind), 1)
 
     def retry(self, replica: str) -> None:
         """Count a retry away from ``replica`` (the replica that failed)."""
-        self._retries.labels(replica).inc()
+        self._retries.add((replica,), 1)
 
     def admission_reject(self, reason: str) -> None:
-        self._admission_rejects.labels(reason).inc()
+        self._admission_rejects.add((reason,), 1)
 
     # -- KV events and the index ------------------------------------------------------------
 
@@ -242,18 +449,16 @@ class RouterMetrics:
         resets: int = 0,
         malformed: int = 0,
     ) -> None:
-        """Add to a replica's event-stream counters (each argument is an increment >= 0)."""
-        for counter, amount in (
-            (self._events_applied, applied),
-            (self._events_gaps, gaps),
-            (self._events_replays, replays),
-            (self._events_resets, resets),
-            (self._events_malformed, malformed),
-        ):
+        """Add to a replica's event-stream counters (each argument is an increment >= 0;
+        a negative one raises ``ValueError`` before anything is counted)."""
+        amounts = (applied, gaps, replays, resets, malformed)
+        for amount in amounts:
             if amount < 0:
                 raise ValueError(f"event counters only go up; got {amount} for {replica!r}")
+        key = (replica,)
+        for pending, amount in zip(self._event_counts, amounts, strict=True):
             if amount:
-                counter.labels(replica).inc(amount)
+                pending.add(key, amount)
 
     def set_index_size(self, entries: int, hashes: int) -> None:
         self._index_entries.set(entries)
@@ -277,11 +482,7 @@ class RouterMetrics:
             self._tokenizer_mode.labels(pool, known).set(1 if known == mode else 0)
 
     def tokenize(self, pool: str, outcome: str) -> None:
-        key = (pool, outcome)
-        child = self._tokenize_children.get(key)
-        if child is None:
-            child = self._tokenize_children[key] = self._tokenize.labels(pool, outcome)
-        child.inc()
+        self._tokenize.add((pool, outcome), 1)
 
     def set_token_piece_cache(self, pool: str, *, enabled: bool, hits: int, misses: int,
                               cached_tokens: int, mismatches: int) -> None:
@@ -292,7 +493,7 @@ class RouterMetrics:
             self._piece_cache.labels(pool, stat).set(value)
 
     def discovery(self, replica: str, outcome: str) -> None:
-        self._discovery.labels(replica, outcome).inc()
+        self._discovery.add((replica, outcome), 1)
 
     def set_replica_healthy(self, replica: str, healthy: bool) -> None:
         self._replica_healthy.labels(replica).set(1 if healthy else 0)
@@ -302,27 +503,30 @@ class RouterMetrics:
         self._pool_window.labels(pool).set(window or 0)
 
     def state_error(self, backend: str, op: str) -> None:
-        self._state_errors.labels(backend, op).inc()
+        self._state_errors.add((backend, op), 1)
 
     # -- warm-ahead and tiers ---------------------------------------------------------------
 
     def warm(self, outcome: str, reason: str | None = None) -> None:
         """Count a warm-ahead outcome: ``fired``, ``skipped`` (with a reason), ``failed``,
         ``hit``, ``chunk`` (one per request of a warm-up sent in prefix chunks)."""
-        self._warm.labels(outcome, reason or "").inc()
+        self._warm.add((outcome, reason or ""), 1)
 
     def escalation(self, from_pool: str, to_pool: str, kind: str) -> None:
-        self._escalations.labels(from_pool, to_pool, kind).inc()
+        self._escalations.add((from_pool, to_pool, kind), 1)
 
     def cut_short(self, pool: str) -> None:
-        self._cut_short.labels(pool).inc()
+        self._cut_short.add((pool,), 1)
 
     # -- exposition -------------------------------------------------------------------------
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """One sample's value by its full name (e.g. ``kvroute_tokenize_total``), or None."""
+        """One sample's value by its full name (e.g. ``kvroute_tokenize_total``), or None.
+
+        Exact: the registry moves the pending counts in before it is read."""
         return self.registry.get_sample_value(name, labels or {})
 
     def render(self) -> tuple[bytes, str]:
-        """The ``/metrics`` body (Prometheus text format 0.0.4) and its content type."""
+        """The ``/metrics`` body (Prometheus text format 0.0.4) and its content type (the
+        registry moves the pending counts in first, so the body is exact)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
