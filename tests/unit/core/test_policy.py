@@ -6,10 +6,13 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute.core.index import PrefixMatch
 from kvroute.core.load import ReplicaLoad
 from kvroute.core.policy import (
+    NO_MATCH,
     Candidate,
     KvrouteCostPolicy,
     PolicyInput,
@@ -132,3 +135,44 @@ def test_waiting_cost_charges_requests_without_a_first_token_only() -> None:
     assert default.select(req, [streams, queued]).replica == "queued"
     with pytest.raises(ValueError, match="waiting_cost_s"):
         KvrouteCostPolicy(random.Random(0), waiting_cost_s=-0.001)
+
+
+_counts = st.integers(min_value=0, max_value=200)
+
+
+@settings(max_examples=300)
+@given(
+    prompt=st.integers(min_value=0, max_value=5000),
+    block_size=st.sampled_from([1, 16, 32]),
+    weights=st.tuples(*(st.floats(0.0, 2.0) for _ in range(6))),
+    replicas=st.lists(st.tuples(
+        st.integers(0, 50_000), _counts, _counts, st.floats(1e-3, 1e6),
+        st.one_of(st.none(), st.tuples(_counts, _counts, _counts, _counts))),
+        min_size=1, max_size=8),
+)
+def test_select_scores_are_exactly_the_documented_formula(
+    prompt: int, block_size: int, weights: tuple[float, ...],
+    replicas: list[tuple[int, int, int, float, tuple[int, int, int, int] | None]],
+) -> None:
+    """``select`` computes the cost inline; it must equal ``predicted_ttft_s`` plus the
+    charges to the last bit, for held and unheld (``NO_MATCH``) replicas alike."""
+    work, slow, credit, step, inflight, waiting_cost = weights
+    policy = KvrouteCostPolicy(random.Random(0), work_weight=work, decode_slowdown=slow,
+                               predicted_credit=credit, step_tokens=step,
+                               inflight_cost_s=inflight, waiting_cost_s=waiting_cost)
+    cands = []
+    for i, (queue, in_flight, decoding, rate, held) in enumerate(replicas):
+        load = ReplicaLoad(outstanding_prefill_tokens=queue, num_in_flight=in_flight,
+                           num_decoding=min(decoding, in_flight), prefill_rate_tps=rate)
+        match = NO_MATCH if held is None else PrefixMatch(*held)
+        cands.append(Candidate(ReplicaId(f"r{i}"), load, match))
+    req = PolicyInput("r", num_prompt_tokens=prompt, block_size=block_size)
+    sel = policy.select(req, cands)
+    for c in cands:
+        ttft, prefill = policy.predicted_ttft_s(req, c)
+        rate = max(c.load.prefill_rate_tps, 1e-9)
+        waiting = max(0, c.load.num_in_flight - c.load.num_decoding)
+        expected = (ttft + work * prefill / rate + inflight * c.load.num_in_flight
+                    + waiting_cost * waiting)
+        assert sel.scores[c.replica] == expected
+        assert sel.expected_cached_tokens[c.replica] == int(max(0.0, prompt - prefill))
