@@ -264,9 +264,11 @@ class LoadTracker:
         With ``now_s``, outstanding prefill is the backlog drained at the learned rate since
         the last progress report (see the module docstring); without it, the raw count.
         """
-        record = self._record(replica)
+        record = self._replicas.get(replica)
+        if record is None:
+            record = self._record(replica)  # raises the KeyError that names the replica
         outstanding = record.outstanding_prefill_tokens
-        if now_s is not None:
+        if now_s is not None and outstanding:  # nothing outstanding drains to 0 anyway
             outstanding = int(record.drained_backlog(now_s))
         if record.engine_waiting:
             # Work queued by other router processes (or before our restart) is invisible to
