@@ -9,6 +9,8 @@ probing until the subscriber has received something, bounded in count and time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -19,7 +21,7 @@ import zmq.asyncio
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.types import ReplicaId, WireHash
 from kvroute.shell.kv_publisher import KVEventPublisher
-from kvroute.shell.zmq_events import EventSubscriber
+from kvroute.shell.zmq_events import _TAKE_PER_TURN, EventSubscriber
 from kvroute.wire.vllm_events import (
     ReplayBatch,
     decode_replay_reply,
@@ -540,3 +542,168 @@ async def _bind_mode() -> None:
     await sub.stop()
     # The first sends may precede the subscription (ZMQ's slow joiner); what arrives is in order.
     assert got and got == sorted(got)
+
+
+# ---------------------------------------------------------------- draining queued bursts
+
+
+def count_sub_recvs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count awaited ``recv_multipart`` calls on SUB sockets (one future each)."""
+    calls = [0]
+    original = zmq.asyncio.Socket.recv_multipart
+
+    def counting(self: zmq.asyncio.Socket, *args: Any, **kwargs: Any) -> Any:
+        if self.get(zmq.TYPE) == zmq.SUB:
+            calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(zmq.asyncio.Socket, "recv_multipart", counting)
+    return calls
+
+
+def block_loop(seconds: float = 0.3) -> None:
+    """Called from a coroutine: keeps the event loop busy, so what is sent queues at the SUB."""
+    time.sleep(seconds)
+
+
+class Turns:
+    """Samples ``len(sink.batches)`` once per event-loop iteration, from its own task."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.marks: list[int] = []
+        self._sink = sink
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.marks.append(len(self._sink.batches))
+            await asyncio.sleep(0)
+
+    async def stop(self) -> int:
+        """Stop sampling; the most batches delivered between two samples."""
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        return max(b - a for a, b in zip(self.marks, self.marks[1:], strict=False))
+
+
+def test_queued_burst_is_drained_in_order_and_yields_every_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    recvs = count_sub_recvs(monkeypatch)
+    n = 10 * _TAKE_PER_TURN + 7
+
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher() as pub:
+            sub = make_sub(ctx, pub, sink, catch_up=False)
+
+            async def body() -> None:
+                first = await probe(
+                    lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
+                )
+                await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+                before, recvs_before = sub.stats, recvs[0]
+                turns = Turns(sink)
+                for i in range(n):
+                    last = pub.publish(events_for(i), ts=float(i))
+                pub.wait_sent()
+                block_loop()
+                await wait_until(lambda: sub.stats.last_seq == last, "the end of the burst")
+                most_per_turn = await turns.stop()
+                after = sub.stats
+                assert after.batches - before.batches == n
+                assert after.events - before.events == 2 * n
+                assert (after.gaps, after.replays, after.resets, after.malformed) == (0, 0, 0, 0)
+                burst = sink.batches[sink.seqs.index(first) + 1 :]
+                assert burst == [
+                    EventBatch(first + 1 + i, float(i), events_for(i), 0) for i in range(n)
+                ]
+                # Queued messages were taken without a future each, in turns of at most
+                # _TAKE_PER_TURN (the old loop took the whole burst in one turn).
+                assert recvs[0] - recvs_before <= n // _TAKE_PER_TURN
+                assert 1 < most_per_turn <= _TAKE_PER_TURN
+
+            await with_sub(sub, body)
+        assert sink.seqs == list(range(sink.seqs[0], sink.seqs[-1] + 1))
+        assert sink.resets == []
+
+    run(test)
+
+
+def test_gaps_inside_a_drained_burst_are_replayed_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each replay finishes before the next queued message is taken; nothing is reordered."""
+    recvs = count_sub_recvs(monkeypatch)
+    n = 3 * _TAKE_PER_TURN + 5
+    skipped = set(range(100, 105)) | {150, 151}
+
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher() as pub:
+            sub = make_sub(ctx, pub, sink, catch_up=False)
+
+            async def body() -> None:
+                first = await probe(
+                    lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
+                )
+                await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+                before, recvs_before = sub.stats, recvs[0]
+                for i in range(n):
+                    last = pub.publish(events_for(i), ts=float(i), skip_send=i in skipped)
+                pub.wait_sent()
+                block_loop()
+                await wait_until(lambda: sub.stats.last_seq == last, "the end of the burst")
+                after = sub.stats
+                assert after.batches - before.batches == n
+                assert (after.gaps - before.gaps, after.replays - before.replays) == (2, 2)
+                assert after.replayed_batches - before.replayed_batches == len(skipped)
+                assert recvs[0] - recvs_before <= n // _TAKE_PER_TURN  # the replays were mid-drain
+                burst = sink.batches[sink.seqs.index(first) + 1 :]
+                assert burst == [
+                    EventBatch(first + 1 + i, float(i), events_for(i), 0) for i in range(n)
+                ]
+
+            await with_sub(sub, body)
+        assert sink.resets == []
+        assert sink.seqs == list(range(sink.seqs[0], sink.seqs[-1] + 1))
+
+    run(test)
+
+
+def test_malformed_messages_inside_a_drained_burst_are_counted_and_skipped() -> None:
+    n = 2 * _TAKE_PER_TURN + 3
+
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        raw = ctx.socket(zmq.PUB)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.bind("tcp://127.0.0.1:0")
+        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+        sub = make_sub(ctx, endpoint, sink)
+
+        def good(seq: int) -> list[bytes]:
+            return [b"kv", encode_seq(seq), encode_payload(EventBatch(seq, 1.0, (), 0))]
+
+        async def body() -> None:
+            await probe(
+                lambda: raw.send_multipart([b"kv", b"short", b""]), lambda: sub.stats.malformed > 0
+            )
+            m0 = sub.stats.malformed
+            for seq in range(n):
+                await raw.send_multipart(good(seq))  # completes at once: no HWM reached
+                if seq % 50 == 25:
+                    await raw.send_multipart([b"kv", encode_seq(seq + 1), b"\xc1"])
+            block_loop()
+            await wait_until(lambda: sub.stats.last_seq == n - 1, "the end of the burst")
+            assert sub.stats.malformed - m0 == len(range(25, n, 50))
+
+        try:
+            await with_sub(sub, body)
+        finally:
+            raw.close(linger=0)
+        assert sink.seqs == list(range(n))
+        assert sink.resets == [] and sub.stats.gaps == 0
+
+    run(test)
