@@ -457,3 +457,33 @@ def test_close_lets_a_running_answer_finish_then_cancels_what_overruns() -> None
         await close_clients()
 
     asyncio.run(main())
+
+
+def test_server_and_engine_client_run_on_uvloop() -> None:
+    """``kvroute serve --loop uvloop``: uvloop's transports are not ``asyncio.Transport``
+    instances, and both protocols must take them (a whole and a streamed answer, relayed
+    through the engine client, on one uvloop loop)."""
+    import uvloop
+
+    from kvroute.shell.engine_client import EngineClient
+
+    async def stream(request: Request) -> StreamResponse:
+        out = StreamResponse(200, headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"data: " + request.body + b"\n\n")
+        await out.write_eof()
+        return out
+
+    async def main() -> None:
+        async with serving({**ECHO, "/s": {"POST": stream}}) as server:
+            client = EngineClient(connect_timeout_s=5.0, total_timeout_s=10.0)
+            try:
+                base = f"http://127.0.0.1:{server.port}"
+                whole = await client.post(base + "/echo", b"hello")
+                assert whole.status == 200 and json.loads(await whole.read())["body"] == "hello"
+                streamed = await client.post(base + "/s", b"x")
+                assert await streamed.read() == b"data: x\n\n"
+            finally:
+                await client.close()
+
+    uvloop.run(main())

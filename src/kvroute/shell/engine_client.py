@@ -48,7 +48,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -230,8 +230,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport; not an ``asyncio.Transport`` instance under uvloop.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -57,7 +57,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final
+from typing import Final, cast
 from urllib.parse import parse_qsl, unquote
 
 import httptools
@@ -306,8 +306,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport; not an ``asyncio.Transport`` instance under uvloop.
+        self._transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self._remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
         self._server._connections.add(self)
