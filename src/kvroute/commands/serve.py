@@ -6,11 +6,12 @@ status 2), starts ``shell.runtime.RouterRuntime``, prints one JSON line
 and runs until SIGINT or SIGTERM, then shuts down in order.
 
 The event loop is asyncio's own by default. ``--loop uvloop`` (or ``auto``: uvloop when it is
-installed) is there to measure, not recommended: on the 2-core benchmark machine, 8
-simulated engines with KV events, 150 streamed req/s, uvloop cost MORE router CPU per
-request than asyncio (2.02-2.07 against 1.65-1.66 CPU-ms, TTFT p50 7.7-8.3 against 5.5 ms,
-two interleaved passes), in line with the overhead anchors, where uvloop made no difference
-for a bare relay.
+installed) is there to measure, not recommended. With aiohttp on both sides it cost more
+router CPU per request than asyncio (2-core benchmark machine, 8 simulated engines, 150
+streamed req/s: 2.02-2.07 against 1.65-1.66 CPU-ms). Since the router serves and forwards
+through its own protocols (``shell/http_server.py``, ``shell/engine_client.py``) the two are
+level: at saturation 1.14 / 1.42 CPU-ms on uvloop against 1.19 / 1.42 on asyncio (two
+interleaved pairs, 2026-11-29), within the machine's drift.
 """
 
 from __future__ import annotations
