@@ -30,7 +30,9 @@ next to every counter and histogram unless created series are disabled.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ __all__ = [
     "parse_samples",
     "parse_vllm_metrics",
     "render_vllm_metrics",
+    "wanted_samples",
 ]
 
 MAX_RECORDED_MALFORMED: Final = 20
@@ -246,6 +249,44 @@ def parse_exposition(text: str, *, names: Iterable[str] | None = None) -> Exposi
     return Exposition(tuple(samples), types, helps, num_malformed, tuple(malformed))
 
 
+@functools.cache
+def _name_matcher(prefixes: tuple[str, ...]) -> re.Pattern[str]:
+    """Occurrences of any of ``prefixes`` and the rest of their line.
+
+    The alternatives are written behind their common leading text (``vllm:``), so the
+    regular expression engine scans for that literal in C instead of trying every position;
+    ``wanted_samples`` keeps the occurrences that start a line.
+    """
+    common = os.path.commonprefix(list(prefixes))
+    rest = "|".join(re.escape(p[len(common):]) for p in prefixes)
+    return re.compile(rf"{re.escape(common)}(?:{rest})[^\n]*")
+
+
+def wanted_samples(text: str, names: tuple[str, ...]) -> tuple[list[Sample], int]:
+    """The samples ``parse_exposition(text, names=names)`` gives, and its ``num_malformed``,
+    without walking the other lines in Python.
+
+    A real vLLM ``/metrics`` is hundreds of lines (histograms, process series) of which the
+    router reads a handful, every ``metrics_interval_s`` for every replica; a regular
+    expression finds those names in C, and only the lines they start are parsed (an
+    occurrence inside a comment or a label value is not at a line's start, after blanks).
+    HELP and TYPE lines are not read (use ``parse_exposition`` for them). A test checks the
+    two agree on generated expositions.
+    """
+    samples: list[Sample] = []
+    num_malformed = 0
+    for match in _name_matcher(names).finditer(text):
+        start = match.start()
+        line_start = text.rfind("\n", 0, start) + 1
+        if line_start != start and not text[line_start:start].isspace():
+            continue  # inside a line: a comment, a label value, a longer name's tail
+        try:
+            samples.append(_parse_sample_line(match.group().strip()))
+        except _LineError:
+            num_malformed += 1
+    return samples, num_malformed
+
+
 def parse_samples(text: str) -> list[Sample]:
     """Every well-formed sample of an exposition, in order (malformed lines skipped)."""
     return list(parse_exposition(text).samples)
@@ -338,14 +379,14 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         The metrics; see ``VllmMetrics`` for how engines are combined. Never raises on odd
         exposition text: malformed lines are counted in ``num_malformed``.
     """
-    exposition = parse_exposition(text, names=_VLLM_WANTED)
+    samples, num_malformed = wanted_samples(text, _VLLM_WANTED)
     sums: dict[str, float] = {}
     usage: dict[str, float] = {}
     legacy_usage: dict[str, float] = {}
     engines: set[str] = set()
     models: set[str] = set()
     cache_config: dict[str, str] | None = None
-    for sample in exposition.samples:
+    for sample in samples:
         name = sample.name
         if name not in _VLLM_WANTED:  # a longer name that shares a wanted prefix
             continue
@@ -386,7 +427,7 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         cache_config=config,
         engines=tuple(sorted(engines)),
         model_names=tuple(sorted(models)),
-        num_malformed=exposition.num_malformed,
+        num_malformed=num_malformed,
     )
 
 

@@ -26,6 +26,7 @@ from kvroute.wire.prom import (
     parse_samples,
     parse_vllm_metrics,
     render_vllm_metrics,
+    wanted_samples,
 )
 
 # A /metrics page as a vLLM 0.32 API server with two data-parallel ranks serves it (names,
@@ -401,3 +402,35 @@ def test_rendered_page_round_trips_through_both_parsers() -> None:
     ttft = [s for s in families["vllm:time_to_first_token_seconds"].samples
             if s.name.endswith("_count") and s.labels["engine"] == "0"]  # fmt: skip
     assert [s.value for s in ttft] == [3.0]
+
+
+_WANTED = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info")
+_line = st.one_of(
+    st.sampled_from([
+        "", "   ", "# HELP vllm:num_requests_running Requests running.",
+        "# TYPE vllm:num_requests_running gauge", "# EOF", "#vllm:num_requests_running 1",
+        'vllm:num_requests_running{model_name="m",engine="0"} 3',
+        "  vllm:num_requests_running 4\r", "\tvllm:kv_cache_usage_perc 0.25",
+        'vllm:cache_config_info{block_size="16",prefix_caching_hash_algo="sha256"} 1.0',
+        "vllm:num_requests_running_total 9", "vllm:num_requests_running", "vllm:kv_cache_usage_perc x",
+        'vllm:num_requests_running{model_name="m" 1', "process_cpu_seconds_total 1.5",
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 7', "vllm:num_requests_waiting 2",
+    ]),
+    st.builds(lambda name, value, pad: f"{pad}{name} {value}",
+              st.sampled_from([*_WANTED, "vllm:other", "vllm:num_requests_runningX"]),
+              st.one_of(st.floats(allow_nan=False).map(repr), st.sampled_from(["NaN", "+Inf", "1e3", "bad"])),
+              st.sampled_from(["", " ", "\t", "\r", "\x0b"])),
+)
+
+
+@given(st.lists(_line, max_size=40), st.sampled_from(["\n", "\r\n"]))
+def test_wanted_samples_agree_with_the_line_by_line_parse(lines: list[str], newline: str) -> None:
+    text = newline.join(lines)
+    full = parse_exposition(text, names=_WANTED)
+    samples, num_malformed = wanted_samples(text, _WANTED)
+
+    def key(s: Sample) -> tuple[object, ...]:
+        return (s.name, sorted(s.labels.items()), repr(s.value), s.timestamp_ms)
+
+    assert [key(s) for s in samples] == [key(s) for s in full.samples]
+    assert num_malformed == full.num_malformed
