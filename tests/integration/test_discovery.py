@@ -386,6 +386,31 @@ def test_models_are_polled_on_their_interval_and_on_invalidation() -> None:
     run(go)
 
 
+def test_probes_are_staggered_across_the_interval() -> None:
+    """After the start-up round (every replica at once), replica k of n is probed k/n of an
+    interval later than replica 0, so later rounds each parse about one replica's answers
+    instead of stalling the event loop on all of them together."""
+
+    async def go() -> None:
+        async with fleet(4) as servers, aiohttp.ClientSession() as session:
+            reps = [(f"r{i}", s.url) for i, s in enumerate(servers)]
+            rig = Rig(make_config({"p": reps}, health_interval_s=1.0, metrics_interval_s=1.0),
+                      session)
+            d = rig.discovery
+            await d.refresh_now()
+            assert [s.hits["/metrics"] for s in servers] == [1, 1, 1, 1]
+            assert d._tick_s == pytest.approx(0.25)
+            seen = []
+            for _ in range(4):  # one tick of the loop at a time
+                rig.clock.advance(0.25 if seen else 1.0)
+                await d._round(force=False)
+                seen.append([s.hits["/metrics"] for s in servers])
+            assert seen == [[2, 1, 1, 1], [2, 2, 1, 1], [2, 2, 2, 1], [2, 2, 2, 2]]
+            assert [s.hits["/health"] for s in servers] == [2, 2, 2, 2]
+
+    run(go)
+
+
 def test_polling_task_takes_a_dead_replica_out() -> None:
     """The real task with real time: short intervals, bounded wait."""
 

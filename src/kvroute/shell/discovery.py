@@ -18,8 +18,11 @@ discovery has read the engines).
 Theory of operation
 -------------------
 
-One task runs rounds. A round probes every replica concurrently; each probe is bounded by
-``discovery.timeout_s``. Per replica, in order:
+One task runs rounds. A round probes every replica that is due, concurrently; each probe is
+bounded by ``discovery.timeout_s``. The start-up round probes them all; after it their
+schedules are staggered over the interval (``_stagger``) and the task ticks as often as that
+needs, so a round usually handles one replica and never stalls the event loop on the whole
+fleet's answers at once. Per replica, in order:
 
 1. ``GET /health`` when due (every ``health_interval_s``); on failure the round stops here
    for that replica;
@@ -97,6 +100,8 @@ DEFAULT_HEALTHY_AFTER: Final = 1
 """Consecutive good probes that bring a replica back (``discovery.healthy_after``)."""
 
 _LOOP_BACKOFF_S: Final = 1.0
+_MIN_TICK_S: Final = 0.05
+"""The discovery loop never wakes more often than this (unless told to: ``report_failure``)."""
 _JSON: Final = msgspec.json.Decoder()
 
 
@@ -272,6 +277,22 @@ class Discovery:
         """
         self._init_pools()
         await self._round(force=True)
+        self._stagger()
+
+    def _stagger(self) -> None:
+        """Spread the replicas' next probes over the interval, replica ``k`` of ``n`` by
+        ``k / n`` of it.
+
+        A forced round probes every replica at once, and without this they would stay in
+        step: every ``metrics_interval_s`` all answers would arrive together and be parsed
+        back to back, one stall of the event loop that every request then in flight waits
+        out (the router's p99). Staggered, each round handles about one replica; the loop
+        ticks ``n`` times as often (``_tick_s``), so no probe is later than before.
+        """
+        count = len(self._replicas)
+        for k, rep in enumerate(self._replicas.values()):
+            rep.next_health_s += self._health_interval_s * k / count
+            rep.next_metrics_s += self._metrics_interval_s * k / count
 
     async def start(self) -> None:
         """Start the polling task (runs ``refresh_now`` first if it never ran)."""
@@ -409,8 +430,16 @@ class Discovery:
 
     # -- the loop -------------------------------------------------------------------------
 
+    @property
+    def _tick_s(self) -> float:
+        """How often the loop looks for due probes: the shortest interval divided among the
+        replicas (``_stagger``), not under ``_MIN_TICK_S``."""
+        shortest = min(self._health_interval_s, self._metrics_interval_s,
+                       self._models_interval_s)
+        return max(shortest / max(1, len(self._replicas)), min(shortest, _MIN_TICK_S))
+
     async def _run(self) -> None:
-        tick = min(self._health_interval_s, self._metrics_interval_s, self._models_interval_s)
+        tick = self._tick_s
         while True:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
