@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from kvroute.commands.serve import freeze_startup_heap
+from kvroute.heap import freeze_startup_heap
 
 
 def test_the_startup_heap_is_moved_out_of_the_collectors_reach() -> None:

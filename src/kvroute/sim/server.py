@@ -80,6 +80,7 @@ from kvroute.core.engine_model import (
 from kvroute.core.errors import ConfigError
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher
+from kvroute.heap import freeze_startup_heap
 from kvroute.shell.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.profiles import get_profile
@@ -1170,6 +1171,7 @@ def run_sim_server(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with server:
+            freeze_startup_heap()  # as the router does: no full collection walks start-up
             if on_ready is not None:
                 on_ready(server)
             await stop.wait()

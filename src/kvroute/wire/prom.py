@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -257,7 +256,11 @@ def _name_matcher(prefixes: tuple[str, ...]) -> re.Pattern[str]:
     regular expression engine scans for that literal in C instead of trying every position;
     ``wanted_samples`` keeps the occurrences that start a line.
     """
-    common = os.path.commonprefix(list(prefixes))
+    lo, hi = min(prefixes), max(prefixes)  # the common prefix of all is theirs
+    size = 0
+    while size < min(len(lo), len(hi)) and lo[size] == hi[size]:
+        size += 1
+    common = lo[:size]
     rest = "|".join(re.escape(p[len(common):]) for p in prefixes)
     return re.compile(rf"{re.escape(common)}(?:{rest})[^\n]*")
 
