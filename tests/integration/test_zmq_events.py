@@ -99,6 +99,16 @@ async def probe(publish: Callable[[], Any], done: Callable[[], bool], limit: int
     raise AssertionError(f"subscriber received nothing after {limit} probes")
 
 
+async def past_probes(pub: KVEventPublisher, sub: EventSubscriber, sink: Sink) -> int:
+    """Publish until the subscriber receives (the SUB socket joins late), then wait until it
+    has taken every probe; returns the last probe's sequence number."""
+    first: int = await probe(
+        lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
+    )
+    await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+    return first
+
+
 def make_sub(
     ctx: zmq.asyncio.Context, pub: KVEventPublisher | str, sink: Sink, **kw: Any
 ) -> EventSubscriber:
@@ -183,10 +193,7 @@ def test_dropped_messages_recovered_through_replay() -> None:
             sub = make_sub(ctx, pub, sink, catch_up=False)
 
             async def body() -> None:
-                first = await probe(
-                    lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
-                )
-                await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+                first = await past_probes(pub, sub, sink)
                 before = sub.stats
                 for i in range(5):
                     pub.publish(events_for(i), ts=1.0, skip_send=True)
@@ -599,10 +606,7 @@ def test_queued_burst_is_drained_in_order_and_yields_every_turn(
             sub = make_sub(ctx, pub, sink, catch_up=False)
 
             async def body() -> None:
-                first = await probe(
-                    lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
-                )
-                await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+                first = await past_probes(pub, sub, sink)
                 before, recvs_before = sub.stats, recvs[0]
                 turns = Turns(sink)
                 for i in range(n):
@@ -645,10 +649,7 @@ def test_gaps_inside_a_drained_burst_are_replayed_in_order(
             sub = make_sub(ctx, pub, sink, catch_up=False)
 
             async def body() -> None:
-                first = await probe(
-                    lambda: pub.publish(events_for(0), ts=0.0), lambda: bool(sink.batches)
-                )
-                await wait_until(lambda: sub.stats.last_seq == first, "the probes")
+                first = await past_probes(pub, sub, sink)
                 before, recvs_before = sub.stats, recvs[0]
                 for i in range(n):
                     last = pub.publish(events_for(i), ts=float(i), skip_send=i in skipped)

@@ -254,6 +254,11 @@ def _completion_of(body: bytes) -> tuple[list[str | None], Mapping[str, Any] | N
             if choice.finish_reason is not None:
                 found[choice.index if choice.index is not None else pos] = choice.finish_reason
         return [found.get(i) for i in range(max(found, default=-1) + 1)], typed.usage
+    return _completion_of_any(body)
+
+
+def _completion_of_any(body: bytes) -> tuple[list[str | None], Mapping[str, Any] | None]:
+    """``_completion_of`` by a lenient walk over the generic decode: any JSON shape."""
     try:
         doc = _JSON_DECODER.decode(body)
     except msgspec.DecodeError:
