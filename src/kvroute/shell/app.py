@@ -652,7 +652,7 @@ class Router:
         if isinstance(plan, GiveUp):
             attempt.outcome = f"overflow_{plan.reason.value}"
             return _routed(Response(status=400, body=Tiering.give_up_body(plan),
-                                        content_type=_JSON), failed)
+                                    content_type=_JSON), failed)
         pool_name = walk.pool_name
         attempt.pool = pool_name
         attempt.retries += 1
@@ -728,14 +728,14 @@ class Router:
     def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError) -> Response:
         if exc.kind == "status" and exc.status is not None:
             return _routed(Response(status=exc.status, body=exc.body,
-                                        content_type=_content_type(exc.content_type)), decision)
+                                    content_type=_content_type(exc.content_type)), decision)
         status = 504 if exc.kind == "timeout" else 502
         message = (
             f"kvroute could not get an answer from replica {decision.replica}: {exc}. "
             "No other replica was available to retry on; check the engines' /health."
         )
         return _routed(Response(status=status, body=error_body(message, status=status),
-                                    content_type=_JSON), decision)
+                                content_type=_JSON), decision)
 
     def _whole(self, reply: UpstreamReply, decision: RoutingDecision) -> Response:
         response = Response(status=reply.status, body=reply.body)
