@@ -398,7 +398,9 @@ def test_header_injection_and_non_http_urls_are_refused() -> None:
     run(main())
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+@pytest.mark.skipif(shutil.which("openssl") is None,
+                    reason="needs the openssl command to make a self-signed certificate "
+                           "(apt-get install openssl)")
 def test_https_engines_are_reached_over_tls(tmp_path: Path) -> None:
     """An external provider over https: a self-signed certificate for 127.0.0.1, trusted by
     the client's context and by nothing else."""

@@ -99,6 +99,15 @@ async def probe(publish: Callable[[], Any], done: Callable[[], bool], limit: int
     raise AssertionError(f"subscriber received nothing after {limit} probes")
 
 
+def raw_pub(ctx: zmq.asyncio.Context) -> tuple[zmq.asyncio.Socket, str]:
+    """A bare PUB socket on a free loopback port (to send frames no publisher would), and
+    its endpoint."""
+    raw = ctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.bind("tcp://127.0.0.1:0")
+    return raw, raw.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 async def past_probes(pub: KVEventPublisher, sub: EventSubscriber, sink: Sink) -> int:
     """Publish until the subscriber receives (the SUB socket joins late), then wait until it
     has taken every probe; returns the last probe's sequence number."""
@@ -295,10 +304,7 @@ def test_publisher_restart_resets() -> None:
 def test_malformed_frames_are_counted_and_skipped() -> None:
     async def test(ctx: zmq.asyncio.Context) -> None:
         sink = Sink()
-        raw = ctx.socket(zmq.PUB)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.bind("tcp://127.0.0.1:0")
-        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+        raw, endpoint = raw_pub(ctx)
         sub = make_sub(ctx, endpoint, sink)
 
         def good(seq: int) -> list[bytes]:
@@ -678,10 +684,7 @@ def test_malformed_messages_inside_a_drained_burst_are_counted_and_skipped() -> 
 
     async def test(ctx: zmq.asyncio.Context) -> None:
         sink = Sink()
-        raw = ctx.socket(zmq.PUB)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.bind("tcp://127.0.0.1:0")
-        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+        raw, endpoint = raw_pub(ctx)
         sub = make_sub(ctx, endpoint, sink)
 
         def good(seq: int) -> list[bytes]:

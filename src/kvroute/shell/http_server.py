@@ -95,11 +95,10 @@ class Request:
     """
 
     __slots__ = ("_conn", "_query", "body", "body_too_large", "content_length", "headers",
-                 "keep_alive", "method", "path", "query_string", "remote", "version")
+                 "keep_alive", "method", "path", "query_string", "version")
 
     def __init__(self, conn: _Connection | None, method: str, path: str, query_string: str,
-                 headers: dict[str, str], version: str, keep_alive: bool,
-                 remote: str | None = None) -> None:
+                 headers: dict[str, str], version: str, keep_alive: bool) -> None:
         self._conn = conn
         self.method = method
         self.path = path
@@ -107,7 +106,6 @@ class Request:
         self.headers = headers
         self.version = version
         self.keep_alive = keep_alive
-        self.remote = remote
         self.body = b""
         self.body_too_large = False
         cl = headers.get("content-length")
@@ -278,7 +276,6 @@ class _Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._remote: str | None = None
         self._closed = False
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -308,8 +305,6 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport; not an ``asyncio.Transport`` instance under uvloop.
         self._transport = cast(asyncio.Transport, transport)
-        peer = transport.get_extra_info("peername")
-        self._remote = str(peer[0]) if isinstance(peer, tuple) and peer else None
         self._server._connections.add(self)
         self._arm_idle()
 
@@ -404,7 +399,7 @@ class _Connection(asyncio.Protocol):
             path_text = unquote(path_text)
         request = Request(self, parser.get_method().decode("ascii"), path_text,
                           query.decode("latin-1"), self._headers, parser.get_http_version(),
-                          parser.should_keep_alive(), self._remote)
+                          parser.should_keep_alive())
         self._current = request
         declared = request.content_length
         if declared is not None and declared > self._server.max_body_bytes:
@@ -509,7 +504,7 @@ class _Connection(asyncio.Protocol):
         self._start_next()
 
     async def _finish_stream(self, answer: StreamResponse, request: Request) -> None:
-        if answer._conn is None:  # returned unprepared: an empty body
+        if not answer.prepared:  # returned unprepared: an empty body
             await answer.prepare(request)
         if not answer._eof:
             await answer.write_eof()
