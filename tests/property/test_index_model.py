@@ -105,6 +105,7 @@ class Model:
                 if not self.held_anywhere(h):
                     del self.order[h]
         self.predicted = {k: v for k, v in self.predicted.items() if k[1] != replica}
+        self.writes = [w for w in self.writes if w[2] != replica]  # gone, not to be evicted
 
     def drop(self, replica: ReplicaId) -> None:
         if replica in self.known:

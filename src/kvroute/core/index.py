@@ -254,6 +254,7 @@ class PrefixIndex:
         "_pred_expiry",
         "_pred_masks",
         "_pred_queue",
+        "_scrubs",
         "_predicted_ttl_s",
         "_replica_at",
         "_slot_of",
@@ -304,7 +305,14 @@ class PrefixIndex:
         # building a tuple per hash was most of add_predicted's cost.
         self._pred_expiry: dict[TenantName | None, dict[int, dict[int, float]]] = {}
         self._num_predicted = 0
-        self._pred_queue: deque[tuple[float, TenantName | None, int, tuple[int, ...]]] = deque()
+        # (expiry, owner, replica position, hashes, the slot's scrub count when written). The
+        # scrub count tells a write made before its replica was cleared (or its slot reused)
+        # from a later one with the same expiry (a virtual clock repeats instants), so a
+        # stale write never drops or evicts a later write's entries.
+        self._pred_queue: deque[tuple[float, TenantName | None, int, tuple[int, ...], int]] = (
+            deque()
+        )
+        self._scrubs: list[int] = []
 
     # --- replicas ----------------------------------------------------------------------
 
@@ -322,6 +330,7 @@ class PrefixIndex:
             slot = len(self._replica_at)
             self._replica_at.append(replica)
             self._num_entries_by_slot.append(0)
+            self._scrubs.append(0)
             base = _STRIDE * slot
             self._bits.extend(1 << pos for pos in range(base, base + _STRIDE))
         self._slot_of[replica] = slot
@@ -347,6 +356,7 @@ class PrefixIndex:
         heapq.heappush(self._free_slots, slot)
 
     def _scrub_slot(self, slot: int) -> None:
+        self._scrubs[slot] += 1  # the slot's queued predictions are void from here on
         base = _STRIDE * slot
         rmask = _MEDIUM_MASK << base
         held = self._held
@@ -550,7 +560,7 @@ class PrefixIndex:
             if not m & bit:
                 masks[h] = m | bit
         self._num_predicted += num_new
-        self._pred_queue.append((expires_at, owner, pos, keys))
+        self._pred_queue.append((expires_at, owner, pos, keys, self._scrubs[slot]))
         if self._num_predicted > self._max_entries:
             # NOTE: the same bound as stored entries, applied separately: a long TTL (the
             # approximate mode's) times a high request rate must not grow without limit.
@@ -563,9 +573,13 @@ class PrefixIndex:
         while queue and queue[0][0] <= now:
             self._drop_prediction(queue.popleft())
 
-    def _drop_prediction(self, record: tuple[float, TenantName | None, int, tuple[int, ...]]) -> int:
+    def _drop_prediction(
+        self, record: tuple[float, TenantName | None, int, tuple[int, ...], int]
+    ) -> int:
         """Remove the entries of one write that no later write refreshed; return how many."""
-        expires_at, owner, pos, keys = record
+        expires_at, owner, pos, keys, scrubs = record
+        if self._scrubs[pos // _STRIDE] != scrubs:
+            return 0  # its replica was cleared since: those entries are gone already
         masks = self._pred_masks.get(owner)
         if masks is None:
             return 0

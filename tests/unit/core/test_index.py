@@ -388,6 +388,27 @@ def test_predicted_entries_have_the_same_bound(clock: ManualClock) -> None:
     assert match(index, [12], T2) == {A: PrefixMatch(num_predicted_blocks=1)}
 
 
+@pytest.mark.parametrize("forget", ["clear", "remove"])
+def test_a_write_from_before_a_clear_never_evicts_a_later_one(clock: ManualClock,
+                                                              forget: str) -> None:
+    """Found by the model test: with a clock that repeats an instant (the simulator's), the
+    queued record of a write made before the replica was cleared looked like a later write
+    of the same hash, and the bound evicted that later entry out of turn."""
+    index = PrefixIndex(clock=clock, max_entries=3, predicted_ttl_s=100.0)
+    index.add_predicted(A, hs(10), T1)
+    if forget == "clear":
+        index.clear_replica(A)
+    else:
+        index.remove_replica(A)
+        index.apply_event(B, stored())  # B takes A's freed slot; A gets another one
+    index.add_predicted(B, hs(10, 21), T1)  # the oldest live write
+    index.add_predicted(A, hs(10, 11), T1)  # 4 > 3: B's write goes, A's stays whole
+    stats = index.stats()
+    assert stats.num_predicted == 2 and stats.num_evicted_for_bound == 2
+    assert match(index, [10, 11], T1) == {A: PrefixMatch(num_predicted_blocks=2)}
+    assert match(index, [21], T1) == {}
+
+
 # --- stats -----------------------------------------------------------------------------
 
 
