@@ -218,7 +218,7 @@ def main() -> None:
     if (hf_dir / "tokenizer.json").exists():
         local = LocalTokenizer.load("sim", str(hf_dir), metrics)
         tbodies = [tokenize_request_body(p, None) for p in parsed]
-        rows["tokenize_local_hf"] = series(lambda i: local._encode(tbodies[i]), n, repeats)  # type: ignore[arg-type]
+        rows["tokenize_local_hf"] = series(lambda i: local.encode_body(tbodies[i]), n, repeats)  # type: ignore[arg-type]
     rows["tokenize_builtin_engine_side"] = series(
         lambda i: builtin.encode(builtin.render_chat(parsed[i].messages or [],
                                                      add_generation_prompt=True),

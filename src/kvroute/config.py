@@ -116,11 +116,16 @@ class TokenizerConfig:
     """How the router gets a pool's exact prompt tokens.
 
     ``engine``: the engines' ``/tokenize`` (exact, one loopback call per request);
-    ``local``: a Hugging Face tokenizer directory (``path``), loaded at start, run in a thread;
+    ``auto``: the engines' ``/tokenize`` until the directory their model cards name as
+    ``root`` is found on this host and gives the same ids on probe prompts, then that
+    directory in-process (exact, no round trip);
+    ``local``: a Hugging Face tokenizer directory (``path``), loaded at start, run on the
+    event loop, checked against the engines' ``/tokenize`` once one is healthy (a mismatch
+    switches the pool to the engines);
     ``none``: no tokenizer; the pool routes in the declared *approximate* mode (text chunks).
     """
 
-    mode: Literal["engine", "local", "none"] = "engine"
+    mode: Literal["engine", "auto", "local", "none"] = "auto"
     path: str | None = None
 
 
@@ -481,7 +486,9 @@ def _listen(data: Any) -> ListenConfig:
 
 
 def _tokenizer(key: str, value: Any) -> TokenizerConfig:
-    if value is None or value == "engine":
+    if value is None or value == "auto":
+        return TokenizerConfig("auto")
+    if value == "engine":
         return TokenizerConfig("engine")
     if value == "none":
         return TokenizerConfig("none")
@@ -490,8 +497,9 @@ def _tokenizer(key: str, value: Any) -> TokenizerConfig:
         path = _str(f"{key}.local", value.get("local"), example="/models/qwen3-8b")
         return TokenizerConfig("local", path)
     raise _fail(
-        key, value, "must be engine, none, or {local: DIR}",
-        "Write tokenizer: engine (the engines' /tokenize), tokenizer: {local: /path/to/hf-dir}, "
+        key, value, "must be engine, auto, none, or {local: DIR}",
+        "Write tokenizer: engine (the engines' /tokenize), tokenizer: auto (the engines' model "
+        "directory when it is on this host, else /tokenize), tokenizer: {local: /path/to/hf-dir}, "
         "or tokenizer: none (approximate routing on text).",
     )
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import statistics
@@ -66,6 +67,7 @@ from kvroute.core.index import AdminCapability
 from kvroute.core.router import RouteRequest, RoutingDecision
 from kvroute.core.types import ReplicaId, WireHash
 from kvroute.shell.runtime import RouterRuntime
+from kvroute.wire.openai import parse_request
 from kvroute.wire.vllm_events import decode_replay_reply
 
 pytestmark = pytest.mark.realvllm
@@ -443,6 +445,41 @@ def both(pair: list[RealVllmEngine]) -> dict[str, list[tuple[str, RealVllmEngine
 # ---------------------------------------------------------------------------------------------
 # 1. hash parity
 # ---------------------------------------------------------------------------------------------
+
+
+def test_auto_tokenizer_adopts_the_engines_directory_and_gives_their_ids(
+        pair: list[RealVllmEngine]) -> None:
+    """``tokenizer: auto`` (the default) finds the directory the engines were started on (the
+    ``root`` of their model card), checks it against their ``/tokenize`` and adopts it; its ids
+    then equal the engine's own for chat shapes beyond the check's probes."""
+    filler = realvllm.filler_text(3, 40)
+    conversations: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": "You answer briefly. " + filler},
+         user("What is a prefix cache?")],
+        [user("Hello"), {"role": "assistant", "content": "Hi! How can I help?"},
+         user("Tell me about caches: café, naïve, 你好, emoji-free.\n\tIndented line.")],
+        [user(filler + " " + realvllm.nonce())],
+    ]
+
+    async def body(rt: RecordingRuntime, client: Client) -> None:
+        result = await asyncio.wait_for(rt.tokenizer_checks["both"], 60.0)
+        assert result == "verified", rt.metrics.value(
+            "kvroute_tokenizer_check", {"pool": "both", "result": result})
+        tokenizer = rt.tokenizers["both"]
+        assert tokenizer.mode == "local"
+        for messages in conversations:
+            parsed = parse_request(json.dumps({"model": ROUTE, "messages": messages}).encode(),
+                                   "chat")
+            mine = await tokenizer.token_ids(parsed)
+            async with client.session.post(pair[0].url + "/tokenize", json={
+                    "model": pair[0].model, "messages": messages}) as resp:
+                assert resp.status == 200, await resp.text()
+                theirs = (await resp.json())["tokens"]
+            assert mine is not None and list(mine) == theirs, messages[-1]["content"][:60]
+
+    config = router_config(both(pair))
+    assert config.pools["both"].tokenizer.mode == "auto"  # nothing set: the default
+    run(with_router(config, body, engines=pair))
 
 
 def test_router_hashes_equal_the_engines_block_stored_hashes(pair: list[RealVllmEngine]) -> None:

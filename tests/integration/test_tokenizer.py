@@ -7,6 +7,9 @@
 * Two ``kvroute sim serve`` processes loaded with a small Hugging Face tokenizer directory
   (built here with ``tokenizers``) check that engine mode and local mode give the same ids,
   and that those ids are what the engine counts as the prompt of a chat completion.
+* The check of ``local`` and ``auto`` tokenizers against the engines' ``/tokenize``: a match
+  kept (or adopted), a mismatch falling back, an engine that cannot answer, a model root
+  that is not on this host, and the router running it at start.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import random
 import sys
+import typing
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,14 +37,17 @@ from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.engine_client import EngineClient
-from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.metrics import TOKENIZER_CHECKS, TOKENIZER_MODES, RouterMetrics
+from kvroute.shell.runtime import RouterRuntime
 from kvroute.shell.tokenizer import (
     ApproximateTokenizer,
     EngineTokenizer,
     LocalTokenizer,
     PromptTokenizer,
+    SwitchingTokenizer,
     build_tokenizers,
 )
+from kvroute.shell.tokenizer_check import PROBES, CheckResult, TokenizerCheck
 from kvroute.sim.launcher import Fleet, start_fleet
 from kvroute.sim.launcher import ReplicaSpec as SimReplica
 from kvroute.wire.openai import ParsedRequest, parse_request
@@ -192,8 +199,10 @@ async def fakes(n: int) -> AsyncIterator[list[FakeVllm]]:
 
 
 def engine_pool(servers: list[FakeVllm], **extra: Any) -> dict[str, Any]:
+    """A pool of ``servers`` on the engines' ``/tokenize`` (``extra`` may say otherwise)."""
     return {
         "model": "tiny",
+        "tokenizer": "engine",
         "replicas": [{"name": f"r{i}", "url": s.url} for i, s in enumerate(servers)],
         **extra,
     }
@@ -478,8 +487,10 @@ def test_engine_and_local_modes_agree_with_the_engine(sim_fleet: Fleet, hf_dir: 
             rig = Rig(config, both)
             await rig.discovery.refresh_now()
             engine: PromptTokenizer = rig.tokenizers["eng"]
-            local = rig.tokenizers["loc"]
-            assert isinstance(local, LocalTokenizer) and local.mode == "local"
+            checked = rig.tokenizers["loc"]  # a local tokenizer the router checks at start
+            assert isinstance(checked, SwitchingTokenizer) and checked.mode == "local"
+            local = checked.local
+            assert isinstance(local, LocalTokenizer)
             for req in requests:
                 via_engine = await engine.token_ids(req)
                 via_local = await local.token_ids(req)
@@ -535,3 +546,204 @@ def test_local_mode_template_error_returns_none(hf_dir: Path, tmp_path: Path) ->
     assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "unsupported"}) == 1
     assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "error"}) == 1
     assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "ok"}) == 1
+
+
+# -- the check of local and auto tokenizers (shell/tokenizer_check.py) ------------------------
+
+CONVERSATION = [
+    {"role": "system", "content": "the quick brown fox"},
+    {"role": "user", "content": "hello world"},
+]
+
+
+@pytest.fixture(scope="module")
+def other_dir(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``hf_dir`` with a chat template that writes one word more: same vocabulary, other ids
+    (as an engine started with its own ``--chat-template`` would give)."""
+    root = tmp_path_factory.mktemp("hf-other")
+    (root / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "hello " + config["chat_template"]
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+def check_of(rig: Rig, pool: str) -> tuple[TokenizerCheck, SwitchingTokenizer]:
+    target = rig.tokenizers[pool]
+    assert isinstance(target, SwitchingTokenizer)
+    check = TokenizerCheck(
+        pool=pool, model="tiny", target=target, discovery=rig.discovery, client=rig.client,
+        metrics=rig.metrics, load=lambda path: LocalTokenizer.load(pool, path, rig.metrics),
+    )
+    return check, target
+
+
+def check_gauges(metrics: RouterMetrics, pool: str) -> dict[str, float | None]:
+    return {result: metrics.value("kvroute_tokenizer_check", {"pool": pool, "result": result})
+            for result in TOKENIZER_CHECKS}
+
+
+def mode_of(metrics: RouterMetrics, pool: str) -> str:
+    modes = [m for m in TOKENIZER_MODES
+             if metrics.value("kvroute_tokenizer_mode", {"pool": pool, "mode": m}) == 1]
+    assert len(modes) == 1, modes
+    return modes[0]
+
+
+def test_the_check_results_are_the_exported_ones() -> None:
+    assert typing.get_args(CheckResult) == TOKENIZER_CHECKS
+
+
+def test_a_matching_local_tokenizer_is_verified_and_kept(sim_fleet: Fleet, hf_dir: Path) -> None:
+    async def go() -> None:
+        async with clients() as both:
+            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
+            rig = Rig(make_config({"loc": {"model": "tiny", "replicas": replicas,
+                                           "tokenizer": {"local": str(hf_dir)}}}), both)
+            check, target = check_of(rig, "loc")
+            assert check_gauges(rig.metrics, "loc")["pending"] == 1
+            await rig.discovery.refresh_now()
+            assert await check.run() == "verified"
+            assert f"{len(PROBES)} probes matched" in check.detail
+            assert target.mode == "local" and isinstance(target.local, LocalTokenizer)
+            assert mode_of(rig.metrics, "loc") == "local"
+            gauges = check_gauges(rig.metrics, "loc")
+            assert gauges["verified"] == 1 and gauges["pending"] == 0
+            assert rig.count("loc", "ok") == 0  # the probes are not requests
+
+    run(go)
+
+
+def test_a_local_tokenizer_that_differs_falls_back_to_the_engines(
+        sim_fleet: Fleet, other_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        async with clients() as both:
+            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
+            rig = Rig(make_config({"loc": {"model": "tiny", "replicas": replicas,
+                                           "tokenizer": {"local": str(other_dir)}}}), both)
+            check, target = check_of(rig, "loc")
+            await rig.discovery.refresh_now()
+            with caplog.at_level(logging.ERROR, logger="kvroute.shell.tokenizer_check"):
+                assert await check.run() == "mismatch"
+            assert "first difference at position 0" in check.detail, check.detail
+            assert target.mode == "engine" and target.local is None
+            assert mode_of(rig.metrics, "loc") == "engine"
+            assert check_gauges(rig.metrics, "loc")["mismatch"] == 1
+            [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert "does NOT give the engines' ids" in record.getMessage()
+            assert "pools.loc.tokenizer.local" in record.getMessage()
+            # Requests now get the engines' own ids, through /tokenize.
+            ids = await target.token_ids(chat(CONVERSATION))
+            assert rig.count("loc", "ok") == 1
+            async with both[0].post(replicas[0]["url"] + "/tokenize", json={
+                    "model": "tiny", "messages": CONVERSATION}) as resp:
+                assert ids == (await resp.json())["tokens"]
+
+    run(go)
+
+
+def test_auto_adopts_the_engines_model_directory_when_it_matches(sim_fleet: Fleet) -> None:
+    async def go() -> None:
+        async with clients() as both:
+            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
+            rig = Rig(make_config({"a": {"model": "tiny", "replicas": replicas,
+                                         "tokenizer": "auto"}}), both)
+            check, target = check_of(rig, "a")
+            assert target.mode == "engine" and mode_of(rig.metrics, "a") == "engine"
+            await rig.discovery.refresh_now()
+            before = await target.token_ids(chat(CONVERSATION))  # via /tokenize
+            assert await check.run() == "verified", check.detail
+            assert target.mode == "local" and isinstance(target.local, LocalTokenizer)
+            assert mode_of(rig.metrics, "a") == "local"
+            after = await target.token_ids(chat([*CONVERSATION, {"role": "assistant",
+                                                                  "content": "jumps"}]))
+            assert after is not None and before is not None
+            assert list(after)[:len(before) - 2] == before[:-2]  # same ids, longer chat
+            assert target.local is not None and target.local.pieces.misses > 0
+
+    run(go)
+
+
+def test_auto_stays_on_the_engines_when_their_directory_is_not_here_or_differs(
+        hf_dir: Path, other_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    specs = [
+        SimReplica(name="hub", pool="p", model="tiny", tokenizer=str(hf_dir),
+                   root="acme/tiny-model", max_model_len=256),
+        SimReplica(name="other", pool="p", model="tiny", tokenizer=str(hf_dir),
+                   root=str(other_dir), max_model_len=256),
+    ]
+
+    async def go(fleet: Fleet) -> None:
+        async with clients() as both:
+            hub, other = ({"name": h.name, "url": h.url} for h in fleet.replicas)
+            rig = Rig(make_config({
+                "a": {"model": "tiny", "replicas": [hub], "tokenizer": "auto"},
+                "b": {"model": "tiny", "replicas": [other], "tokenizer": "auto"},
+            }), both)
+            (check_a, a), (check_b, b) = check_of(rig, "a"), check_of(rig, "b")
+            await rig.discovery.refresh_now()
+            with caplog.at_level(logging.INFO, logger="kvroute.shell.tokenizer_check"):
+                assert await check_a.run() == "no_local"
+                assert await check_b.run() == "mismatch"
+            assert "'acme/tiny-model' is not a directory with tokenizer.json" in check_a.detail
+            assert a.mode == "engine" and b.mode == "engine"
+            assert check_gauges(rig.metrics, "a")["no_local"] == 1
+            assert check_gauges(rig.metrics, "b")["mismatch"] == 1
+            assert any(r.levelno == logging.WARNING and "gives other ids" in r.getMessage()
+                       for r in caplog.records)
+
+    with start_fleet(specs, timeout_s=20.0) as fleet:
+        run(lambda: go(fleet))
+
+
+def test_a_local_tokenizer_stays_unverified_when_the_engine_cannot_tokenize(
+        hf_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def go() -> None:
+        async with clients() as both, fakes(1) as servers:
+            servers[0].tokenize_status = 404  # no /tokenize: not a vLLM, or an old one
+            pool = engine_pool(servers, tokenizer={"local": str(hf_dir)})
+            rig = Rig(make_config({"loc": pool}), both)
+            check, target = check_of(rig, "loc")
+            await rig.discovery.refresh_now()
+            with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer_check"):
+                assert await check.run() == "unverifiable"
+            assert "HTTP 404" in check.detail
+            assert target.mode == "local" and mode_of(rig.metrics, "loc") == "local"
+            assert any("UNVERIFIED" in r.getMessage() for r in caplog.records)
+
+    run(go)
+
+
+def test_the_router_checks_at_start_and_serves_through_the_switch(
+        sim_fleet: Fleet) -> None:
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"p": {"model": "tiny", "tokenizer": "auto", "replicas": [
+            {"name": h.name, "url": h.url} for h in sim_fleet.replicas]}},
+        "routes": {"m": {"pools": ["p"]}},
+        "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5},
+        "log_level": "warning",
+    }
+    config = parse_config(data, env={})
+
+    async def go() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            result = await asyncio.wait_for(rt.tokenizer_checks["p"], 5.0)
+            assert result == "verified"
+            rt.sync_metrics()
+            piece = {"pool": "p", "stat": "hits"}
+            hits_before = rt.metrics.value("kvroute_token_piece_cache", piece) or 0.0
+            for question in ("hello world", "the lazy dog"):
+                async with session.post(rt.url + "/v1/chat/completions", json={
+                        "model": "m", "max_tokens": 1, "messages": [
+                            CONVERSATION[0], {"role": "user", "content": question}]}) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with session.get(rt.url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'kvroute_tokenizer_mode{mode="local",pool="p"} 1.0' in text
+            assert 'kvroute_tokenizer_check{pool="p",result="verified"} 1.0' in text
+            # The second request found the system prompt's piece: served in-process.
+            assert (rt.metrics.value("kvroute_token_piece_cache", piece) or 0.0) > hits_before
+        assert not rt.tokenizer_checks  # stopped with the router
+
+    run(go)

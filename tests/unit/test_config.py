@@ -81,7 +81,7 @@ def test_config_is_frozen_all_the_way_down() -> None:
 def test_defaults_and_url_normalisation() -> None:
     config = parse_config(MINIMAL, env={})
     assert config.pools["small"].replicas[1].url == "http://127.0.0.1:8102"
-    assert config.pools["small"].tokenizer.mode == "engine"
+    assert config.pools["small"].tokenizer.mode == "auto"
     assert config.timeouts.connect_s == 2.0
     assert config.retries.max_retries == 2
     assert config.admission.max_in_flight == 256
@@ -90,7 +90,8 @@ def test_defaults_and_url_normalisation() -> None:
 
 @pytest.mark.parametrize(
     ("value", "mode", "path"),
-    [("engine", "engine", None), ("none", "none", None), ({"local": "/m/qwen"}, "local", "/m/qwen")],
+    [("engine", "engine", None), ("auto", "auto", None), ("none", "none", None),
+     ({"local": "/m/qwen"}, "local", "/m/qwen")],
 )
 def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
     config = parse_config(with_("pools.small.tokenizer", value), env={})
@@ -111,7 +112,7 @@ def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
         (with_("pools.small.replicas.0.kv_events", "127.0.0.1:5601"), ["kv_events", "ZMQ endpoint", "tcp://"]),
         (with_("pools.small.replicas", []), ["pools.small.replicas", "non-empty list"]),
         (with_("pools.small.model", 7), ["pools.small.model", "non-empty string", "7"]),
-        (with_("pools.small.tokenizer", "hf"), ["pools.small.tokenizer", "'hf'", "{local: DIR}"]),
+        (with_("pools.small.tokenizer", "hf"), ["pools.small.tokenizer", "'hf'", "auto", "{local: DIR}"]),
         (with_("routes.assistant.pools", ["smal"]), ["routes.assistant.pools[0]", "'smal'", "Did you mean 'small'"]),
         (with_("routes", {}), ["routes", "at least one route"]),
         (with_("pools", {}), ["pools", "at least one pool"]),

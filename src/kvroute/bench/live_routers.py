@@ -88,8 +88,8 @@ class RouterSpec:
             ``sglang-router``, ``vllm-router``...).
         kind: which program (module docstring).
         policy: the policy it runs (``round_robin`` for direct).
-        tokenizer: kvroute's prompt tokens: ``engine`` (``/tokenize``) or a local tokenizer
-            directory.
+        tokenizer: kvroute's prompt tokens: ``engine`` (``/tokenize``), ``auto`` (the
+            engines' model directory once checked) or a local tokenizer directory.
     """
 
     name: str
@@ -209,7 +209,7 @@ def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, mo
         "pools:",
         "  sim:",
         f"    model: {json.dumps(model)}",
-        "    tokenizer: engine" if tokenizer == "engine" else
+        f"    tokenizer: {tokenizer}" if tokenizer in ("engine", "auto") else
         f"    tokenizer: {{local: {json.dumps(tokenizer)}}}",
         "    replicas:",
     ]

@@ -8,7 +8,9 @@ against ``direct`` *of the same pass*.
 Set-up: ``engines`` ``kvroute sim serve`` processes with the ``zero`` timing profile (no
 engine time, so what remains is HTTP and routing) serving the bundled Hugging Face tokenizer
 (``hf_tokenizer.bundled_tokenizer_dir``), so kvroute can tokenize either way: ``kvroute``
-asks the engines' ``/tokenize``, ``kvroute-local`` uses the same tokenizer in-process.
+asks the engines' ``/tokenize``, ``kvroute-local`` uses the same tokenizer in-process, and
+``kvroute-auto`` runs the default ``tokenizer: auto`` (it finds the engines' tokenizer
+directory from their model cards, checks it and adopts it during the warm-up).
 Requests: chat completions of the ``generated_shared_prefix`` workload (32 groups of a
 ~2,200-character system prompt and a short question, 8 output tokens).
 
@@ -66,8 +68,8 @@ __all__ = [
 
 DEFAULT_PHASES: Final = ("r100", "r200", "r400", "s100", "c32")
 
-ROUTER_CHOICES: Final = ("direct", "passthrough", "kvroute", "kvroute-local", "sglang-router",
-                         "vllm-router")
+ROUTER_CHOICES: Final = ("direct", "passthrough", "kvroute", "kvroute-local", "kvroute-auto",
+                         "sglang-router", "vllm-router")
 
 _WORKLOAD: Final = {"num_groups": 32, "prompts_per_group": 64, "system_prompt_len": 300,
                     "question_len": 24, "output_len": 8}
@@ -126,6 +128,7 @@ def parse_overhead_routers(text: str) -> tuple[RouterSpec, ...]:
         "passthrough": RouterSpec("passthrough", "passthrough", "round_robin"),
         "kvroute": RouterSpec("kvroute", "kvroute", "kvroute"),
         "kvroute-local": RouterSpec("kvroute-local", "kvroute", "kvroute", tokenizer),
+        "kvroute-auto": RouterSpec("kvroute-auto", "kvroute", "kvroute", "auto"),
         "sglang-router": RouterSpec("sglang-router", "sglang", "cache_aware"),
         "vllm-router": RouterSpec("vllm-router", "vllm", "cache_aware"),
     }

@@ -254,9 +254,9 @@ class PrefixIndex:
         "_pred_expiry",
         "_pred_masks",
         "_pred_queue",
-        "_scrubs",
         "_predicted_ttl_s",
         "_replica_at",
+        "_scrubs",
         "_slot_of",
     )
 

@@ -111,6 +111,8 @@ class ReplicaInfo:
 
     Attributes:
         served_model: the pool's model as the replica serves it, once seen on ``/v1/models``.
+        model_root: that model card's ``root`` (vLLM: the path or hub id it was started on),
+            None when the card has none.
         max_model_len: its context window; None until read or after ``window_ttl_s``.
         block_size / hash_algo: from ``vllm:cache_config_info``; None until reported.
         healthy: in routing (healthy, right model, hashing consistent with its pool).
@@ -124,6 +126,7 @@ class ReplicaInfo:
     """
 
     served_model: str | None = None
+    model_root: str | None = None
     max_model_len: int | None = None
     block_size: int | None = None
     hash_algo: str | None = None
@@ -589,6 +592,8 @@ class Discovery:
         window = card.get("max_model_len")
         old = rep.info.max_model_len
         rep.info.served_model = wanted
+        root = card.get("root")
+        rep.info.model_root = root if isinstance(root, str) and root else None
         if isinstance(window, int) and not isinstance(window, bool) and window > 0:
             rep.info.max_model_len = window
             rep.window_read_s = now

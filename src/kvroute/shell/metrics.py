@@ -64,6 +64,7 @@ kv_event_malformed_total               counter    replica
 index_entries / index_hashes           gauge      -
 pool_approximate                       gauge      pool (1 = routing on text chunks)
 tokenizer_mode                         gauge      pool, mode (1 for the pool's current mode)
+tokenizer_check                        gauge      pool, result (1 for the check's current result)
 tokenize_total                         counter    pool, outcome
 token_piece_cache                      gauge      pool, stat (a local tokenizer's piece cache)
 discovery_total                        counter    replica, outcome
@@ -97,7 +98,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import RestrictedRegistry
 
-__all__ = ["ROUTING_LATENCY_BUCKETS", "TOKENIZER_MODES", "RouterMetrics"]
+__all__ = ["ROUTING_LATENCY_BUCKETS", "TOKENIZER_CHECKS", "TOKENIZER_MODES", "RouterMetrics"]
 
 ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -106,6 +107,8 @@ ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
 """Routing is pure CPU work (hashing plus an index lookup): 10 µs to 100 ms covers it."""
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
+TOKENIZER_CHECKS: Final = ("pending", "verified", "mismatch", "unverifiable", "no_local")
+"""Results of ``shell/tokenizer_check.py`` (its ``CheckResult``)."""
 
 _LATENCY_BOUNDS: Final[tuple[float, ...]] = (*ROUTING_LATENCY_BUCKETS, float("inf"))
 """The routing-latency histogram's upper bounds as prometheus_client stores them (+Inf last)."""
@@ -335,6 +338,12 @@ class RouterMetrics:
             "tokenizer_mode", "The pool's prompt tokenizer mode (1 for the current mode).",
             ["pool", "mode"], namespace=ns, registry=r,
         )
+        self._tokenizer_check = Gauge(
+            "tokenizer_check",
+            "The check of a local or auto tokenizer against the engines' /tokenize "
+            "(1 for the current result).",
+            ["pool", "result"], namespace=ns, registry=r,
+        )
         self._tokenize = self._deferred(Counter(
             "tokenize", "Prompt tokenizations by outcome.",
             ["pool", "outcome"], namespace=ns, registry=r,
@@ -480,6 +489,13 @@ class RouterMetrics:
             raise ValueError(f"tokenizer mode must be one of {TOKENIZER_MODES}, got {mode!r}")
         for known in TOKENIZER_MODES:
             self._tokenizer_mode.labels(pool, known).set(1 if known == mode else 0)
+
+    def set_tokenizer_check(self, pool: str, result: str) -> None:
+        """Export the result of ``pool``'s tokenizer check (one of ``TOKENIZER_CHECKS``)."""
+        if result not in TOKENIZER_CHECKS:
+            raise ValueError(f"tokenizer check must be one of {TOKENIZER_CHECKS}, got {result!r}")
+        for known in TOKENIZER_CHECKS:
+            self._tokenizer_check.labels(pool, known).set(1 if known == result else 0)
 
     def tokenize(self, pool: str, outcome: str) -> None:
         self._tokenize.add((pool, outcome), 1)

@@ -29,6 +29,7 @@ first error is raised at the end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -43,14 +44,20 @@ from kvroute.core.events import EventBatch
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.policy import Policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
-from kvroute.core.types import ReplicaId
+from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.engine_client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
-from kvroute.shell.tokenizer import LocalTokenizer, PromptTokenizer, build_tokenizers
+from kvroute.shell.tokenizer import (
+    LocalTokenizer,
+    PromptTokenizer,
+    SwitchingTokenizer,
+    build_tokenizers,
+)
+from kvroute.shell.tokenizer_check import TokenizerCheck
 from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
 
 __all__ = ["RouterRuntime", "build_core"]
@@ -109,6 +116,7 @@ class RouterRuntime:
         self.discovery: Discovery | None = None
         self.state: SessionState | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
+        self.tokenizer_checks: dict[str, asyncio.Task[object]] = {}
         self.app: RouterApp | None = None
         self.url = ""
         self.port = 0
@@ -148,6 +156,7 @@ class RouterRuntime:
                 sub.start().add_done_callback(self._subscriber_ended)
         self.state = build_state(config, metrics=self.metrics)
         self.tokenizers = build_tokenizers(config, self.discovery, self.engine_client, self.metrics)
+        self._start_tokenizer_checks()
         self.app = build_app(
             config, core=self.core, upstream=Upstream(self.engine_client, config.timeouts),
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
@@ -173,6 +182,10 @@ class RouterRuntime:
         if self.app is not None:
             await step(self.app.close())
             self.app = None
+        for check in self.tokenizer_checks.values():
+            check.cancel()
+            await step(asyncio.gather(check, return_exceptions=True))
+        self.tokenizer_checks.clear()
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()
@@ -222,11 +235,33 @@ class RouterRuntime:
             )
             self._seen[replica] = now
         for pool, tokenizer in self.tokenizers.items():
-            if isinstance(tokenizer, LocalTokenizer):
-                pieces = tokenizer.pieces
+            local = tokenizer.local if isinstance(tokenizer, SwitchingTokenizer) else tokenizer
+            if isinstance(local, LocalTokenizer):
+                pieces = local.pieces
                 self.metrics.set_token_piece_cache(
                     pool, enabled=pieces.enabled, hits=pieces.hits, misses=pieces.misses,
                     cached_tokens=pieces.cached_tokens, mismatches=pieces.mismatches)
+
+    def _start_tokenizer_checks(self) -> None:
+        """One background ``TokenizerCheck`` per ``local`` or ``auto`` pool."""
+        for pool, tokenizer in self.tokenizers.items():
+            if (not isinstance(tokenizer, SwitchingTokenizer) or self.discovery is None
+                    or self.engine_client is None):
+                continue
+            check = TokenizerCheck(
+                pool=pool, model=self.config.pools[PoolName(pool)].model,
+                target=tokenizer, discovery=self.discovery, client=self.engine_client,
+                metrics=self.metrics, load=functools.partial(_load_local, pool, self.metrics),
+            )
+            task = asyncio.get_running_loop().create_task(check.run(),
+                                                          name=f"tokenizer-check-{pool}")
+            task.add_done_callback(self._check_ended)
+            self.tokenizer_checks[pool] = task
+
+    def _check_ended(self, task: asyncio.Task[object]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the tokenizer check %s failed; the pool keeps the tokenizer it started "
+                      "on", task.get_name(), exc_info=task.exception())
 
     def _extra_state(self) -> Mapping[str, Any]:
         subs = {}
@@ -241,3 +276,7 @@ class RouterRuntime:
             windows = {pool: self.discovery.pool_window(pool) for pool in self.config.pools}
         return {"kv_events": subs, "windows": windows}
 
+
+def _load_local(pool: str, metrics: RouterMetrics, path: str) -> LocalTokenizer:
+    """``LocalTokenizer.load`` with the path last, for ``TokenizerCheck``'s ``load``."""
+    return LocalTokenizer.load(pool, path, metrics)

@@ -15,6 +15,9 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
   cost a lookup, only new text is encoded), on the event loop's thread: ``tokenizers``
   holds the GIL while it encodes (a spinning thread beside ``encode`` got ~5% of its pace),
   so a worker thread bought no concurrency, only a hand-off.
+* ``auto``: the engines' ``/tokenize`` until the engines' own model directory is found on
+  this host and gives the same ids; then local (``shell/tokenizer_check.py``). A ``local``
+  directory is checked against the engines the same way, and a mismatch falls back to them.
 * ``none``: always None; the pool routes in the declared approximate mode.
 
 Requests that already carry token ids (completions with ``prompt: [ints]``) need no call in
@@ -35,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, Protocol
 
 import msgspec
@@ -55,10 +58,12 @@ __all__ = [
     "EngineTokenizer",
     "LocalTokenizer",
     "PromptTokenizer",
+    "SwitchingTokenizer",
     "TokenizerMode",
     "build_tokenizers",
     "prompt_token_ids",
     "tokenize_request_body",
+    "tokens_of_answer",
 ]
 
 log = logging.getLogger(__name__)
@@ -279,7 +284,7 @@ class EngineTokenizer:
         if status != 200:
             self._fail("error", f"POST {url} answered HTTP {status}: {raw[:200]!r}")
             return None
-        tokens = _tokens_of(raw)
+        tokens = tokens_of_answer(raw)
         if tokens is None:
             self._fail("malformed", f"POST {url} gave no 'tokens' list of ints: {raw[:200]!r}")
             return None
@@ -309,7 +314,7 @@ class _TokenizeAnswer(msgspec.Struct):
 _ANSWER_DECODER: Final = msgspec.json.Decoder(_TokenizeAnswer)
 
 
-def _tokens_of(raw: bytes) -> list[int] | None:
+def tokens_of_answer(raw: bytes) -> list[int] | None:
     """The ``tokens`` of a ``/tokenize`` answer, checked in C (non-negative ints, no bools:
     msgspec is strict), or None when the answer has no such list."""
     try:
@@ -370,7 +375,7 @@ class LocalTokenizer:
             self._metrics.tokenize(self.pool, "unsupported")
             return None
         try:
-            ids = self._encode(body)
+            ids = self.encode_body(body)
         except (ChatTemplateError, ValueError, TypeError) as exc:
             # The template's (or the tokenizer's) verdict on this request's input: the engine
             # will answer it with a 400; routing it approximately costs nothing more.
@@ -380,7 +385,14 @@ class LocalTokenizer:
         self._metrics.tokenize(self.pool, "ok")
         return ids
 
-    def _encode(self, body: Mapping[str, Any]) -> Sequence[int]:
+    def encode_body(self, body: Mapping[str, Any]) -> Sequence[int]:
+        """The ids of a vLLM ``/tokenize`` body (chat form or completion form), as the engine
+        would give them.
+
+        Raises:
+            ChatTemplateError, ValueError, TypeError: the template or the tokenizer refuses
+                the input.
+        """
         if "messages" in body:
             kwargs = body.get("chat_template_kwargs")
             tools = body.get("tools")
@@ -399,6 +411,47 @@ class LocalTokenizer:
         )
 
 
+class SwitchingTokenizer:
+    """A pool's prompt tokenizer that ``shell/tokenizer_check.py`` may switch once:
+    ``tokenizer: {local: DIR}`` (checked against the engines, which it falls back to on a
+    mismatch) and ``tokenizer: auto`` (starts on the engines, adopts their model directory
+    when it is on this host and matches).
+
+    ``token_ids`` and ``mode`` are the current tokenizer's own (bound when switched), so a
+    request pays no extra call for the indirection.
+
+    Attributes:
+        want: what the configuration asked for (``local`` or ``auto``).
+        current: the tokenizer in use.
+        engine: the pool's ``/tokenize`` tokenizer (the fallback, and ``auto``'s start).
+    """
+
+    __slots__ = ("current", "engine", "mode", "pool", "token_ids", "want")
+
+    def __init__(self, pool: str, want: Literal["local", "auto"], current: PromptTokenizer,
+                 engine: EngineTokenizer) -> None:
+        self.pool = pool
+        self.want = want
+        self.current = current
+        self.engine = engine
+        self.mode: TokenizerMode = current.mode
+        self.token_ids: Callable[[ParsedRequest], Coroutine[Any, Any, Sequence[int] | None]] = (
+            current.token_ids
+        )
+
+    def use(self, tokenizer: PromptTokenizer) -> None:
+        """Serve every later request from ``tokenizer``."""
+        self.current = tokenizer
+        self.mode = tokenizer.mode
+        self.token_ids = tokenizer.token_ids
+
+    @property
+    def local(self) -> LocalTokenizer | None:
+        """The local tokenizer in use, if that is what is in use."""
+        return self.current if isinstance(self.current, LocalTokenizer) else None
+
+
+
 # -- composition ------------------------------------------------------------------------------
 
 
@@ -410,6 +463,9 @@ def build_tokenizers(
 ) -> dict[str, PromptTokenizer]:
     """One tokenizer per pool, as ``pools.<name>.tokenizer`` asks; local ones load here.
 
+    ``local`` and ``auto`` pools get a ``SwitchingTokenizer`` (starting on the local tokenizer
+    and on the engines' ``/tokenize`` respectively) for ``shell/tokenizer_check.py`` to check.
+
     Raises:
         ConfigError: a ``local`` tokenizer cannot be loaded (the message says why and how to
             fix it), or an unknown mode.
@@ -420,28 +476,36 @@ def build_tokenizers(
             continue  # a provider pool is routed by load only: nothing to tokenize for
         setting = pool.tokenizer
         tokenizer: PromptTokenizer
+        timeout_s = float(getattr(setting, "timeout_s", DEFAULT_TOKENIZE_TIMEOUT_S))
         if setting.mode == "engine":
-            timeout_s = float(getattr(setting, "timeout_s", DEFAULT_TOKENIZE_TIMEOUT_S))
             tokenizer = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
             log.info("pool %s: exact prompt tokens from the engines' /tokenize", pool.name)
+        elif setting.mode == "auto":
+            engine = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
+            tokenizer = SwitchingTokenizer(pool.name, "auto", engine, engine)
+            log.info("pool %s: exact prompt tokens from the engines' /tokenize until their "
+                     "model directory is found on this host and checked (tokenizer: auto)",
+                     pool.name)
         elif setting.mode == "local":
             if not setting.path:
                 raise ConfigError(
                     f"pools.{pool.name}.tokenizer: mode local needs a directory; write "
                     "tokenizer: {local: /path/to/hf-model-dir}"
                 )
-            tokenizer = LocalTokenizer.load(pool.name, setting.path, metrics)
-            log.info("pool %s: exact prompt tokens from the local tokenizer %s", pool.name,
-                     setting.path)
+            local = LocalTokenizer.load(pool.name, setting.path, metrics)
+            engine = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
+            tokenizer = SwitchingTokenizer(pool.name, "local", local, engine)
+            log.info("pool %s: exact prompt tokens from the local tokenizer %s (to be checked "
+                     "against the engines' /tokenize)", pool.name, setting.path)
         elif setting.mode == "none":
             tokenizer = ApproximateTokenizer(pool.name)
             log.warning("pool %s: tokenizer none; requests are routed APPROXIMATELY on text "
-                        "(set tokenizer: engine or {local: DIR} for exact prefix routing)",
-                        pool.name)
+                        "(set tokenizer: engine, auto or {local: DIR} for exact prefix "
+                        "routing)", pool.name)
         else:
             raise ConfigError(
                 f"pools.{pool.name}.tokenizer: unknown mode {setting.mode!r}; use engine, "
-                "none or {local: DIR}"
+                "auto, none or {local: DIR}"
             )
         metrics.set_tokenizer_mode(pool.name, tokenizer.mode)
         out[pool.name] = tokenizer
