@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from kvroute.shell import http_server
 from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
 
 pytestmark = pytest.mark.integration
@@ -357,6 +358,48 @@ def test_a_stream_is_chunked_for_1_1_and_connection_framed_for_1_0() -> None:
             _status, headers, body = await read_reply(reader)
             assert "transfer-encoding" not in headers and headers["connection"] == "close"
             assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+    asyncio.run(main())
+
+
+def test_the_head_carries_the_first_piece_and_the_end_the_last_in_one_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[bytes] = []
+    send = http_server._Connection.send
+
+    def recording(self: Any, data: bytes) -> None:
+        writes.append(data)
+        send(self, data)
+
+    monkeypatch.setattr(http_server._Connection, "send", recording)
+
+    async def stream(request: Request) -> StreamResponse:
+        out = StreamResponse(200, headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request, b"data: 0\n\n")
+        await out.write(b"data: 1\n\n")
+        await out.write_eof(b"data: [DONE]\n\n")
+        return out
+
+    async def main() -> None:
+        async with serving({"/s": {"GET": stream}}) as server:
+            reader, writer = await connect(server)
+            for version in ("1.1", "1.0"):
+                writes.clear()
+                writer.write(b"GET /s HTTP/%s\r\nHost: x\r\n\r\n" % version.encode())
+                _status, headers, body = await read_reply(reader)
+                assert body == b"data: 0\n\ndata: 1\n\ndata: [DONE]\n\n"
+                assert len(writes) == 3  # head + first, the middle, last + end
+                if version == "1.1":
+                    assert writes[0].endswith(b"\r\n\r\n9\r\ndata: 0\n\n\r\n")
+                    assert writes[2] == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+                else:
+                    assert writes[2] == b"data: [DONE]\n\n"  # the connection's close ends it
+            reader, writer = await connect(server)
+            writes.clear()
+            writer.write(b"HEAD /s HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, headers, body = await read_reply(reader, head_only=True)
+            assert status == 200 and body == b""
+            assert len(writes) == 1 and writes[0].endswith(b"\r\n\r\n")  # the head alone
 
     asyncio.run(main())
 

@@ -26,6 +26,7 @@ import yaml
 
 from kvroute.config import RouterConfig
 from kvroute.core.types import ReplicaId
+from kvroute.shell import http_server
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet, start_fleet
 from kvroute.wire.sse import SSEDecoder
@@ -180,12 +181,25 @@ def sse_events(raw: bytes) -> list[str]:
     return [e.data for e in decoder.feed(raw) + decoder.flush()]
 
 
-def test_stream_is_relayed_and_every_answer_carries_the_headers(shared_fleet: Fleet, config_for: ConfigFor) -> None:
+def test_stream_is_relayed_and_every_answer_carries_the_headers(
+        shared_fleet: Fleet, config_for: ConfigFor, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(5)
+    writes: list[bytes] = []
+    send = http_server._Connection.send
+
+    def recording(self: Any, data: bytes) -> None:
+        writes.append(data)
+        send(self, data)
+
+    monkeypatch.setattr(http_server._Connection, "send", recording)
 
     async def body(rt: RouterRuntime, c: Client) -> None:
         status, h, raw = await c.post(chat(words(rng, 50), stream=True, max_tokens=6))
         assert status == 200
+        # The head went out with the engine's first event, in one write.
+        assert writes[0].startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in writes[0]
+        assert b"data: " in writes[0].split(b"\r\n\r\n", 1)[1]
+        assert b"".join(writes).endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         assert h["Content-Type"].startswith("text/event-stream")
         events = sse_events(raw)
         assert events[-1] == "[DONE]"

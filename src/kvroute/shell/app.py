@@ -749,20 +749,14 @@ class Router:
         for key, value in reply.headers.items():
             response.headers[key] = value
         _routed(response, decision)
-        try:
-            await response.prepare(request)
-        except BaseException:
-            reply.close()
-            raise
 
         def failed(kind: str, message: str) -> None:
             attempt.outcome = f"stream_{kind}"
             self.metrics.upstream_error(decision.replica, f"stream_{kind}")
 
         try:
-            await relay_stream(reply, response, replica=decision.replica, on_error=failed,
-                               on_chunk=watcher.feed)
-            await response.write_eof()
+            await relay_stream(reply, response, request, replica=decision.replica,
+                               on_error=failed, on_chunk=watcher.feed)
         except ConnectionResetError:
             attempt.outcome = "client_gone"
         return response

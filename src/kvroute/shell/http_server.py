@@ -162,8 +162,12 @@ class StreamResponse:
     def prepared(self) -> bool:
         return self._conn is not None
 
-    async def prepare(self, request: Request) -> None:
-        """Send the status line and headers.
+    async def prepare(self, request: Request, first: bytes = b"") -> None:
+        """Send the status line and headers, and ``first`` as the body's first piece.
+
+        A relay that already holds its first piece passes it here: head and piece go out in
+        one write, so the client wakes once for both (and a small first event is not a
+        segment of its own).
 
         Raises:
             ConnectionResetError: the client has gone.
@@ -180,7 +184,8 @@ class StreamResponse:
         if not self._chunked:
             request.keep_alive = False  # the body ends when the connection does
         framing = "Transfer-Encoding: chunked\r\n" if self._chunked else ""
-        conn.send(render_head(self.status, self.headers, framing, request.keep_alive))
+        head = render_head(self.status, self.headers, framing, request.keep_alive)
+        conn.send(head + self._framed(first) if first else head)
         await conn.drain()
 
     async def write(self, data: bytes) -> None:
@@ -195,21 +200,31 @@ class StreamResponse:
         conn.check_open()
         if not data or self._head_only:
             return  # an empty chunk would end a chunked body
-        conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        conn.send(self._framed(data))
         await conn.drain()
 
-    async def write_eof(self) -> None:
-        """End the body (the last chunk); a second call does nothing."""
+    async def write_eof(self, last: bytes = b"") -> None:
+        """End the body, after ``last`` if given (one write for both); a second call does
+        nothing."""
         conn = self._conn
         if conn is None:
             raise RuntimeError("write_eof() needs a prepared StreamResponse")
         if self._eof:
             return
         self._eof = True
-        if self._chunked and not self._head_only:
+        if self._head_only:
+            return
+        if self._chunked or last:
             conn.check_open()
-            conn.send(b"0\r\n\r\n")
+            tail = self._framed(last) if last else b""
+            conn.send(tail + b"0\r\n\r\n" if self._chunked else tail)
             await conn.drain()
+
+    def _framed(self, data: bytes) -> bytes:
+        """``data`` as it goes on the wire: one chunk, or as is when connection-framed."""
+        if self._head_only:
+            return b""
+        return b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
 
 
 Answer = Response | StreamResponse

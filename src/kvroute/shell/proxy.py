@@ -21,7 +21,8 @@ Every failure inside ``open`` raises ``UpstreamError`` with a ``kind`` (``connec
 ``timeout``, ``disconnect``, ``status``) and whether a retry elsewhere makes sense (5xx and
 transport failures: yes; 4xx: no, the next engine would refuse it too).
 
-``relay_stream`` then copies the rest chunk by chunk. It never cuts an SSE event: bytes are
+``relay_stream`` then answers the client: the head with the first whole events, the rest
+chunk by chunk, the last events with the end of the body. It never cuts an SSE event: bytes are
 written up to the last event boundary (``\\n\\n``) and only an unterminated tail is held
 back, so if the engine dies mid-stream the client gets every complete event, then
 ``wire.sse.error_event`` and ``data: [DONE]``. vLLM writes one event per chunk, so the held
@@ -51,7 +52,7 @@ from kvroute.shell.engine_client import (
     EngineClientError,
     EngineResponse,
 )
-from kvroute.shell.http_server import StreamResponse
+from kvroute.shell.http_server import Request, StreamResponse
 from kvroute.wire.sse import DONE, error_event
 
 __all__ = [
@@ -230,16 +231,23 @@ def _event_boundary(data: bytes | bytearray) -> int:
 async def relay_stream(
     reply: UpstreamReply,
     out: StreamResponse,
+    request: Request,
     *,
     replica: str,
     on_error: Callable[[str, str], None] | None = None,
     on_chunk: Callable[[bytes], Awaitable[None] | None] | None = None,
 ) -> bool:
-    """Copy a streamed upstream answer to ``out`` (already prepared), whole events at a time.
+    """Answer ``request`` with ``out`` (not yet prepared): the streamed upstream answer,
+    whole events at a time, then the end of the body.
+
+    The head goes out together with the first whole events the upstream sent, and the last
+    events together with the end of the body when the upstream has finished by then: the
+    client wakes once for each pair and nothing waits for it.
 
     Args:
         reply: from ``Upstream.open(..., stream=True)``; its first chunk is relayed first.
-        out: the client response.
+        out: the client response, with its status and headers set.
+        request: the client request it answers.
         replica: for the error event's message.
         on_error: called with ``(kind, message)`` when the upstream fails mid-stream.
         on_chunk: called with every relayed piece (e.g. to watch for usage).
@@ -253,16 +261,15 @@ async def relay_stream(
     resp = reply.response
     pending = bytearray(reply.body)
     try:
+        cut = _event_boundary(pending)
+        piece = bytes(pending[:cut])
+        del pending[:cut]
+        await out.prepare(request, piece)
         while True:
-            cut = _event_boundary(pending)
-            if cut:
-                piece = bytes(pending[:cut])
-                del pending[:cut]
-                await out.write(piece)
-                if on_chunk is not None:
-                    maybe = on_chunk(piece)
-                    if maybe is not None:
-                        await maybe
+            if piece and on_chunk is not None:
+                maybe = on_chunk(piece)
+                if maybe is not None:
+                    await maybe
             try:
                 chunk = await resp.readany()
             except (EngineClientError, TimeoutError) as exc:
@@ -274,13 +281,25 @@ async def relay_stream(
                 if on_error is not None:
                     on_error(kind, message)
                 # An unterminated tail is dropped: half an event is not an event.
-                await out.write(error_event(message, type="Bad Gateway", code=502))
-                await out.write(DONE)
+                await out.write_eof(error_event(message, type="Bad Gateway", code=502) + DONE)
                 return False
             if not chunk:
-                if pending:
-                    await out.write(bytes(pending))  # the engine's own last bytes, as sent
+                await out.write_eof(bytes(pending))  # the engine's own last bytes, as sent
                 return True
             pending += chunk
+            cut = _event_boundary(pending)
+            if not cut:
+                piece = b""
+                continue
+            piece = bytes(pending[:cut])
+            del pending[:cut]
+            if resp.at_eof():  # the upstream has ended: its last events and our end at once
+                if on_chunk is not None:
+                    maybe = on_chunk(piece)
+                    if maybe is not None:
+                        await maybe
+                await out.write_eof(piece + bytes(pending))
+                return True
+            await out.write(piece)
     finally:
         resp.close()
