@@ -386,7 +386,7 @@ def test_the_head_carries_the_first_piece_and_the_end_the_last_in_one_write(
             for version in ("1.1", "1.0"):
                 writes.clear()
                 writer.write(b"GET /s HTTP/%s\r\nHost: x\r\n\r\n" % version.encode())
-                _status, headers, body = await read_reply(reader)
+                _status, _headers, body = await read_reply(reader)
                 assert body == b"data: 0\n\ndata: 1\n\ndata: [DONE]\n\n"
                 assert len(writes) == 3  # head + first, the middle, last + end
                 if version == "1.1":
@@ -397,7 +397,7 @@ def test_the_head_carries_the_first_piece_and_the_end_the_last_in_one_write(
             reader, writer = await connect(server)
             writes.clear()
             writer.write(b"HEAD /s HTTP/1.1\r\nHost: x\r\n\r\n")
-            status, headers, body = await read_reply(reader, head_only=True)
+            status, _headers, body = await read_reply(reader, head_only=True)
             assert status == 200 and body == b""
             assert len(writes) == 1 and writes[0].endswith(b"\r\n\r\n")  # the head alone
 

@@ -603,7 +603,7 @@ def test_a_matching_local_tokenizer_is_verified_and_kept(sim_fleet: Fleet, hf_di
             check, target = check_of(rig, "loc")
             assert check_gauges(rig.metrics, "loc")["pending"] == 1
             await rig.discovery.refresh_now()
-            assert await check.run() == "verified"
+            assert await check.check_once() == "verified"
             assert f"{len(PROBES)} probes matched" in check.detail
             assert target.mode == "local" and isinstance(target.local, LocalTokenizer)
             assert mode_of(rig.metrics, "loc") == "local"
@@ -624,7 +624,7 @@ def test_a_local_tokenizer_that_differs_falls_back_to_the_engines(
             check, target = check_of(rig, "loc")
             await rig.discovery.refresh_now()
             with caplog.at_level(logging.ERROR, logger="kvroute.shell.tokenizer_check"):
-                assert await check.run() == "mismatch"
+                assert await check.check_once() == "mismatch"
             assert "first difference at position 0" in check.detail, check.detail
             assert target.mode == "engine" and target.local is None
             assert mode_of(rig.metrics, "loc") == "engine"
@@ -652,7 +652,7 @@ def test_auto_adopts_the_engines_model_directory_when_it_matches(sim_fleet: Flee
             assert target.mode == "engine" and mode_of(rig.metrics, "a") == "engine"
             await rig.discovery.refresh_now()
             before = await target.token_ids(chat(CONVERSATION))  # via /tokenize
-            assert await check.run() == "verified", check.detail
+            assert await check.check_once() == "verified", check.detail
             assert target.mode == "local" and isinstance(target.local, LocalTokenizer)
             assert mode_of(rig.metrics, "a") == "local"
             after = await target.token_ids(chat([*CONVERSATION, {"role": "assistant",
@@ -683,8 +683,8 @@ def test_auto_stays_on_the_engines_when_their_directory_is_not_here_or_differs(
             (check_a, a), (check_b, b) = check_of(rig, "a"), check_of(rig, "b")
             await rig.discovery.refresh_now()
             with caplog.at_level(logging.INFO, logger="kvroute.shell.tokenizer_check"):
-                assert await check_a.run() == "no_local"
-                assert await check_b.run() == "mismatch"
+                assert await check_a.check_once() == "no_local"
+                assert await check_b.check_once() == "mismatch"
             assert "'acme/tiny-model' is not a directory with tokenizer.json" in check_a.detail
             assert a.mode == "engine" and b.mode == "engine"
             assert check_gauges(rig.metrics, "a")["no_local"] == 1
@@ -706,7 +706,7 @@ def test_a_local_tokenizer_stays_unverified_when_the_engine_cannot_tokenize(
             check, target = check_of(rig, "loc")
             await rig.discovery.refresh_now()
             with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer_check"):
-                assert await check.run() == "unverifiable"
+                assert await check.check_once() == "unverifiable"
             assert "HTTP 404" in check.detail
             assert target.mode == "local" and mode_of(rig.metrics, "loc") == "local"
             assert any("UNVERIFIED" in r.getMessage() for r in caplog.records)
@@ -728,8 +728,12 @@ def test_the_router_checks_at_start_and_serves_through_the_switch(
 
     async def go() -> None:
         async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
-            result = await asyncio.wait_for(rt.tokenizer_checks["p"], 5.0)
-            assert result == "verified"
+            check = rt.tokenizer_checks["p"]
+            for _ in range(100):
+                if check.rounds:
+                    break
+                await asyncio.sleep(0.05)
+            assert check.result == "verified", check.detail
             rt.sync_metrics()
             piece = {"pool": "p", "stat": "hits"}
             hits_before = rt.metrics.value("kvroute_token_piece_cache", piece) or 0.0
@@ -744,6 +748,41 @@ def test_the_router_checks_at_start_and_serves_through_the_switch(
             assert 'kvroute_tokenizer_check{pool="p",result="verified"} 1.0' in text
             # The second request found the system prompt's piece: served in-process.
             assert (rt.metrics.value("kvroute_token_piece_cache", piece) or 0.0) > hits_before
-        assert not rt.tokenizer_checks  # stopped with the router
+
+    run(go)
+
+
+def test_later_rounds_ask_each_replica_in_turn_and_switch_both_ways(
+        sim_fleet: Fleet, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def go() -> None:
+        async with clients() as both:
+            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
+            rig = Rig(make_config({"a": {"model": "tiny", "replicas": replicas,
+                                         "tokenizer": "auto"}}), both)
+            check, target = check_of(rig, "a")
+            await rig.discovery.refresh_now()
+            with caplog.at_level(logging.DEBUG, logger="kvroute.shell.tokenizer_check"):
+                assert await check.check_once() == "verified"
+                asked = [check.detail.split()[-4]]  # "... matched URL id for id"
+                assert await check.check_once() == "verified"
+                asked.append(check.detail.split()[-4])
+            assert sorted(asked) == sorted(r["url"] + "/tokenize" for r in replicas)
+            adopted = target.local
+            assert adopted is not None
+            infos = [r for r in caplog.records if r.levelno == logging.INFO]
+            assert len(infos) == 1  # the second round confirmed: logged at debug only
+            # The engines now tokenize differently (as after a restart on another revision):
+            # the next round goes back to /tokenize and forgets the loaded directory ...
+            real = type(adopted).encode_body
+            monkeypatch.setattr(type(adopted), "encode_body",
+                                lambda self, body: [*real(self, body), 1])
+            assert await check.check_once() == "mismatch"
+            assert target.mode == "engine" and mode_of(rig.metrics, "a") == "engine"
+            # ... and a round after the directory is right again adopts it afresh.
+            monkeypatch.setattr(type(adopted), "encode_body", real)
+            assert await check.check_once() == "verified"
+            assert target.mode == "local" and target.local is not adopted
+            assert check.rounds == 4
 
     run(go)

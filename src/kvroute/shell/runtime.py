@@ -116,7 +116,8 @@ class RouterRuntime:
         self.discovery: Discovery | None = None
         self.state: SessionState | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
-        self.tokenizer_checks: dict[str, asyncio.Task[object]] = {}
+        self.tokenizer_checks: dict[str, TokenizerCheck] = {}
+        self._check_tasks: dict[str, asyncio.Task[None]] = {}
         self.app: RouterApp | None = None
         self.url = ""
         self.port = 0
@@ -182,10 +183,10 @@ class RouterRuntime:
         if self.app is not None:
             await step(self.app.close())
             self.app = None
-        for check in self.tokenizer_checks.values():
-            check.cancel()
-            await step(asyncio.gather(check, return_exceptions=True))
-        self.tokenizer_checks.clear()
+        for task in self._check_tasks.values():
+            task.cancel()
+            await step(asyncio.gather(task, return_exceptions=True))
+        self._check_tasks.clear()
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()
@@ -256,12 +257,13 @@ class RouterRuntime:
             task = asyncio.get_running_loop().create_task(check.run(),
                                                           name=f"tokenizer-check-{pool}")
             task.add_done_callback(self._check_ended)
-            self.tokenizer_checks[pool] = task
+            self.tokenizer_checks[pool] = check
+            self._check_tasks[pool] = task
 
-    def _check_ended(self, task: asyncio.Task[object]) -> None:
+    def _check_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("the tokenizer check %s failed; the pool keeps the tokenizer it started "
-                      "on", task.get_name(), exc_info=task.exception())
+            log.error("the tokenizer check %s failed and stopped; the pool keeps the tokenizer "
+                      "it is on", task.get_name(), exc_info=task.exception())
 
     def _extra_state(self) -> Mapping[str, Any]:
         subs = {}

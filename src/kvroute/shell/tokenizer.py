@@ -412,7 +412,7 @@ class LocalTokenizer:
 
 
 class SwitchingTokenizer:
-    """A pool's prompt tokenizer that ``shell/tokenizer_check.py`` may switch once:
+    """A pool's prompt tokenizer that ``shell/tokenizer_check.py`` switches as its checks say:
     ``tokenizer: {local: DIR}`` (checked against the engines, which it falls back to on a
     mismatch) and ``tokenizer: auto`` (starts on the engines, adopts their model directory
     when it is on this host and matches).

@@ -15,14 +15,17 @@ the router tokenizes a few probe prompts both ways and compares them id by id.
   names a ``root`` that is a directory on this host holding ``tokenizer.json`` (vLLM fills
   ``root`` with the path it was started on), the router loads it off the event loop, checks
   it as above, and on a match switches the pool to it: the same exact ids without the round
-  trip. On anything else it stays on the engines, and says why once.
+  trip. On anything else it stays on the engines, and says why.
 
-The check runs once per pool per process, in the background: requests are served from the
-start with the tokenizer the pool began on. Its result is exported as
+The check runs in the background, at start and then once a minute against the next healthy
+replica in turn (an engine restarted on another revision under the same served name must not
+leave the router hashing with the old tokenizer): requests are served from the start with
+the tokenizer the pool began on, and a later round can switch either way. Its result is
+exported as
 ``kvroute_tokenizer_check{pool, result}`` (1 for the current result) beside
 ``kvroute_tokenizer_mode``.
 
-Owns ``TokenizerCheck`` (the probes and the decision); the pool's tokenizer it may switch is
+Owns ``TokenizerCheck`` (the probes and the decision); the pool's tokenizer it switches is
 ``shell/tokenizer.py``'s ``SwitchingTokenizer``.
 """
 
@@ -44,6 +47,7 @@ from kvroute.shell.engine_client import EngineClient, EngineClientError
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.tokenizer import (
     LocalTokenizer,
+    PromptTokenizer,
     SwitchingTokenizer,
     tokens_of_answer,
 )
@@ -107,19 +111,31 @@ class _Compared:
 
 
 class TokenizerCheck:
-    """The one-off check of one pool (see the module docstring).
+    """The check of one pool, at start and then every ``recheck_s`` (module docstring).
+
+    Re-checking matters because engines change under a running router: a replica restarted
+    on a new revision of the model under the same served name tokenizes differently, and
+    an adopted local tokenizer would then hash prompts no engine holds. Each round asks the
+    next healthy replica in turn, so every replica is compared in time; a round costs a few
+    short ``/tokenize`` calls.
+
+    Each round's verdict decides the tokenizer in use: ``verified`` -> the local one;
+    ``mismatch`` and (``auto`` only) ``no_local`` -> the engines' ``/tokenize``;
+    ``unverifiable`` -> unchanged. A change of result is logged once (a mismatch as an
+    error for ``local``); rounds that confirm the last result log at debug level.
 
     Args:
         pool: the pool's name.
         model: the model name sent in ``/tokenize`` bodies.
         target: the pool's tokenizer as the app holds it; its ``want`` says what to do:
-            ``local`` (check the configured local tokenizer, fall back to ``target.engine``
-            on a mismatch) or ``auto`` (find, load and check one; adopt it on a match).
+            ``local`` (check the configured local tokenizer) or ``auto`` (find, load and
+            check the directory the replica's model card names).
         discovery: healthy replicas, their URLs and model roots.
         client: the engine client the ``/tokenize`` probes are sent with.
         metrics: ``kvroute_tokenizer_check`` and ``kvroute_tokenizer_mode``.
         load: loads a ``LocalTokenizer`` from a directory (blocking; run in a thread).
         timeout_s: bound on each probe call.
+        recheck_s: time between rounds after the first.
     """
 
     def __init__(
@@ -133,49 +149,76 @@ class TokenizerCheck:
         metrics: RouterMetrics,
         load: Callable[[str], LocalTokenizer],
         timeout_s: float = 5.0,
+        recheck_s: float = 60.0,
     ) -> None:
         self.pool = pool
         self._model = model
         self._want = target.want
         self._target = target
-        self._engine = target.engine
+        self._configured = target.local if target.want == "local" else None
+        self._loaded: tuple[str, LocalTokenizer] | None = None  # auto: (root, tokenizer)
         self._discovery = discovery
         self._client = client
         self._metrics = metrics
         self._load = load
         self._timeout_s = timeout_s
+        self._recheck_s = recheck_s
+        self._turn = 0
+        self.rounds = 0
         self.result: CheckResult = "pending"
         self.detail = ""
         metrics.set_tokenizer_check(pool, "pending")
 
-    async def run(self) -> CheckResult:
-        """Wait for a healthy replica, check, switch if the result says so; the result.
+    async def run(self) -> None:
+        """Check now, then every ``recheck_s``, until cancelled with the router.
 
-        Never raises for an engine's or a directory's fault (those are results); cancelled
-        with the router."""
+        Never raises for an engine's or a directory's fault (those are results)."""
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self._recheck_s)
+
+    async def check_once(self) -> CheckResult:
+        """One round: wait for a healthy replica, compare, switch as the result says."""
         replica = await self._healthy_replica()
-        local = self._target.local if self._want == "local" else None
-        if local is None:
-            root = self._discovery.replica_info(replica).model_root
-            found = await self._find_local(root)
-            if isinstance(found, _Compared):
-                return self._settle(found)
-            local = found
-        compared = await self._compare(local, replica)
-        if compared.result == "verified" and self._want == "auto":
-            self._target.use(local)
-            self._metrics.set_tokenizer_mode(self.pool, local.mode)
-        elif compared.result == "mismatch" and self._want == "local":
-            self._target.use(self._engine)
-            self._metrics.set_tokenizer_mode(self.pool, self._engine.mode)
+        local = await self._local_for(replica)
+        if isinstance(local, _Compared):
+            compared = local
+        else:
+            compared = await self._compare(local, replica)
+            if compared.result == "verified":
+                self._use(local)
+        if compared.result == "mismatch" or compared.result == "no_local":
+            self._use(self._target.engine)
+            self._loaded = None  # read the directory again next round: it may be fixed
+        self.rounds += 1
         return self._settle(compared)
+
+    def _use(self, tokenizer: PromptTokenizer) -> None:
+        if self._target.current is not tokenizer:
+            self._target.use(tokenizer)
+            self._metrics.set_tokenizer_mode(self.pool, tokenizer.mode)
 
     async def _healthy_replica(self) -> str:
         while True:
             healthy = self._discovery.healthy_replicas(self.pool)
             if healthy:
-                return healthy[0]
+                replica = healthy[self._turn % len(healthy)]
+                self._turn += 1
+                return replica
             await asyncio.sleep(_WAIT_STEP_S)
+
+    async def _local_for(self, replica: str) -> LocalTokenizer | _Compared:
+        """The local tokenizer to compare: the configured one (``local``), or the one in the
+        directory this replica's model card names (``auto``; loaded once per directory)."""
+        if self._configured is not None:
+            return self._configured
+        root = self._discovery.replica_info(replica).model_root
+        if self._loaded is not None and self._loaded[0] == root:
+            return self._loaded[1]
+        found = await self._find_local(root)
+        if isinstance(found, LocalTokenizer) and root is not None:
+            self._loaded = (root, found)
+        return found
 
     async def _find_local(self, root: str | None) -> LocalTokenizer | _Compared:
         if not root:
@@ -236,10 +279,13 @@ class TokenizerCheck:
         return tokens
 
     def _settle(self, compared: _Compared) -> CheckResult:
+        changed = compared.result != self.result
         self.result, self.detail = compared.result, compared.detail
         self._metrics.set_tokenizer_check(self.pool, compared.result)
         pool, detail = self.pool, compared.detail
-        if self._want == "local":
+        if not changed:
+            log.debug("pool %s: tokenizer check confirmed %s (%s)", pool, compared.result, detail)
+        elif self._want == "local":
             if compared.result == "verified":
                 log.info("pool %s: local tokenizer verified against the engines (%s)", pool,
                          detail)
@@ -254,9 +300,8 @@ class TokenizerCheck:
             log.info("pool %s: tokenizer auto: exact ids now from the engines' model directory "
                      "on this host, no /tokenize round trip (%s)", pool, detail)
         elif compared.result == "mismatch":
-            log.warning("pool %s: tokenizer auto stays on the engines' /tokenize: the directory "
+            log.warning("pool %s: tokenizer auto uses the engines' /tokenize: the directory "
                         "their model card names gives other ids (%s)", pool, detail)
         else:
-            log.info("pool %s: tokenizer auto stays on the engines' /tokenize (%s)", pool,
-                     detail)
+            log.info("pool %s: tokenizer auto uses the engines' /tokenize (%s)", pool, detail)
         return compared.result
