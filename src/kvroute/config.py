@@ -118,10 +118,10 @@ class TokenizerConfig:
     ``engine``: the engines' ``/tokenize`` (exact, one loopback call per request);
     ``auto``: the engines' ``/tokenize`` until the directory their model cards name as
     ``root`` is found on this host and gives the same ids on probe prompts, then that
-    directory in-process (exact, no round trip);
+    directory in-process (exact, no round trip), checked again every minute;
     ``local``: a Hugging Face tokenizer directory (``path``), loaded at start, run on the
-    event loop, checked against the engines' ``/tokenize`` once one is healthy (a mismatch
-    switches the pool to the engines);
+    event loop, checked against the engines' ``/tokenize`` once one is healthy and every
+    minute after (a mismatch switches the pool to the engines until one matches again);
     ``none``: no tokenizer; the pool routes in the declared *approximate* mode (text chunks).
     """
 

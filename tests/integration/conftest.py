@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvroute.config import RouterConfig, parse_config
+from kvroute.shell import http_server
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
 
 MODEL = "sim-model"
@@ -129,3 +130,18 @@ def sim_specs() -> Callable[..., list[ReplicaSpec]]:
 def base_port() -> int:
     """The first of nine consecutive free ports (replicas restarted on their own ports)."""
     return free_base_port()
+
+
+@pytest.fixture
+def sent_writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write the router's HTTP server makes to a client, in order (for checking how
+    an answer is cut into writes)."""
+    writes: list[bytes] = []
+    send = http_server._Connection.send
+
+    def recording(self: Any, data: bytes) -> None:
+        writes.append(data)
+        send(self, data)
+
+    monkeypatch.setattr(http_server._Connection, "send", recording)
+    return writes

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from kvroute.shell import http_server
 from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
 
 pytestmark = pytest.mark.integration
@@ -363,15 +362,8 @@ def test_a_stream_is_chunked_for_1_1_and_connection_framed_for_1_0() -> None:
 
 
 def test_the_head_carries_the_first_piece_and_the_end_the_last_in_one_write(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    writes: list[bytes] = []
-    send = http_server._Connection.send
-
-    def recording(self: Any, data: bytes) -> None:
-        writes.append(data)
-        send(self, data)
-
-    monkeypatch.setattr(http_server._Connection, "send", recording)
+        sent_writes: list[bytes]) -> None:
+    writes = sent_writes
 
     async def stream(request: Request) -> StreamResponse:
         out = StreamResponse(200, headers={"Content-Type": "text/event-stream"})

@@ -26,7 +26,6 @@ import yaml
 
 from kvroute.config import RouterConfig
 from kvroute.core.types import ReplicaId
-from kvroute.shell import http_server
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet, start_fleet
 from kvroute.wire.sse import SSEDecoder
@@ -182,16 +181,9 @@ def sse_events(raw: bytes) -> list[str]:
 
 
 def test_stream_is_relayed_and_every_answer_carries_the_headers(
-        shared_fleet: Fleet, config_for: ConfigFor, monkeypatch: pytest.MonkeyPatch) -> None:
+        shared_fleet: Fleet, config_for: ConfigFor, sent_writes: list[bytes]) -> None:
     rng = random.Random(5)
-    writes: list[bytes] = []
-    send = http_server._Connection.send
-
-    def recording(self: Any, data: bytes) -> None:
-        writes.append(data)
-        send(self, data)
-
-    monkeypatch.setattr(http_server._Connection, "send", recording)
+    writes = sent_writes
 
     async def body(rt: RouterRuntime, c: Client) -> None:
         status, h, raw = await c.post(chat(words(rng, 50), stream=True, max_tokens=6))

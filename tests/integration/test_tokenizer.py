@@ -568,6 +568,12 @@ def other_dir(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def sim_pool(fleet: Fleet, tokenizer: Any) -> dict[str, Any]:
+    """A pool of ``fleet``'s replicas serving ``tiny`` with the given tokenizer setting."""
+    return {"model": "tiny", "tokenizer": tokenizer,
+            "replicas": [{"name": h.name, "url": h.url} for h in fleet.replicas]}
+
+
 def check_of(rig: Rig, pool: str) -> tuple[TokenizerCheck, SwitchingTokenizer]:
     target = rig.tokenizers[pool]
     assert isinstance(target, SwitchingTokenizer)
@@ -597,9 +603,7 @@ def test_the_check_results_are_the_exported_ones() -> None:
 def test_a_matching_local_tokenizer_is_verified_and_kept(sim_fleet: Fleet, hf_dir: Path) -> None:
     async def go() -> None:
         async with clients() as both:
-            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
-            rig = Rig(make_config({"loc": {"model": "tiny", "replicas": replicas,
-                                           "tokenizer": {"local": str(hf_dir)}}}), both)
+            rig = Rig(make_config({"loc": sim_pool(sim_fleet, {"local": str(hf_dir)})}), both)
             check, target = check_of(rig, "loc")
             assert check_gauges(rig.metrics, "loc")["pending"] == 1
             await rig.discovery.refresh_now()
@@ -618,9 +622,7 @@ def test_a_local_tokenizer_that_differs_falls_back_to_the_engines(
         sim_fleet: Fleet, other_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
         async with clients() as both:
-            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
-            rig = Rig(make_config({"loc": {"model": "tiny", "replicas": replicas,
-                                           "tokenizer": {"local": str(other_dir)}}}), both)
+            rig = Rig(make_config({"loc": sim_pool(sim_fleet, {"local": str(other_dir)})}), both)
             check, target = check_of(rig, "loc")
             await rig.discovery.refresh_now()
             with caplog.at_level(logging.ERROR, logger="kvroute.shell.tokenizer_check"):
@@ -635,7 +637,7 @@ def test_a_local_tokenizer_that_differs_falls_back_to_the_engines(
             # Requests now get the engines' own ids, through /tokenize.
             ids = await target.token_ids(chat(CONVERSATION))
             assert rig.count("loc", "ok") == 1
-            async with both[0].post(replicas[0]["url"] + "/tokenize", json={
+            async with both[0].post(sim_fleet.replicas[0].url + "/tokenize", json={
                     "model": "tiny", "messages": CONVERSATION}) as resp:
                 assert ids == (await resp.json())["tokens"]
 
@@ -645,9 +647,7 @@ def test_a_local_tokenizer_that_differs_falls_back_to_the_engines(
 def test_auto_adopts_the_engines_model_directory_when_it_matches(sim_fleet: Fleet) -> None:
     async def go() -> None:
         async with clients() as both:
-            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
-            rig = Rig(make_config({"a": {"model": "tiny", "replicas": replicas,
-                                         "tokenizer": "auto"}}), both)
+            rig = Rig(make_config({"a": sim_pool(sim_fleet, "auto")}), both)
             check, target = check_of(rig, "a")
             assert target.mode == "engine" and mode_of(rig.metrics, "a") == "engine"
             await rig.discovery.refresh_now()
@@ -757,9 +757,7 @@ def test_later_rounds_ask_each_replica_in_turn_and_switch_both_ways(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async def go() -> None:
         async with clients() as both:
-            replicas = [{"name": h.name, "url": h.url} for h in sim_fleet.replicas]
-            rig = Rig(make_config({"a": {"model": "tiny", "replicas": replicas,
-                                         "tokenizer": "auto"}}), both)
+            rig = Rig(make_config({"a": sim_pool(sim_fleet, "auto")}), both)
             check, target = check_of(rig, "a")
             await rig.discovery.refresh_now()
             with caplog.at_level(logging.DEBUG, logger="kvroute.shell.tokenizer_check"):
@@ -767,7 +765,7 @@ def test_later_rounds_ask_each_replica_in_turn_and_switch_both_ways(
                 asked = [check.detail.split()[-4]]  # "... matched URL id for id"
                 assert await check.check_once() == "verified"
                 asked.append(check.detail.split()[-4])
-            assert sorted(asked) == sorted(r["url"] + "/tokenize" for r in replicas)
+            assert sorted(asked) == sorted(h.url + "/tokenize" for h in sim_fleet.replicas)
             adopted = target.local
             assert adopted is not None
             infos = [r for r in caplog.records if r.levelno == logging.INFO]

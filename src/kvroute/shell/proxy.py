@@ -22,8 +22,8 @@ Every failure inside ``open`` raises ``UpstreamError`` with a ``kind`` (``connec
 transport failures: yes; 4xx: no, the next engine would refuse it too).
 
 ``relay_stream`` then answers the client: the head with the first whole events, the rest
-chunk by chunk, the last events with the end of the body. It never cuts an SSE event: bytes are
-written up to the last event boundary (``\\n\\n``) and only an unterminated tail is held
+chunk by chunk, the last events with the end of the body. It never cuts an SSE event: bytes
+are written up to the last event boundary (``\\n\\n``) and only an unterminated tail is held
 back, so if the engine dies mid-stream the client gets every complete event, then
 ``wire.sse.error_event`` and ``data: [DONE]``. vLLM writes one event per chunk, so the held
 tail is normally empty and nothing is delayed.
@@ -265,11 +265,14 @@ async def relay_stream(
         piece = bytes(pending[:cut])
         del pending[:cut]
         await out.prepare(request, piece)
+        ended = False
         while True:
             if piece and on_chunk is not None:
                 maybe = on_chunk(piece)
                 if maybe is not None:
                     await maybe
+            if ended:
+                return True
             try:
                 chunk = await resp.readany()
             except (EngineClientError, TimeoutError) as exc:
@@ -288,18 +291,14 @@ async def relay_stream(
                 return True
             pending += chunk
             cut = _event_boundary(pending)
-            if not cut:
-                piece = b""
-                continue
             piece = bytes(pending[:cut])
             del pending[:cut]
+            if not piece:
+                continue
             if resp.at_eof():  # the upstream has ended: its last events and our end at once
-                if on_chunk is not None:
-                    maybe = on_chunk(piece)
-                    if maybe is not None:
-                        await maybe
                 await out.write_eof(piece + bytes(pending))
-                return True
-            await out.write(piece)
+                ended = True
+            else:
+                await out.write(piece)
     finally:
         resp.close()

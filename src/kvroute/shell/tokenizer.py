@@ -451,7 +451,6 @@ class SwitchingTokenizer:
         return self.current if isinstance(self.current, LocalTokenizer) else None
 
 
-
 # -- composition ------------------------------------------------------------------------------
 
 
