@@ -16,7 +16,8 @@ Start-up order (each step needs the previous one):
    ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
    core needs no locks;
-5. session state, tokenizers, then the HTTP server (``shell/http_server.py``; a client that
+5. session state, tokenizers (with the background checks of ``local`` and ``auto`` ones,
+   ``shell/tokenizer_check.py``), then the HTTP server (``shell/http_server.py``; a client that
    disconnects cancels its handler and so its upstream request). A refused connection seen
    by the proxy or a warm-up goes to ``Discovery.report_failure``, which takes that replica out of routing at
    once; the tier logic (``shell/tiering.py``) reads windows and served models from the same

@@ -15,7 +15,9 @@ the router tokenizes a few probe prompts both ways and compares them id by id.
   names a ``root`` that is a directory on this host holding ``tokenizer.json`` (vLLM fills
   ``root`` with the path it was started on), the router loads it off the event loop, checks
   it as above, and on a match switches the pool to it: the same exact ids without the round
-  trip. On anything else it stays on the engines, and says why.
+  trip. On anything else it stays on the engines, and says why. The directory is only read
+  (``tokenizer.json`` through ``tokenizers``, the chat template in sandboxed ``jinja2``;
+  no model code runs), and a relative root is taken from the router's working directory.
 
 The check runs in the background, at start and then once a minute against the next healthy
 replica in turn (an engine restarted on another revision under the same served name must not
