@@ -39,7 +39,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Annotated, Any, Final, Literal, Protocol
+from typing import Annotated, Any, Final, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -59,8 +59,10 @@ __all__ = [
     "LocalTokenizer",
     "PromptTokenizer",
     "SwitchingTokenizer",
+    "TokenizeFailure",
     "TokenizerMode",
     "build_tokenizers",
+    "post_tokenize",
     "prompt_token_ids",
     "tokenize_request_body",
     "tokens_of_answer",
@@ -267,26 +269,9 @@ class EngineTokenizer:
         replica = replicas[self._next % len(replicas)]
         self._next += 1
         url = self._discovery.replica_url(replica) + "/tokenize"
-        response = None
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                response = await self._client.post(url, encoded)
-                raw = await response.read()
-                status = response.status
-        except TimeoutError:
-            if response is not None:
-                response.close()
-            self._fail("timeout", f"POST {url} took longer than {self._timeout_s:g}s")
-            return None
-        except EngineClientError as exc:
-            self._fail("error", f"POST {url} failed: {type(exc).__name__}: {exc}")
-            return None
-        if status != 200:
-            self._fail("error", f"POST {url} answered HTTP {status}: {raw[:200]!r}")
-            return None
-        tokens = tokens_of_answer(raw)
-        if tokens is None:
-            self._fail("malformed", f"POST {url} gave no 'tokens' list of ints: {raw[:200]!r}")
+        tokens = await post_tokenize(self._client, url, encoded, self._timeout_s)
+        if isinstance(tokens, TokenizeFailure):
+            self._fail(tokens.outcome, tokens.detail)
             return None
         if self.failing:
             self.failing = False
@@ -321,6 +306,39 @@ def tokens_of_answer(raw: bytes) -> list[int] | None:
         return _ANSWER_DECODER.decode(raw).tokens
     except msgspec.DecodeError:  # ValidationError (wrong shape or types) is a DecodeError
         return None
+
+
+class TokenizeFailure(NamedTuple):
+    """Why a ``POST /tokenize`` gave no ids: ``outcome`` (``timeout``, ``error`` or
+    ``malformed``, as counted in ``kvroute_tokenize_total``) and a message naming the URL."""
+
+    outcome: str
+    detail: str
+
+
+async def post_tokenize(client: EngineClient, url: str, encoded: bytes,
+                        timeout_s: float) -> list[int] | TokenizeFailure:
+    """One ``POST /tokenize`` of an encoded body, bounded by ``timeout_s``: the answer's
+    ``tokens``, or why there are none (never raises for the engine's fault)."""
+    response = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            response = await client.post(url, encoded)
+            raw = await response.read()
+            status = response.status
+    except TimeoutError:
+        if response is not None:
+            response.close()
+        return TokenizeFailure("timeout", f"POST {url} took longer than {timeout_s:g}s")
+    except EngineClientError as exc:
+        return TokenizeFailure("error", f"POST {url} failed: {type(exc).__name__}: {exc}")
+    if status != 200:
+        return TokenizeFailure("error", f"POST {url} answered HTTP {status}: {raw[:200]!r}")
+    tokens = tokens_of_answer(raw)
+    if tokens is None:
+        return TokenizeFailure(
+            "malformed", f"POST {url} gave no 'tokens' list of ints: {raw[:200]!r}")
+    return tokens
 
 
 class LocalTokenizer:
@@ -476,11 +494,13 @@ def build_tokenizers(
         setting = pool.tokenizer
         tokenizer: PromptTokenizer
         timeout_s = float(getattr(setting, "timeout_s", DEFAULT_TOKENIZE_TIMEOUT_S))
+        # Every exact mode has the engines' /tokenize: as the tokenizer, as auto's start, or
+        # as local's fallback (an inert object for a none pool: it sends nothing by itself).
+        engine = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
         if setting.mode == "engine":
-            tokenizer = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
+            tokenizer = engine
             log.info("pool %s: exact prompt tokens from the engines' /tokenize", pool.name)
         elif setting.mode == "auto":
-            engine = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
             tokenizer = SwitchingTokenizer(pool.name, "auto", engine, engine)
             log.info("pool %s: exact prompt tokens from the engines' /tokenize until their "
                      "model directory is found on this host and checked (tokenizer: auto)",
@@ -492,7 +512,6 @@ def build_tokenizers(
                     "tokenizer: {local: /path/to/hf-model-dir}"
                 )
             local = LocalTokenizer.load(pool.name, setting.path, metrics)
-            engine = EngineTokenizer(pool, discovery, client, metrics, timeout_s=timeout_s)
             tokenizer = SwitchingTokenizer(pool.name, "local", local, engine)
             log.info("pool %s: exact prompt tokens from the local tokenizer %s (to be checked "
                      "against the engines' /tokenize)", pool.name, setting.path)

@@ -45,13 +45,14 @@ import msgspec
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError
 from kvroute.shell.discovery import Discovery
-from kvroute.shell.engine_client import EngineClient, EngineClientError
+from kvroute.shell.engine_client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.tokenizer import (
     LocalTokenizer,
     PromptTokenizer,
     SwitchingTokenizer,
-    tokens_of_answer,
+    TokenizeFailure,
+    post_tokenize,
 )
 
 __all__ = [
@@ -261,23 +262,9 @@ class TokenizerCheck:
         return _Compared("verified", f"{compared} probes matched {url} id for id")
 
     async def _ask(self, url: str, body: Mapping[str, Any]) -> list[int] | _Compared:
-        response = None
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                response = await self._client.post(url, _ENCODER.encode(body))
-                raw = await response.read()
-                status = response.status
-        except TimeoutError:
-            if response is not None:
-                response.close()
-            return _Compared("unverifiable", f"POST {url} took over {self._timeout_s:g}s")
-        except EngineClientError as exc:
-            return _Compared("unverifiable", f"POST {url} failed: {type(exc).__name__}: {exc}")
-        if status != 200:
-            return _Compared("unverifiable", f"POST {url} answered HTTP {status}: {raw[:200]!r}")
-        tokens = tokens_of_answer(raw)
-        if tokens is None:
-            return _Compared("unverifiable", f"POST {url} gave no 'tokens' list: {raw[:200]!r}")
+        tokens = await post_tokenize(self._client, url, _ENCODER.encode(body), self._timeout_s)
+        if isinstance(tokens, TokenizeFailure):
+            return _Compared("unverifiable", tokens.detail)
         return tokens
 
     def _settle(self, compared: _Compared) -> CheckResult:
