@@ -37,7 +37,6 @@ peers and through kvroute's reimplementations, and returns the per-engine distri
 
 from __future__ import annotations
 
-import asyncio
 import json
 import platform
 import subprocess
@@ -51,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from kvroute.bench.live_client import build_live_requests, run_client, summarize
+from kvroute.bench.live_client import build_live_requests, replay, summarize
 from kvroute.bench.live_routers import (
     PEER_VERSIONS,
     PeerRouters,
@@ -260,11 +259,11 @@ def _run_one(spec: LiveBenchSpec, router_spec: RouterSpec, fleet: Fleet,
     with router:
         before = [read_engine_counters(e.url) for e in engines]
         cpu0 = router.cpu_s()
-        run = asyncio.run(run_client(
+        run = replay(
             router.targets, requests, rate_scale=spec.rate_scale,
             concurrency=spec.concurrency, max_in_flight=spec.max_in_flight,
             request_timeout_s=spec.request_timeout_s, duration_s=spec.duration_s,
-            on_done=on_progress))
+            on_done=on_progress)
         cpu1 = router.cpu_s()
         after = [read_engine_counters(e.url) for e in engines]
         alive = router.process is None or router.process.poll() is None

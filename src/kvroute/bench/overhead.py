@@ -32,7 +32,6 @@ only; ports picked at run time.
 
 from __future__ import annotations
 
-import asyncio
 import platform
 import tempfile
 import time
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from kvroute.bench.live_client import LiveRequest, build_live_requests, run_client, summarize
+from kvroute.bench.live_client import LiveRequest, build_live_requests, replay, summarize
 from kvroute.bench.live_routers import (
     PEER_VERSIONS,
     PeerRouters,
@@ -194,11 +193,11 @@ def _engine_cpu_s(fleet: Fleet) -> float:
 def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Phase,
                spec: OverheadSpec, cpu: Callable[[], float | None], fleet: Fleet) -> dict[str, Any]:
     router0, engines0, client0 = cpu(), _engine_cpu_s(fleet), time.process_time()
-    run = asyncio.run(run_client(
+    run = replay(
         router_targets, requests,
         concurrency=int(phase.value) if phase.kind == "c" else None,
         max_in_flight=spec.max_in_flight, request_timeout_s=spec.request_timeout_s,
-        duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0)))
+        duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0))
     router1, engines1, client1 = cpu(), _engine_cpu_s(fleet), time.process_time()
     summary = summarize(run)
     errors = dict(summary["errors"])
@@ -260,10 +259,10 @@ def run_overhead_bench(
                     with router:
                         if spec.warmup_s > 0:
                             warm = Phase("warmup", "r", _WARMUP_RATE)
-                            asyncio.run(run_client(
+                            replay(
                                 router.targets, _schedule(pools[False], warm, spec.warmup_s),
                                 request_timeout_s=spec.request_timeout_s,
-                                duration_s=spec.warmup_s + spec.request_timeout_s))
+                                duration_s=spec.warmup_s + spec.request_timeout_s)
                         for phase in spec.phases:
                             requests = _schedule(pools[phase.stream], phase, spec.phase_s)
                             row = _run_phase(router.targets, requests, phase, spec,

@@ -111,6 +111,7 @@ class EngineResponse:
         "buffered",
         "headers",
         "status",
+        "tcp_nodelay",
     )
 
     def __init__(self, conn: _Connection) -> None:
@@ -124,6 +125,8 @@ class EngineResponse:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self.tcp_nodelay: bool | None = conn.nodelay
+        """``TCP_NODELAY`` as read back from the connection's socket (None: not TCP)."""
 
     # -- reading --------------------------------------------------------------------------
 
@@ -221,6 +224,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.used = False
         self.idle_since = 0.0
+        self.nodelay: bool | None = None
         self._parser: httptools.HttpResponseParser | None = None
         self._response: EngineResponse | None = None
         self._head: asyncio.Future[EngineResponse] | None = None
@@ -235,6 +239,7 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.nodelay = bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
 
     def data_received(self, data: bytes) -> None:
         parser = self._parser
