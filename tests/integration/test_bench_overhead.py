@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
+from kvroute.bench import overhead
 from kvroute.bench.live_client import LiveRequest
+from kvroute.bench.live_routers import pin_process_tree, start_router
 from kvroute.bench.overhead import (
     OverheadSpec,
     Phase,
     _add_overheads,
     _schedule,
     format_rows,
+    parse_cpus,
     parse_overhead_routers,
     parse_phases,
     run_overhead_bench,
@@ -78,6 +86,63 @@ def test_spec_bounds() -> None:
                 {"warmup_s": -1}):
         with pytest.raises(ConfigError):
             OverheadSpec(routers=routers, **bad).validate()  # type: ignore[arg-type]
+
+
+def test_router_cpus_parse_and_must_leave_cpus_for_the_rest() -> None:
+    assert parse_cpus("1") == frozenset({1})
+    assert parse_cpus(" 0, 2,") == frozenset({0, 2})
+    for bad in ("", "one", "-1", "1.5"):
+        with pytest.raises(ConfigError, match="CPU"):
+            parse_cpus(bad)
+    routers = parse_overhead_routers("direct")
+    usable = frozenset(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match="some, not all"):
+        OverheadSpec(routers=routers, router_cpus=usable).validate()
+    with pytest.raises(ConfigError, match="some, not all"):
+        OverheadSpec(routers=routers, router_cpus=frozenset({max(usable) + 1})).validate()
+
+
+def _affinities(pid: int) -> list[frozenset[int]]:
+    return [frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def test_pinning_a_process_tree_binds_every_thread_of_every_process() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    script = ("import subprocess, sys, threading, time\n"
+              "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+              "print('ready', child.pid, flush=True)\n"
+              "time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        _, child = proc.stdout.readline().split()
+        pinned = pin_process_tree(proc.pid, frozenset({cpu}))
+        assert pinned >= 3  # the main thread, the sleeping thread, the child
+        for pid in (proc.pid, int(child)):
+            assert set(_affinities(pid)) == {frozenset({cpu})}
+    finally:
+        for p in _children(proc.pid):
+            os.kill(p, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _children(pid: int) -> list[int]:
+    """Child pids from /proc (no psutil in the test extras)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
 
 
 def test_passthrough_relays_whole_and_streamed_answers() -> None:
@@ -144,5 +209,50 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
         else:
             assert row["router_cpu_ms_per_req"] > 0 and row["added_p50_ms"] is not None
     assert report["config"]["engine_tokenizer"].startswith("bundled")
+    assert report["config"]["router_cpus"] is None
     assert len(format_rows(report)) == 6
     json.dumps(report)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_pinned_run_puts_routers_and_the_rest_on_separate_cpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    usable = frozenset(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip(f"pinning needs 2 CPUs; this process may use {sorted(usable)}")
+    router_cpus = frozenset({max(usable)})
+    seen: dict[str, list[frozenset[int]]] = {}
+    real_start = start_router
+
+    router_pids: list[int] = []
+
+    def start_and_look(*args: Any, **kwargs: Any) -> Any:
+        router = real_start(*args, **kwargs)
+        seen["client"] = [frozenset(os.sched_getaffinity(0))]
+        router_pids[:] = [router.process.pid] if router.process is not None else []
+        return router
+
+    real_run_phase = overhead._run_phase
+
+    def run_and_look(router_targets: Any, requests: Any, phase: Any, spec: Any, cpu: Any,
+                     fleet: Any) -> Any:
+        seen["engines"] = [a for e in fleet.replicas for a in _affinities(e.pid)]
+        if router_pids:
+            tree = [router_pids[0], *_children(router_pids[0])]
+            seen["router"] = [a for p in tree for a in _affinities(p)]
+        return real_run_phase(router_targets, requests, phase, spec, cpu, fleet)
+
+    monkeypatch.setattr(overhead, "start_router", start_and_look)
+    monkeypatch.setattr(overhead, "_run_phase", run_and_look)
+    spec = OverheadSpec(routers=parse_overhead_routers("direct,passthrough"),
+                        phases=parse_phases("r20"), engines=2, phase_s=0.5, warmup_s=0.0,
+                        passes=1, router_cpus=router_cpus)
+    report = run_overhead_bench(spec)
+    assert all(row["errors"] == {} for row in report["results"])
+    assert report["config"]["router_cpus"] == sorted(router_cpus)
+    assert report["config"]["apparatus_cpus"] == sorted(usable - router_cpus)
+    assert set(seen["client"]) == {usable - router_cpus}
+    assert set(seen["engines"]) == {usable - router_cpus}
+    assert seen["router"] and set(seen["router"]) == {router_cpus}
+    assert frozenset(os.sched_getaffinity(0)) == usable  # given back after the run

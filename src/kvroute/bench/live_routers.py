@@ -61,6 +61,7 @@ __all__ = [
     "free_port",
     "kvroute_yaml",
     "parse_router_specs",
+    "pin_process_tree",
     "process_tree_cpu_s",
     "start_router",
 ]
@@ -272,6 +273,30 @@ def process_tree_cpu_s(pid: int) -> float:
         if fields is not None:
             total += sum(int(x) for x in fields[11:15])
     return total / _CLK_TCK
+
+
+def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
+    """Bind every thread of ``pid`` and of its descendants to ``cpus``; returns how many.
+
+    Threads and processes started later inherit the binding of the thread that starts them.
+    A thread that ends while the tree is walked is skipped.
+
+    Raises:
+        OSError: ``cpus`` names no CPU this process may use (``EINVAL``).
+    """
+    pinned = 0
+    for p in (pid, *_descendants(pid)):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                continue
+            pinned += 1
+    return pinned
 
 
 def _http_json(url: str, timeout_s: float = 2.0) -> object:

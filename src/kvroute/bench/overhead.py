@@ -25,6 +25,13 @@ tree, from ``/proc``), the engines' CPU per request (a router that calls the eng
 like vllm-router's ``/render``, shows here), and ``added_p50_ms``/``added_p99_ms`` against
 ``direct``'s same phase of the same pass.
 
+CPU placement (``router_cpus``): by default every process shares every CPU, as in the
+reference anchors; a router then competes for the cores with the engines and the load
+generator, and on a small machine part of what it "adds" is that contention rather than its
+own work. With ``router_cpus`` set, each router (peers included) runs on those CPUs and the
+engines and the client on the others, as a router on a host of its own would; ``direct``
+gets the same placement, so the added figures compare like with like.
+
 Bounds: every phase is bounded by its request count and ``phase_s`` (plus the client's
 per-request timeout); the whole run by ``len(routers) * passes`` phases of that. Loopback
 only; ports picked at run time.
@@ -32,10 +39,12 @@ only; ports picked at run time.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
@@ -46,6 +55,7 @@ from kvroute.bench.live_routers import (
     PeerRouters,
     RouterSpec,
     find_peer_routers,
+    pin_process_tree,
     process_tree_cpu_s,
     start_router,
 )
@@ -60,6 +70,7 @@ __all__ = [
     "OverheadSpec",
     "Phase",
     "format_rows",
+    "parse_cpus",
     "parse_overhead_routers",
     "parse_phases",
     "run_overhead_bench",
@@ -110,6 +121,21 @@ def parse_phases(text: str) -> tuple[Phase, ...]:
     return tuple(out)
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """``1`` or ``2,3`` -> CPU numbers; raises ``ConfigError`` naming a bad item."""
+    cpus: set[int] = set()
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if not item.isdigit():
+            raise ConfigError(f"CPU {item!r} is not a CPU number; give e.g. --router-cpus 1 "
+                              "(CPUs as numbered by the kernel, 0 first)")
+        cpus.add(int(item))
+    if not cpus:
+        raise ConfigError("--router-cpus needs at least one CPU number, e.g. 1")
+    return frozenset(cpus)
+
+
 def parse_overhead_routers(text: str) -> tuple[RouterSpec, ...]:
     """Router names of ``ROUTER_CHOICES`` -> specs (``direct`` is added first if missing:
     every added-latency figure needs it)."""
@@ -150,6 +176,15 @@ class OverheadSpec:
     max_in_flight: int = 512
     model: str = "sim-model"
     log_dir: Path | None = None
+    router_cpus: frozenset[int] | None = None
+    """Pin every router to these CPUs and the engines and the client to the rest (None: all
+    share every CPU, as in the reference anchors)."""
+
+    def apparatus_cpus(self) -> frozenset[int] | None:
+        """The CPUs left to the engines and the load generator (None when not pinned)."""
+        if self.router_cpus is None:
+            return None
+        return frozenset(os.sched_getaffinity(0)) - self.router_cpus
 
     def validate(self) -> None:
         if not self.routers:
@@ -163,6 +198,13 @@ class OverheadSpec:
                 raise ConfigError(f"{name}={fvalue} must be > 0")
         if self.warmup_s < 0:
             raise ConfigError(f"warmup_s={self.warmup_s} must be >= 0")
+        if self.router_cpus is not None:
+            usable = frozenset(os.sched_getaffinity(0))
+            if not self.router_cpus <= usable or self.router_cpus == usable:
+                raise ConfigError(
+                    f"router_cpus={sorted(self.router_cpus)} must be some, not all, of the CPUs "
+                    f"this process may use ({sorted(usable)}): the engines and the load "
+                    "generator need the others")
         if self.phase_s > 120:
             raise ConfigError(f"phase_s={self.phase_s} is over 120 s; a phase is a sample, "
                               "not a soak test: use at most 120")
@@ -248,7 +290,10 @@ def run_overhead_bench(
     specs = [ReplicaSpec(name=f"e{i}", model=spec.model, profile="zero",
                          extra_args=("--tokenizer", tokenizer)) for i in range(spec.engines)]
     results: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:
+    # The engines and every router start from this process and inherit its CPUs; a router is
+    # then moved to its own.
+    with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp, \
+            _pinned_self(spec.apparatus_cpus()):
         work_dir = spec.log_dir or Path(tmp)
         with start_fleet(specs, log_dir=work_dir / "engines") as fleet:
             for pass_no in range(1, spec.passes + 1):
@@ -256,6 +301,8 @@ def run_overhead_bench(
                 for router_spec in order:
                     router = start_router(router_spec, fleet.replicas, work_dir=work_dir,
                                           peers=peers, model=spec.model, seed=spec.seed)
+                    if spec.router_cpus is not None and router.process is not None:
+                        pin_process_tree(router.process.pid, spec.router_cpus)
                     with router:
                         if spec.warmup_s > 0:
                             warm = Phase("warmup", "r", _WARMUP_RATE)
@@ -276,6 +323,21 @@ def run_overhead_bench(
     _add_overheads(results)
     return {"results": results, "skipped": skipped,
             "config": _config(spec, pools[False], peers)}
+
+
+@contextlib.contextmanager
+def _pinned_self(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run this process (the load generator, and the children it starts) on ``cpus``, then
+    give it back the CPUs it had."""
+    if cpus is None:
+        yield
+        return
+    before = frozenset(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _add_overheads(results: list[dict[str, Any]]) -> None:
@@ -299,6 +361,9 @@ def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
         "workload": {"generator": "generated_shared_prefix", **_WORKLOAD},
         "mean_body_bytes": round(sum(len(r.body) for r in pool) / len(pool)),
         "routers": [r.name for r in spec.routers],
+        "router_cpus": sorted(spec.router_cpus) if spec.router_cpus is not None else None,
+        "apparatus_cpus": (sorted(apparatus) if (apparatus := spec.apparatus_cpus()) is not None
+                           else None),
         "peer_versions": PEER_VERSIONS if peers.available else None,
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "machine": platform.machine()},

@@ -24,7 +24,8 @@ _HEADS = ["router", "phase", "req/s", "p50 ms", "p99 ms", "added p50", "added p9
 
 def bench_overhead(
     routers: Annotated[str, typer.Option(help="Comma-separated: direct, passthrough, kvroute, "
-                                         "kvroute-local, sglang-router, vllm-router.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
+                                         "kvroute-local, kvroute-auto, sglang-router, "
+                                         "vllm-router.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
     phases: Annotated[str, typer.Option(help="r<rate> fixed-rate whole responses, s<rate> "
                                         "streamed, c<workers> closed loop.")] = "r100,r200,r400,s100,c32",
     engines: Annotated[int, typer.Option(help="Simulated engines (zero timing profile).")] = 8,
@@ -33,11 +34,16 @@ def bench_overhead(
     seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Keep configs and logs here.")] = None,
+    router_cpus: Annotated[str | None, typer.Option(
+        help="Run every router on these CPUs (e.g. 1) and the engines and the load generator "
+             "on the others, as a router on a host of its own would be. Default: all share "
+             "every CPU.")] = None,
 ) -> None:
     """Router overhead side by side (see ``kvroute.bench.overhead``)."""
     from kvroute.bench.overhead import (
         OverheadSpec,
         format_rows,
+        parse_cpus,
         parse_overhead_routers,
         parse_phases,
         run_overhead_bench,
@@ -53,7 +59,8 @@ def bench_overhead(
     try:
         spec = OverheadSpec(routers=parse_overhead_routers(routers), phases=parse_phases(phases),
                             engines=engines, phase_s=phase_seconds, passes=passes, seed=seed,
-                            log_dir=log_dir)
+                            log_dir=log_dir,
+                            router_cpus=parse_cpus(router_cpus) if router_cpus else None)
         report = run_overhead_bench(spec, on_phase=on_phase)
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
