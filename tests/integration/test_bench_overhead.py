@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +37,7 @@ from kvroute.bench.overhead import (
 from kvroute.bench.passthrough import build_app
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
+from kvroute.sim.launcher import ReplicaSpec, start_fleet
 
 
 def test_phases_parse_and_bad_ones_say_what_is_expected() -> None:
@@ -256,3 +259,20 @@ def test_a_pinned_run_puts_routers_and_the_rest_on_separate_cpus(
     assert set(seen["engines"]) == {usable - router_cpus}
     assert seen["router"] and set(seen["router"]) == {router_cpus}
     assert frozenset(os.sched_getaffinity(0)) == usable  # given back after the run
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_kvroute_auto_is_ready_only_once_its_tokenizer_is_checked(tmp_path: Path) -> None:
+    """Measured before the check, a run would mix the engines' /tokenize with local ids."""
+    specs = [ReplicaSpec(name=f"e{i}", model="sim-model", profile="zero",
+                         extra_args=("--tokenizer", str(bundled_tokenizer_dir())))
+             for i in range(2)]
+    (auto,) = [s for s in parse_overhead_routers("kvroute-auto") if s.name == "kvroute-auto"]
+    with start_fleet(specs, log_dir=tmp_path / "engines") as fleet, \
+            start_router(auto, fleet.replicas, work_dir=tmp_path) as router, \
+            urllib.request.urlopen(router.targets[0] + "/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    checks = [line for line in metrics.splitlines()
+              if line.startswith("kvroute_tokenizer_check{") and line.endswith(" 1.0")]
+    assert len(checks) == 1 and 'result="verified"' in checks[0], checks

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -304,6 +305,16 @@ def _http_json(url: str, timeout_s: float = 2.0) -> object:
         return json.loads(resp.read() or b"null")
 
 
+def _http_text(url: str, timeout_s: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
+        return str(resp.read().decode("utf-8", errors="replace"))
+
+
+_TOKENIZER_PENDING: Final = re.compile(
+    r'^kvroute_tokenizer_check\{[^}]*result="pending"[^}]*\} 1(?:\.0)?$', re.MULTILINE)
+"""A pool whose tokenizer check has no result yet (``shell/metrics.py``)."""
+
+
 @dataclass(slots=True)
 class RunningRouter:
     """A router ready to take requests (or the direct baseline, which has no process).
@@ -381,7 +392,12 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
             if not isinstance(body, dict) or body.get("status") != "ok":
                 return False
             counts = body.get("healthy_replicas")
-            return isinstance(counts, dict) and sum(counts.values()) >= len(urls)
+            if not isinstance(counts, dict) or sum(counts.values()) < len(urls):
+                return False
+            # A local or auto tokenizer is ready once checked against the engines: measured
+            # before that, a run would mix the engines' /tokenize with local tokenization.
+            return spec.tokenizer == "engine" or not _TOKENIZER_PENDING.search(
+                _http_text(base + "/metrics"))
 
         return [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(cfg)], base, healthy
     if spec.kind == "passthrough":
