@@ -290,6 +290,50 @@ def test_unknown_paths_and_methods_and_head() -> None:
     asyncio.run(main())
 
 
+def test_the_server_names_itself_in_its_errors() -> None:
+    async def main() -> None:
+        async with serving(ECHO, name="engine") as server:
+            reader, writer = await connect(server)
+            writer.write(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, body = await read_reply(reader)
+            assert status == 404
+            assert "No endpoint '/nope' on this engine" in json.loads(body)["error"]["message"]
+            writer.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_close_connection_breaks_an_answer_off_after_what_was_written(
+        loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A simulated engine crash: the written events arrive, then the connection ends, and
+    what the handler returns afterwards is never sent (nor logged as a failure)."""
+    async def crash(request: Request) -> Response:
+        stream = StreamResponse(200, headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request, b"data: 1\n\n")
+        await stream.write(b"data: 2\n\n")
+        request.close_connection()
+        return Response(500, b"never sent")
+
+    async def main() -> None:
+        async with serving({"/crash": {"GET": crash}}) as server:
+            reader, writer = await connect(server)
+            writer.write(b"GET /crash HTTP/1.1\r\nHost: x\r\n\r\n")
+            rest = await asyncio.wait_for(reader.read(), 3.0)
+            assert rest.startswith(b"HTTP/1.1 200")
+            _head, _, body = rest.partition(b"\r\n\r\n")
+            assert body == b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n"  # no end chunk
+            assert b"never sent" not in rest
+
+    with caplog.at_level(logging.WARNING):
+        if loop == "uvloop":
+            uvloop = pytest.importorskip("uvloop", reason="uvloop is in the test extras")
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_a_handler_that_raises_gets_a_500_and_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     async def broken(request: Request) -> Response:
         raise KeyError("boom")

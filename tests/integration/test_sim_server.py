@@ -25,6 +25,7 @@ from kvroute.core.events import AllBlocksCleared, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.sim.server import SimServer, SimServerConfig
 from kvroute.sim.tokenizer import BuiltinTokenizer
+from kvroute.wire import openai as oa
 from kvroute.wire.overflow_styles import STYLES, check_overflow, style_rejects_overlong_total
 from kvroute.wire.prom import parse_vllm_metrics
 from kvroute.wire.sse import SSEDecoder
@@ -494,6 +495,20 @@ def test_admin_routes_and_probes() -> None:
         first = await asyncio.wait_for(reader.read(100), 2.0)
         writer.close()
         assert first.split(b"\r\n")[0].split(b" ")[1] == b"400"
+        assert (await get("/health"))[0] == 200
+
+        # A body over the limit: a 413 in the engine's error shape that says the limit.
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n{\"model\": "
+                     % (oa.DEFAULT_MAX_BODY_BYTES + 1))
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 2.0)  # the server closes after it
+        writer.close()
+        status = int(answer.split(b"\r\n")[0].split(b" ")[1])
+        out = json.loads(answer.partition(b"\r\n\r\n")[2])
+        assert status == 413 and out["error"]["code"] == 413
+        assert str(oa.DEFAULT_MAX_BODY_BYTES) in out["error"]["message"]
         assert (await get("/health"))[0] == 200
 
     run(config(), body)

@@ -112,6 +112,14 @@ class Request:
         self.content_length: int | None = int(cl) if cl is not None and cl.isdigit() else None
         self._query: dict[str, str] | None = None
 
+    def close_connection(self) -> None:
+        """Close the connection this request came on once what was written has gone out: the
+        answer breaks off there (a simulated engine crashing mid-answer). The handler's
+        return value is then not sent."""
+        conn = self._conn
+        if conn is not None:
+            conn.close_now()
+
     @property
     def query(self) -> Mapping[str, str]:
         """The query string's fields (the first value of a repeated field), decoded."""
@@ -509,7 +517,7 @@ class _Connection(asyncio.Protocol):
             else:
                 self._send_and_close(self._server.error(
                     500, f"kvroute failed to answer this request ({type(exc).__name__}); "
-                         "the router's log has the details."))
+                         f"the {self._server.name}'s log has the details."))
             return
         finally:
             self._task = None
@@ -594,6 +602,11 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def close_now(self) -> None:
+        """Close after flushing, and send nothing more (``Request.close_connection``)."""
+        self._closed = True
+        self._close()
+
     def _arm_idle(self) -> None:
         """Note that the connection is idle from now; one timer per connection checks it.
 
@@ -655,11 +668,14 @@ class HttpServer:
         error_body: renders an error answer's JSON body from ``(status, message)``.
         keepalive_timeout_s: an idle connection is closed after this long.
         max_head_bytes: the largest request line plus headers (431 beyond).
+        name: what the server is, in error messages ("router"; the simulated engines serve
+            through this module too).
     """
 
     def __init__(self, routes: Mapping[str, Mapping[str, Handler]], *, max_body_bytes: int,
                  error_body: ErrorBody | None = None, keepalive_timeout_s: float = 75.0,
-                 max_head_bytes: int = 64 * 1024) -> None:
+                 max_head_bytes: int = 64 * 1024, name: str = "router") -> None:
+        self.name = name
         self._routes: dict[str, dict[str, Handler]] = {}
         for path, methods in routes.items():
             table = {method.upper(): handler for method, handler in methods.items()}
@@ -685,7 +701,7 @@ class HttpServer:
         if methods is None:
             known = ", ".join(sorted(self._routes))
             return _ready(self.error(
-                404, f"No endpoint {request.path!r} on this router. It serves: {known}."))
+                404, f"No endpoint {request.path!r} on this {self.name}. It serves: {known}."))
         handler = methods.get(request.method)
         if handler is None:
             allowed = ", ".join(sorted(methods))

@@ -1,4 +1,4 @@
-"""A simulated vLLM 0.32 OpenAI server: real HTTP (aiohttp) and real ZMQ around ``EngineModel``.
+"""A simulated vLLM 0.32 OpenAI server: real HTTP and real ZMQ around ``EngineModel``.
 
 Owns the HTTP surface of one simulated engine: request parsing and validation, tokenization,
 context-overflow answers, response and SSE framing, and the admin/observability routes. The
@@ -32,8 +32,15 @@ Routes (what a router or gateway can observe of vLLM 0.32):
                                         see ``SimFaults``
 ======================================  ===================================================
 
-Anything else is aiohttp's 404 (sglang-router's ``/server_info``-style probes are answered
-404, which it tolerates; a stray HTTP/2 preface gets a 400 and the server carries on).
+Anything else is a 404 (sglang-router's ``/server_info``-style probes are answered 404, which
+it tolerates; a stray HTTP/2 preface gets a 400 and the server carries on). A body over
+``wire.openai.DEFAULT_MAX_BODY_BYTES`` gets a 413.
+
+HTTP is the router's own lean server (``shell/http_server.py``, llhttp through ``httptools``),
+not aiohttp's: benchmarks of router overhead run eight of these engines on the same two cores
+as the router and the load generator, so every CPU-ms an engine spends on HTTP is taken from
+what is measured. Its framing is what vLLM's uvicorn sends: a streamed answer's head goes out
+at once, then one chunk per write.
 
 Context errors are worded by ``wire.overflow_styles.check_overflow`` for the configured
 ``error_style``: with ``vllm-0.32`` an over-long prompt + ``max_tokens`` is clamped (200,
@@ -59,7 +66,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -67,7 +73,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Self
 
 import msgspec
-from aiohttp import web
 
 from kvroute.core.engine_model import (
     EngineConfig,
@@ -81,6 +86,7 @@ from kvroute.core.errors import ConfigError
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher
 from kvroute.heap import freeze_startup_heap
+from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
 from kvroute.shell.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.profiles import get_profile
@@ -122,6 +128,14 @@ _IMPLICIT_FLAGS_MESSAGE: Final = (
 left at its default (true) the conflict is caught later, by the chat-template code, in these
 words (verified against vLLM 0.32.0, ``tests/conformance/test_sim_vs_real.py``)."""
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
+
+_SHUTDOWN_GRACE_S: Final = 10.0
+"""How long ``stop`` lets answers in flight finish before it cuts them off."""
+
+
+def _http_error_body(status: int, message: str) -> bytes:
+    """Errors of the HTTP layer itself (404, 405, 400, 431), in the engine's error shape."""
+    return oa.error_body(message, status=status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,7 +535,7 @@ class SimServer:
         self._perm_id = "modelperm-" + uuid.uuid4().hex[:16]
         self._publisher: KVEventPublisher | None = None
         self.driver: EngineDriver | None = None
-        self._runner: web.AppRunner | None = None
+        self._http: HttpServer | None = None
         self._ids = itertools.count()
         self._in_flight = 0
         self.port = 0
@@ -604,29 +618,18 @@ class SimServer:
             publish = publish_batch
         self.driver = EngineDriver(self.engine, publish=publish, sleep_scale=cfg.sleep_scale)
         self.driver.start()
-        app = self.build_app()
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        self._runner = runner
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        http = self._http = self.build_http()
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.bind((cfg.host, cfg.port))
+            self.port = await http.start(cfg.host, cfg.port, backlog=2048)
         except BaseException:
-            sock.close()
             await self.stop()
             raise
-        self.port = sock.getsockname()[1]
-        site = web.SockSite(runner, sock, backlog=2048)
-        await site.start()
 
     async def stop(self) -> None:
         """Stop HTTP, the engine loop and the publisher. Idempotent."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close(grace_s=_SHUTDOWN_GRACE_S)
         if self.driver is not None:
             await self.driver.stop()
             self.driver = None
@@ -641,28 +644,28 @@ class SimServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def build_app(self) -> web.Application:
-        """The aiohttp application (routes only; ``start`` binds it)."""
-        app = web.Application(client_max_size=oa.DEFAULT_MAX_BODY_BYTES)
-        r = app.router
-        r.add_post("/v1/chat/completions", self._chat)
-        r.add_post("/v1/completions", self._completions)
-        r.add_post("/v1/chat/completions/render", self._render_chat)
-        r.add_post("/v1/completions/render", self._render_completions)
-        r.add_post("/tokenize", self._tokenize)
-        r.add_post("/detokenize", self._detokenize)
-        r.add_get("/v1/models", self._models)
-        r.add_get("/health", self._health)
-        r.add_get("/version", self._version)
-        r.add_get("/load", self._load)
-        r.add_get("/metrics", self._metrics)
-        r.add_get("/kv_event_sources", self._kv_event_sources)
-        r.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+    def build_http(self) -> HttpServer:
+        """The HTTP server with its routes (``start`` binds it)."""
+        routes: dict[str, dict[str, Handler]] = {
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions/render": {"POST": self._render_chat},
+            "/v1/completions/render": {"POST": self._render_completions},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/version": {"GET": self._version},
+            "/load": {"GET": self._load},
+            "/metrics": {"GET": self._metrics},
+            "/kv_event_sources": {"GET": self._kv_event_sources},
+            "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
+        }
         if self.config.fault_injection:
-            r.add_get("/sim/faults", self._faults_get)
-            r.add_post("/sim/faults", self._faults_post)
-            r.add_delete("/sim/faults", self._faults_delete)
-        return app
+            routes["/sim/faults"] = {"GET": self._faults_get, "POST": self._faults_post,
+                                     "DELETE": self._faults_delete}
+        return HttpServer(routes, max_body_bytes=oa.DEFAULT_MAX_BODY_BYTES,
+                          error_body=_http_error_body, name="engine")
 
     # ------------------------------------------------------------------ helpers
 
@@ -778,17 +781,23 @@ class SimServer:
         return _BadRequest(resp.status, resp.body, resp.content_type)
 
     @staticmethod
-    def _answer(exc: _BadRequest) -> web.Response:
-        return web.Response(status=exc.status, body=exc.body,
-                            headers={"Content-Type": exc.content_type})
+    def _answer(exc: _BadRequest) -> Response:
+        return Response(status=exc.status, body=exc.body, content_type=exc.content_type)
 
     @staticmethod
-    def _json(obj: Any, status: int = 200) -> web.Response:
-        return web.Response(status=status, body=oa.encode_json(obj),
-                            content_type="application/json")
+    def _json(obj: Any, status: int = 200) -> Response:
+        return Response(status=status, body=oa.encode_json(obj), content_type="application/json")
 
-    async def _read_json(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
+    @staticmethod
+    def _body(request: Request) -> bytes:
+        """The request's body; a 413 (``_BadRequest``) when it was over the limit."""
+        if request.body_too_large:
+            raise _error(f"The request body is over {oa.DEFAULT_MAX_BODY_BYTES} bytes, this "
+                         "server's limit; send a shorter prompt.", status=413)
+        return request.body
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        raw = self._body(request)
         try:
             body = _JSON_DECODER.decode(raw)
         except msgspec.DecodeError as exc:
@@ -799,10 +808,10 @@ class SimServer:
 
     # ------------------------------------------------------------------ generation
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: Request) -> Response | StreamResponse:
         return await self._generate(request, "chat")
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _completions(self, request: Request) -> Response | StreamResponse:
         return await self._generate(request, "completions")
 
     def _submit(self, prep: _Prepared, rid: str) -> Submitted:
@@ -831,8 +840,11 @@ class SimServer:
             raise self._rejection(result, parsed.max_tokens_param or "max_tokens")
         return result
 
-    async def _generate(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
-        raw = await request.read()
+    async def _generate(self, request: Request, endpoint: oa.Endpoint) -> Response | StreamResponse:
+        try:
+            raw = self._body(request)
+        except _BadRequest as exc:
+            return self._answer(exc)
         fault = self.faults.take_request()
         if fault.fail_status is not None:
             return self._answer(_error(
@@ -859,23 +871,20 @@ class SimServer:
                 return await self._stream(request, prep, rid, stream, kill)
             return await self._unary(request, prep, rid, stream, kill)
         except _Killed:
-            # The connection is closed: aiohttp's attempt to send this fails quietly.
-            return web.Response(status=500)
+            return Response(status=500)  # the connection is closed: this is never sent
         finally:
             self._in_flight -= 1
             if not stream.done:
                 driver.abort(stream)  # client went away (handler cancelled or write failed)
 
-    def _kill(self, request: web.Request) -> None:
+    def _kill(self, request: Request) -> None:
         """The kill fault: close the connection now (after flushing what was written)."""
         self.faults.requests_killed += 1
-        transport = request.transport
-        if transport is not None:
-            transport.close()
+        request.close_connection()
         raise _Killed
 
-    async def _unary(self, request: web.Request, prep: _Prepared, rid: str,
-                     stream: RequestStream, kill: int | None) -> web.Response:
+    async def _unary(self, request: Request, prep: _Prepared, rid: str,
+                     stream: RequestStream, kill: int | None) -> Response:
         parsed = prep.parsed
         n = parsed.n
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -919,15 +928,15 @@ class SimServer:
         return self._json(one)
 
     async def _stream(
-        self, request: web.Request, prep: _Prepared, rid: str, stream: RequestStream,
+        self, request: Request, prep: _Prepared, rid: str, stream: RequestStream,
         kill: int | None,
-    ) -> web.StreamResponse:
+    ) -> StreamResponse:
         parsed = prep.parsed
         chat = parsed.endpoint == "chat"
         model = parsed.model
         n = parsed.n
         created = int(time.time())
-        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        resp = StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
         decoders = [_TextDecoder(self.tokenizer) for _ in range(n)]
         # The chat role chunk goes out with the first engine output, as vLLM sends it: a
@@ -986,13 +995,12 @@ class SimServer:
 
     # ------------------------------------------------------------------ render, tokenize
 
-    async def _render(self, request: web.Request, endpoint: oa.Endpoint) -> web.Response:
+    async def _render(self, request: Request, endpoint: oa.Endpoint) -> Response:
         if not self.config.render_endpoints:
-            return web.Response(status=403, body=oa.error_body(_SCALE_OUT_MESSAGE, status=403),
-                                content_type="application/json")
-        raw = await request.read()
+            return Response(status=403, body=oa.error_body(_SCALE_OUT_MESSAGE, status=403),
+                            content_type="application/json")
         try:
-            prep = self._prepare(raw, endpoint)
+            prep = self._prepare(self._body(request), endpoint)
         except _BadRequest as exc:
             return self._answer(exc)
         body = prep.parsed.body
@@ -1014,13 +1022,13 @@ class SimServer:
         return self._json({"token_ids": list(prep.prompt_ids), "features": None,
                            "sampling_params": sampling})
 
-    async def _render_chat(self, request: web.Request) -> web.Response:
+    async def _render_chat(self, request: Request) -> Response:
         return await self._render(request, "chat")
 
-    async def _render_completions(self, request: web.Request) -> web.Response:
+    async def _render_completions(self, request: Request) -> Response:
         return await self._render(request, "completions")
 
-    async def _tokenize(self, request: web.Request) -> web.Response:
+    async def _tokenize(self, request: Request) -> Response:
         try:
             body = await self._read_json(request)
             model = body.get("model")
@@ -1045,7 +1053,7 @@ class SimServer:
         return self._json(oa.tokenize_response(
             ids, max_model_len=self.engine_config.max_model_len, token_strs=strs))
 
-    async def _detokenize(self, request: web.Request) -> web.Response:
+    async def _detokenize(self, request: Request) -> Response:
         try:
             body = await self._read_json(request)
             model = body.get("model")
@@ -1063,7 +1071,7 @@ class SimServer:
 
     # ------------------------------------------------------------------ small GETs
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: Request) -> Response:
         cards = [
             oa.model_card(id=name, created=self.created,
                           max_model_len=self.engine_config.max_model_len,
@@ -1072,13 +1080,13 @@ class SimServer:
         ]
         return self._json(oa.models_response(cards))
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    async def _health(self, request: Request) -> Response:
+        return Response(status=200)
 
-    async def _version(self, request: web.Request) -> web.Response:
+    async def _version(self, request: Request) -> Response:
         return self._json({"version": VLLM_VERSION})
 
-    async def _load(self, request: web.Request) -> web.Response:
+    async def _load(self, request: Request) -> Response:
         return self._json({"server_load": self._in_flight})
 
     def cache_config_labels(self) -> dict[str, str]:
@@ -1098,16 +1106,16 @@ class SimServer:
         labels.update(self.config.extra_cache_labels)
         return labels
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: Request) -> Response:
         driver = self.driver
         assert driver is not None
         text = render_vllm_metrics([driver.snapshot()], model_name=self.config.model,
                                    cache_config=self.cache_config_labels(),
                                    created_s=float(self.created))
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return Response(body=text.encode("utf-8"), content_type="text/plain; charset=utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
 
-    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+    async def _kv_event_sources(self, request: Request) -> Response:
         cfg = self.config
         enabled = self._publisher is not None
         source = {
@@ -1122,10 +1130,10 @@ class SimServer:
         }
         return self._json({str(cfg.data_parallel_rank): source})
 
-    async def _faults_get(self, request: web.Request) -> web.Response:
+    async def _faults_get(self, request: Request) -> Response:
         return self._json(self.faults.state())
 
-    async def _faults_post(self, request: web.Request) -> web.Response:
+    async def _faults_post(self, request: Request) -> Response:
         try:
             body = await self._read_json(request)
             try:
@@ -1136,15 +1144,15 @@ class SimServer:
             return self._answer(exc)
         return self._json(self.faults.state())
 
-    async def _faults_delete(self, request: web.Request) -> web.Response:
+    async def _faults_delete(self, request: Request) -> Response:
         self.faults.clear()
         return self._json(self.faults.state())
 
-    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+    async def _reset_prefix_cache(self, request: Request) -> Response:
         driver = self.driver
         assert driver is not None
         if driver.reset_prefix_cache():
-            return web.Response(status=200)
+            return Response(status=200)
         return self._json({"error": "Failed to reset prefix cache: requests are running"}, 500)
 
 
