@@ -8,10 +8,10 @@ which router is behind the URL, nor about processes; ``bench/live.py`` does that
 Why the router's own lean HTTP client (``shell.engine_client``) and not aiohttp's: the load
 generator shares the benchmark machine with the routers and engines it measures, so every
 CPU-ms it spends is taken from them, and every wake-up it is late for is added to what it
-records. Side by side against 8 simulated engines at 150 streamed req/s (2-core machine,
-2026-11-30), aiohttp's client spent 2.0-2.15 CPU-ms a request and saw a TTFT p99 of
-6.6-10.9 ms going direct; the lean client 1.08-1.18 CPU-ms and 4.2-4.7 ms. Streams are read
-on the bytes (``StreamReading``): only events that may carry text, usage or an error are
+records. Side by side against 8 simulated engines at 150 streamed req/s it spends about half
+the CPU a request that aiohttp's client did, and ``direct``'s p99 fell with it (figures and
+commands: ``docs/benchmarks.md``, "On a slower machine (2026-11-30)"). Streams are read on
+the bytes (``StreamReading``): only events that may carry text, usage or an error are
 decoded.
 
 Bounds (every run ends, whatever the server does):
@@ -470,9 +470,9 @@ def replay(targets: Sequence[str], requests: Sequence[LiveRequest],
            **options: Any) -> ClientRun:
     """``run_client`` on an event loop of its own, uvloop's when it is installed.
 
-    uvloop takes the client's share of the machine down once more (0.86-0.91 against
-    1.08-1.18 CPU-ms a streamed request in the measurement of the module docstring); every
-    router is measured with the same client either way.
+    uvloop takes the client's share of the machine down once more (in a first side-by-side
+    run, 0.86-0.91 against 1.08-1.18 CPU-ms a streamed request); every router is measured
+    with the same client either way.
     """
     try:
         import uvloop
