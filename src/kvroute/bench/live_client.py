@@ -470,9 +470,9 @@ def replay(targets: Sequence[str], requests: Sequence[LiveRequest],
            **options: Any) -> ClientRun:
     """``run_client`` on an event loop of its own, uvloop's when it is installed.
 
-    uvloop takes the client's share of the machine down once more (in a first side-by-side
-    run, 0.86-0.91 against 1.08-1.18 CPU-ms a streamed request); every router is measured
-    with the same client either way.
+    uvloop's loop spends less CPU per callback than asyncio's, and the client's share of the
+    machine is taken from what it measures; every router is measured with the same client
+    either way.
     """
     try:
         import uvloop
