@@ -179,7 +179,8 @@ class StreamReading:
     ``ttft_s`` is the first chunk with output text; ``itl_s`` the gaps between later ones;
     ``error_event`` a chunk that carried an ``error`` object; ``done`` the ``[DONE]`` sentinel.
 
-    Fed chunk by chunk with the time each arrived (``feed``), then ``close``d. Events are cut
+    Fed chunk by chunk with the time each arrived (``feed``, on the clock of ``started``, the
+    request's start: ``time.perf_counter``), then ``close``d. Events are cut
     at blank lines on the bytes; an event of one ``data:`` line (what engines and routers
     send) is read without a general SSE decoder. The first carriage return (a CRLF stream)
     or multi-line event hands the rest of the stream to ``wire.sse.SSEDecoder``, which reads
@@ -193,9 +194,9 @@ class StreamReading:
     error_event: bool = False
     done: bool = False
     started: float = 0.0
-    _last: float | None = None
-    _pending: bytes = b""
-    _decoder: SSEDecoder | None = None
+    _last: float | None = field(default=None, init=False, repr=False, compare=False)
+    _pending: bytes = field(default=b"", init=False, repr=False, compare=False)
+    _decoder: SSEDecoder | None = field(default=None, init=False, repr=False, compare=False)
 
     def feed(self, chunk: bytes, now: float) -> None:
         """Read the events ``chunk`` completes; ``now`` is when it arrived."""
