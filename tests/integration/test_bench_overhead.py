@@ -27,6 +27,7 @@ from kvroute.bench.overhead import (
     OverheadSpec,
     Phase,
     _add_overheads,
+    _engine_warmup,
     _schedule,
     format_rows,
     parse_cpus,
@@ -67,6 +68,17 @@ def test_schedule_is_fixed_rate_or_a_closed_loop_pool() -> None:
     assert fixed[4].body is pool[1].body
     closed = _schedule(pool, Phase("c8", "c", 8.0), 1.0)
     assert len(closed) == 5000 and all(r.arrival_s == 0.0 for r in closed)
+
+
+def test_engine_warmup_shows_every_engine_every_prompt_group() -> None:
+    pool = [LiveRequest(f"q{i}", 0.0, f"body{i}".encode(), 10, 8, group=f"g{i % 3}")
+            for i in range(12)]
+    warm = _engine_warmup(pool, 4)
+    assert len(warm) == 3 * 4
+    # The client sends request i to engine i mod 4: every (group, engine) pair once.
+    assert {(r.group, i % 4) for i, r in enumerate(warm)} == {
+        (f"g{g}", e) for g in range(3) for e in range(4)}
+    assert len({r.request_id for r in warm}) == len(warm)
 
 
 def test_added_latency_is_against_direct_of_the_same_pass_and_phase() -> None:

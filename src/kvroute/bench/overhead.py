@@ -18,6 +18,8 @@ Phases, per router (``PHASES``): ``r<rate>`` fixed-rate non-streamed requests (r
 starts at ``i / rate``), ``s<rate>`` fixed-rate streamed requests (time to the first text
 chunk), ``c<n>`` a closed loop of ``n`` workers (the saturation figures: achieved req/s and
 CPU per request). Each phase lasts ``phase_s`` seconds; a short warm-up precedes the first.
+Before the first router, every engine is shown every prompt group once (``_warm_engines``), so
+the router measured first does not pay the engines' cold caches for the others.
 
 Figures per (router, pass, phase): completed, errors, achieved req/s, latency p50/p99 (whole
 response; for ``s`` phases time to first token), the router's CPU per request (its process
@@ -296,6 +298,8 @@ def run_overhead_bench(
             _pinned_self(spec.apparatus_cpus()):
         work_dir = spec.log_dir or Path(tmp)
         with start_fleet(specs, log_dir=work_dir / "engines") as fleet:
+            if spec.warmup_s > 0:
+                _warm_engines(fleet, pools[False], spec)
             for pass_no in range(1, spec.passes + 1):
                 order = routers if pass_no % 2 else list(reversed(routers))
                 for router_spec in order:
@@ -323,6 +327,29 @@ def run_overhead_bench(
     _add_overheads(results)
     return {"results": results, "skipped": skipped,
             "config": _config(spec, pools[False], peers)}
+
+
+def _engine_warmup(pool: Sequence[LiveRequest], engines: int) -> list[LiveRequest]:
+    """One request of every prompt group for every engine, in an order that sends request
+    *i* to engine *i* mod ``engines`` (the client's round robin over direct targets)."""
+    first_of_group: dict[str | None, LiveRequest] = {}
+    for req in pool:
+        first_of_group.setdefault(req.group, req)
+    return [replace(req, request_id=f"engine-warmup-{g}-{e}", arrival_s=0.0)
+            for g, req in enumerate(first_of_group.values()) for e in range(engines)]
+
+
+def _warm_engines(fleet: Fleet, pool: Sequence[LiveRequest], spec: OverheadSpec) -> None:
+    """Show every engine every prompt group once before anything is measured.
+
+    Why: fresh engines meet each shared system prompt for the first time (their tokenizer's
+    piece cache, their block-hash memo and their prefix cache are cold). Without this the
+    first router measured, ``direct`` in pass 1, paid those misses and every router after it
+    did not, which flattered every router's added latency in pass 1.
+    """
+    targets = [e.url for e in fleet.replicas]
+    replay(targets, _engine_warmup(pool, len(targets)), concurrency=len(targets),
+           request_timeout_s=spec.request_timeout_s, duration_s=spec.request_timeout_s)
 
 
 @contextlib.contextmanager
