@@ -327,7 +327,8 @@ def test_close_connection_breaks_an_answer_off_after_what_was_written(
 
     with caplog.at_level(logging.WARNING):
         if loop == "uvloop":
-            uvloop = pytest.importorskip("uvloop", reason="uvloop is in the test extras")
+            uvloop = pytest.importorskip(
+                "uvloop", reason="uvloop is not installed; pip install -e '.[test]' brings it")
             uvloop.run(main())
         else:
             asyncio.run(main())

@@ -300,14 +300,13 @@ def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
     return pinned
 
 
-def _http_json(url: str, timeout_s: float = 2.0) -> object:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
-        return json.loads(resp.read() or b"null")
-
-
 def _http_text(url: str, timeout_s: float = 2.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
         return str(resp.read().decode("utf-8", errors="replace"))
+
+
+def _http_json(url: str, timeout_s: float = 2.0) -> object:
+    return json.loads(_http_text(url, timeout_s) or "null")
 
 
 _TOKENIZER_PENDING: Final = re.compile(

@@ -114,6 +114,16 @@ _LATENCY_BOUNDS: Final[tuple[float, ...]] = (*ROUTING_LATENCY_BUCKETS, float("in
 """The routing-latency histogram's upper bounds as prometheus_client stores them (+Inf last)."""
 
 
+def _set_one_of(gauge: Gauge, pool: str, what: str, choices: tuple[str, ...],
+                value: str) -> None:
+    """Set ``pool``'s series of a one-of gauge: 1 for ``value``, 0 for every other choice
+    (so a dashboard can select the current one without knowing the previous)."""
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {value!r}")
+    for known in choices:
+        gauge.labels(pool, known).set(1 if known == value else 0)
+
+
 class _PendingCounts:
     """One labelled ``Counter``'s increments not yet added to it, summed per label tuple.
 
@@ -485,17 +495,11 @@ class RouterMetrics:
 
     def set_tokenizer_mode(self, pool: str, mode: str) -> None:
         """Export ``pool``'s tokenizer mode (one of ``TOKENIZER_MODES``)."""
-        if mode not in TOKENIZER_MODES:
-            raise ValueError(f"tokenizer mode must be one of {TOKENIZER_MODES}, got {mode!r}")
-        for known in TOKENIZER_MODES:
-            self._tokenizer_mode.labels(pool, known).set(1 if known == mode else 0)
+        _set_one_of(self._tokenizer_mode, pool, "tokenizer mode", TOKENIZER_MODES, mode)
 
     def set_tokenizer_check(self, pool: str, result: str) -> None:
         """Export the result of ``pool``'s tokenizer check (one of ``TOKENIZER_CHECKS``)."""
-        if result not in TOKENIZER_CHECKS:
-            raise ValueError(f"tokenizer check must be one of {TOKENIZER_CHECKS}, got {result!r}")
-        for known in TOKENIZER_CHECKS:
-            self._tokenizer_check.labels(pool, known).set(1 if known == result else 0)
+        _set_one_of(self._tokenizer_check, pool, "tokenizer check", TOKENIZER_CHECKS, result)
 
     def tokenize(self, pool: str, outcome: str) -> None:
         self._tokenize.add((pool, outcome), 1)
