@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python benchmarks/micro/bench_handler.py [--requests N] [--repeats R]
-        [--replicas 8] [--json OUT]
+        [--replicas 8] [--gap-ms G] [--json OUT]
 
 What ``kvroute bench overhead``'s ``kvroute-local`` router does per request, minus the sockets:
 ``Router.handle`` (``shell/app.py``) of the real application (``build_app``) is called with
@@ -20,6 +20,14 @@ replica (as the engine would send it); that is timed separately (``events``).
 The workload is the overhead benchmark's: ``generated_shared_prefix`` with 32 groups of a
 ~2,200-character system prompt and a short question (~1,500 tokens with the bundled
 tokenizer's 1,024-token vocabulary, ~94 blocks of 16).
+
+Hot and cold: by default the requests run back to back, so the CPU's caches and branch
+predictors hold the handler's code and data from one request to the next (the figure a
+saturated router approaches). ``--gap-ms G`` sleeps ``G`` ms before each request, outside
+the timed part, as a live router idles between requests at ``1000 / G`` requests/s; the
+handler then starts cold. On the 2-vCPU KVM machines here that makes a large difference
+(``docs/benchmarks.md``, "Hot and cold"): it is why a live router at 150 requests/s spends
+about three times the back-to-back figure on each request.
 
 Not included: the HTTP server's protocol (parsing the HTTP request, writing the response) and
 the engine client (sending to the engine, reading its answer): about a bare relay's cost
@@ -100,7 +108,7 @@ def mocked(body: bytes) -> Request:
     return request
 
 
-async def run(n: int, repeats: int, replicas: int) -> dict[str, Any]:
+async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0) -> dict[str, Any]:
     config = config_for(replicas)
     core = build_core(config, clock=MonotonicClock())
     metrics = RouterMetrics()
@@ -127,9 +135,12 @@ async def run(n: int, repeats: int, replicas: int) -> dict[str, Any]:
         samples: list[int] = []
         event_ns: list[int] = []
         requests = [mocked(bodies[i % len(bodies)]) for i in range(count)]
+        gap_s = gap_ms / 1e3
         gc.collect()
         cpu0 = time.process_time()
         for i, request in enumerate(requests):
+            if gap_s:
+                await asyncio.sleep(gap_s)  # the loop idles in epoll, as a live router does
             t0 = time.perf_counter_ns()
             response = await router.chat(request)
             t1 = time.perf_counter_ns()
@@ -163,17 +174,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle this many ms before each request (cold start; default 0: "
+                             "back to back)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests, args.repeats, args.replicas))
+    if args.gap_ms < 0:
+        parser.error(f"--gap-ms {args.gap_ms:g} must be >= 0 (0: back to back)")
+    report = asyncio.run(run(args.requests, args.repeats, args.replicas, args.gap_ms))
     best = report["best"]
-    print(f"kvroute handler, in process ({args.requests} requests, best of {args.repeats} by "
-          f"CPU; {args.replicas} replicas, local bundled tokenizer)")
+    spacing = f"{args.gap_ms:g} ms idle before each" if args.gap_ms else "back to back"
+    print(f"kvroute handler, in process ({args.requests} requests {spacing}, best of "
+          f"{args.repeats} by CPU; {args.replicas} replicas, local bundled tokenizer)")
     for key, value in best.items():
         print(f"  {key:22} {value:9.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             **report, "requests": args.requests, "replicas": args.replicas,
+            "gap_ms": args.gap_ms,
             "python": sys.version.split()[0], "machine": platform.machine()}, indent=2))
     return 0
 

@@ -16,10 +16,11 @@ import pytest
 MICRO = Path(__file__).resolve().parents[2] / "benchmarks" / "micro"
 
 CASES = {
+    "bench_cold.py": ["--gaps-ms", "0,0.2", "--calls", "3"],
     "bench_decode_apply.py": ["--batches", "20", "--repeat", "1"],
     "bench_engine_model.py": ["--requests", "8"],
     "bench_events_decode.py": ["--batches", "10", "--repeat", "1"],
-    "bench_handler.py": ["--requests", "20", "--repeats", "1"],
+    "bench_handler.py": ["--requests", "20", "--repeats", "1", "--gap-ms", "0.5"],
     "bench_hashing.py": ["--repeats", "2", "--blocks", "4"],
     "bench_index.py": ["--quick"],
     "bench_metrics.py": ["--calls", "100", "--repeats", "1"],
