@@ -223,6 +223,10 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
             assert row["router_cpu_ms_per_req"] is None and row["added_p50_ms"] is None
         else:
             assert row["router_cpu_ms_per_req"] > 0 and row["added_p50_ms"] is not None
+        if row["router"] == "kvroute-local":  # its own share, from its router_time metric
+            assert 0 < row["router_own_p50_ms"] <= row["router_own_p99_ms"] < row["p99_ms"]
+        else:
+            assert "router_own_p99_ms" not in row
     assert report["config"]["engine_tokenizer"].startswith("bundled")
     assert report["config"]["router_cpus"] is None
     assert len(format_rows(report)) == 6
@@ -251,12 +255,12 @@ def test_a_pinned_run_puts_routers_and_the_rest_on_separate_cpus(
     real_run_phase = overhead._run_phase
 
     def run_and_look(router_targets: Any, requests: Any, phase: Any, spec: Any, cpu: Any,
-                     fleet: Any) -> Any:
+                     fleet: Any, *rest: Any) -> Any:
         seen["engines"] = [a for e in fleet.replicas for a in _affinities(e.pid)]
         if router_pids:
             tree = [router_pids[0], *_children(router_pids[0])]
             seen["router"] = [a for p in tree for a in _affinities(p)]
-        return real_run_phase(router_targets, requests, phase, spec, cpu, fleet)
+        return real_run_phase(router_targets, requests, phase, spec, cpu, fleet, *rest)
 
     monkeypatch.setattr(overhead, "start_router", start_and_look)
     monkeypatch.setattr(overhead, "_run_phase", run_and_look)

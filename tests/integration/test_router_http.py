@@ -210,6 +210,34 @@ def test_stream_is_relayed_and_every_answer_carries_the_headers(
     run(with_router(config_for(shared_fleet), body))
 
 
+def test_the_router_times_its_own_share_of_each_answer(shared_fleet: Fleet,
+                                                      config_for: ConfigFor) -> None:
+    """``router_time_seconds``: one observation per answered request in each stage, each
+    stage a positive part of the latency the client saw, ``total`` their sum."""
+    rng = random.Random(11)
+
+    async def body(rt: RouterRuntime, c: Client) -> None:
+        assert rt.metrics is not None
+        elapsed = 0.0
+        for stream in (True, False):
+            started = time.perf_counter()
+            status, _, raw = await c.post(chat(words(rng, 40), stream=stream, max_tokens=3))
+            elapsed += time.perf_counter() - started
+            assert status == 200 and raw
+        status, _, _ = await c.post({"model": "nope", "messages": []})  # refused: not timed
+        assert status in (400, 404)
+        stages = {stage: (rt.metrics.value("kvroute_router_time_seconds_count", {"stage": stage}),
+                          rt.metrics.value("kvroute_router_time_seconds_sum", {"stage": stage}))
+                  for stage in ("before_engine", "after_engine", "total")}
+        assert all(count == 2 for count, _ in stages.values()), stages
+        before, after, total = (stages[s][1] for s in ("before_engine", "after_engine", "total"))
+        assert before > 0 and after > 0
+        assert total == pytest.approx(before + after)
+        assert total < elapsed  # a share of what the client waited, not more
+
+    run(with_router(config_for(shared_fleet), body))
+
+
 def test_engine_killed_mid_stream_ends_with_an_error_event(make_fleet: FleetFactory, config_for: ConfigFor) -> None:
     fleet = make_fleet(2)
     rng = random.Random(6)

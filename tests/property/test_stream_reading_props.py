@@ -7,6 +7,7 @@ client did before it read streams on the bytes).
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -96,7 +97,7 @@ def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
 def test_byte_reader_matches_a_full_decoder_for_any_cuts(stream: tuple[bytes, list[int]]) -> None:
     body, cuts = stream
     bounds = [0, *cuts, len(body)]
-    chunks = [body[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    chunks = [body[a:b] for a, b in itertools.pairwise(bounds)]
     assert _reading(chunks) == _reference(chunks)
 
 

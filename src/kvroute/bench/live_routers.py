@@ -60,6 +60,7 @@ __all__ = [
     "RunningRouter",
     "find_peer_routers",
     "free_port",
+    "http_text",
     "kvroute_yaml",
     "parse_router_specs",
     "pin_process_tree",
@@ -300,13 +301,14 @@ def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
     return pinned
 
 
-def _http_text(url: str, timeout_s: float = 2.0) -> str:
+def http_text(url: str, timeout_s: float = 2.0) -> str:
+    """GET ``url`` (a router's or an engine's, on loopback) and return its body as text."""
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # loopback only
         return str(resp.read().decode("utf-8", errors="replace"))
 
 
 def _http_json(url: str, timeout_s: float = 2.0) -> object:
-    return json.loads(_http_text(url, timeout_s) or "null")
+    return json.loads(http_text(url, timeout_s) or "null")
 
 
 _TOKENIZER_PENDING: Final = re.compile(
@@ -396,7 +398,7 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
             # A local or auto tokenizer is ready once checked against the engines: measured
             # before that, a run would mix the engines' /tokenize with local tokenization.
             return spec.tokenizer == "engine" or not _TOKENIZER_PENDING.search(
-                _http_text(base + "/metrics"))
+                http_text(base + "/metrics"))
 
         return [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(cfg)], base, healthy
     if spec.kind == "passthrough":

@@ -25,7 +25,11 @@ Figures per (router, pass, phase): completed, errors, achieved req/s, latency p5
 response; for ``s`` phases time to first token), the router's CPU per request (its process
 tree, from ``/proc``), the engines' CPU per request (a router that calls the engines more,
 like vllm-router's ``/render``, shows here), and ``added_p50_ms``/``added_p99_ms`` against
-``direct``'s same phase of the same pass.
+``direct``'s same phase of the same pass. For kvroute, also ``router_own_p50_ms`` and
+``router_own_p99_ms``: its own share of each answer as it measures it
+(``router_time_seconds``, total: request read → forwarded, engine's answer → written), the
+part of the added latency that is its code rather than the extra hop and the machine
+(``bench/router_time.py``).
 
 CPU placement (``router_cpus``): by default every process shares every CPU, as in the
 reference anchors; a router then competes for the cores with the engines and the load
@@ -57,10 +61,12 @@ from kvroute.bench.live_routers import (
     PeerRouters,
     RouterSpec,
     find_peer_routers,
+    http_text,
     pin_process_tree,
     process_tree_cpu_s,
     start_router,
 )
+from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
@@ -234,8 +240,15 @@ def _engine_cpu_s(fleet: Fleet) -> float:
     return sum(process_tree_cpu_s(e.pid) for e in fleet.replicas if e.pid is not None)
 
 
+def _router_time_buckets(metrics_url: str | None) -> Buckets | None:
+    """kvroute's ``router_time_seconds`` (total) now, or None for another router."""
+    return None if metrics_url is None else bucket_counts(http_text(metrics_url, timeout_s=5.0))
+
+
 def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Phase,
-               spec: OverheadSpec, cpu: Callable[[], float | None], fleet: Fleet) -> dict[str, Any]:
+               spec: OverheadSpec, cpu: Callable[[], float | None], fleet: Fleet,
+               metrics_url: str | None = None) -> dict[str, Any]:
+    own0 = _router_time_buckets(metrics_url)
     router0, engines0, client0 = cpu(), _engine_cpu_s(fleet), time.process_time()
     run = replay(
         router_targets, requests,
@@ -243,6 +256,7 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
         max_in_flight=spec.max_in_flight, request_timeout_s=spec.request_timeout_s,
         duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0))
     router1, engines1, client1 = cpu(), _engine_cpu_s(fleet), time.process_time()
+    own1 = _router_time_buckets(metrics_url)
     summary = summarize(run)
     errors = dict(summary["errors"])
     if phase.kind == "c":
@@ -262,6 +276,12 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
     if router0 is not None and router1 is not None and done:
         row["router_cpu_ms_per_req"] = round(1e3 * (router1 - router0) / done, 4)
         row["router_cores"] = round((router1 - router0) / max(run.wall_s, 1e-9), 3)
+    if own0 is not None and own1 is not None:
+        # The router's own share of each answer (its code; no network hop), from its metric.
+        own = phase_counts(own0, own1)
+        for q, name in ((0.5, "router_own_p50_ms"), (0.99, "router_own_p99_ms")):
+            value = quantile_ms(own, q)
+            row[name] = round(value, 3) if value is not None else None
     return row
 
 
@@ -316,8 +336,10 @@ def run_overhead_bench(
                                 duration_s=spec.warmup_s + spec.request_timeout_s)
                         for phase in spec.phases:
                             requests = _schedule(pools[phase.stream], phase, spec.phase_s)
+                            metrics_url = (router.targets[0] + "/metrics"
+                                           if router_spec.kind == "kvroute" else None)
                             row = _run_phase(router.targets, requests, phase, spec,
-                                             router.cpu_s, fleet)
+                                             router.cpu_s, fleet, metrics_url)
                             row = {"router": router_spec.name, "pass": pass_no,
                                    "phase": phase.name, **row}
                             results.append(row)
@@ -399,7 +421,8 @@ def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
 
 
 def format_rows(report: Mapping[str, Any]) -> list[list[str]]:
-    """Table rows: router, phase, then per-pass ``p1 / p2`` cells of the main figures."""
+    """Table rows: router, phase, then per-pass ``p1 / p2`` cells of the main figures (``-``
+    where a router has no such figure: kvroute's own time for the others)."""
     by_key: dict[tuple[str, str], dict[int, Mapping[str, Any]]] = {}
     for row in report["results"]:
         by_key.setdefault((row["router"], row["phase"]), {})[row["pass"]] = row
@@ -413,6 +436,8 @@ def format_rows(report: Mapping[str, Any]) -> list[list[str]]:
         errors = sum(sum(rows[p]["errors"].values()) for p in rows)
         out.append([router, phase, cell(rows, "achieved_rps", "{:.0f}"), cell(rows, "p50_ms"),
                     cell(rows, "p99_ms"), cell(rows, "added_p50_ms"),
-                    cell(rows, "added_p99_ms"), cell(rows, "router_cpu_ms_per_req", "{:.3f}"),
+                    cell(rows, "added_p99_ms"), cell(rows, "router_own_p50_ms"),
+                    cell(rows, "router_own_p99_ms"),
+                    cell(rows, "router_cpu_ms_per_req", "{:.3f}"),
                     cell(rows, "engine_cpu_ms_per_req", "{:.3f}"), str(errors)])
     return out

@@ -19,7 +19,7 @@ HELP = ("Router overhead side by side: direct, a bare relay, kvroute (engine /to
         "two passes in opposite order.")
 
 _HEADS = ["router", "phase", "req/s", "p50 ms", "p99 ms", "added p50", "added p99",
-          "router CPU ms/req", "engine CPU ms/req", "errors"]
+          "own p50", "own p99", "router CPU ms/req", "engine CPU ms/req", "errors"]
 
 
 def bench_overhead(
@@ -65,7 +65,7 @@ def bench_overhead(
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    wide_console(160).print(rows_table(
+    wide_console(190).print(rows_table(
         f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...",
         [_HEADS, *format_rows(report)], left=("router", "phase")))
     for router, reason in report["skipped"].items():

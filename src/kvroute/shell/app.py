@@ -631,9 +631,12 @@ class Router:
                                                self.config.state.session_ttl_s))
             if reply.response is None:
                 self.tiering.on_complete(ctx.walk, *_completion_of(reply.body))
-                return self._whole(reply, current)
+                whole = self._whole(reply, current)
+                self._router_time(request, reply, time.perf_counter_ns())
+                return whole
             watcher = _StreamWatcher()
             response = await self._stream(request, reply, attempt, current, watcher)
+            self._router_time(request, reply, response.head_sent_ns)
             self.tiering.on_complete(ctx.walk, watcher.finish_reasons, watcher.usage)
             return response
         finally:
@@ -736,6 +739,15 @@ class Router:
         )
         return _routed(Response(status=status, body=error_body(message, status=status),
                                 content_type=_JSON), decision)
+
+    def _router_time(self, request: Request, reply: UpstreamReply, written_ns: int) -> None:
+        """Record the router's own share of this request's latency: request read → forwarded
+        (retries included), and the engine's answer (its first bytes when streamed) → written
+        to the client. Skipped where a timestamp is missing (a canned reply, a client gone
+        before the head)."""
+        if reply.sent_ns and reply.ready_ns and written_ns:
+            self.metrics.router_time((reply.sent_ns - request.received_ns) / 1e9,
+                                     (written_ns - reply.ready_ns) / 1e9)
 
     def _whole(self, reply: UpstreamReply, decision: RoutingDecision) -> Response:
         response = Response(status=reply.status, body=reply.body)

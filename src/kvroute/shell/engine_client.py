@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Final, cast
@@ -99,6 +100,10 @@ class EngineResponse:
 
     Invariant: once ``close`` ran or the body ended, the connection is no longer this
     response's (pooled again or closed); the buffered chunks stay readable.
+
+    Timestamps (``perf_counter_ns``, 0 until it happens), for the router's own-time metric:
+    ``sent_ns`` when the request was written, ``first_body_ns`` when the first body bytes
+    arrived, ``end_ns`` when the body was complete.
     """
 
     __slots__ = (
@@ -109,7 +114,10 @@ class EngineResponse:
         "_timer",
         "_waiter",
         "buffered",
+        "end_ns",
+        "first_body_ns",
         "headers",
+        "sent_ns",
         "status",
         "tcp_nodelay",
     )
@@ -127,6 +135,9 @@ class EngineResponse:
         self._timer: asyncio.TimerHandle | None = None
         self.tcp_nodelay: bool | None = conn.nodelay
         """``TCP_NODELAY`` as read back from the connection's socket (None: not TCP)."""
+        self.sent_ns = 0
+        self.first_body_ns = 0
+        self.end_ns = 0
 
     # -- reading --------------------------------------------------------------------------
 
@@ -178,11 +189,14 @@ class EngineResponse:
     # -- fed by the connection ----------------------------------------------------------
 
     def _feed(self, chunk: bytes) -> None:
+        if not self.first_body_ns:
+            self.first_body_ns = time.perf_counter_ns()
         self._chunks.append(chunk)
         self.buffered += len(chunk)
         self._wake()
 
     def _end(self) -> None:
+        self.end_ns = time.perf_counter_ns()
         self._eof = True
         self._finish()
         self._wake()
@@ -319,11 +333,12 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self._response is None
         head = asyncio.get_running_loop().create_future()
         self._head = head
-        self._response = EngineResponse(self)
+        response = self._response = EngineResponse(self)
         self._parser = httptools.HttpResponseParser(self)
         self._framed = False
         self._received = False
         self.transport.write(request)
+        response.sent_ns = time.perf_counter_ns()
         return head
 
     @property

@@ -91,11 +91,12 @@ class Request:
 
     Invariants: ``headers`` has lower-cased names (a repeated header keeps its first value);
     ``body`` is the whole body, or ``b""`` when ``body_too_large`` (the body went
-    over the server's ``max_body_bytes`` and was not kept).
+    over the server's ``max_body_bytes`` and was not kept). ``received_ns`` is the
+    ``perf_counter_ns`` at which the request was complete (its creation until then).
     """
 
     __slots__ = ("_conn", "_query", "body", "body_too_large", "content_length", "headers",
-                 "keep_alive", "method", "path", "query_string", "version")
+                 "keep_alive", "method", "path", "query_string", "received_ns", "version")
 
     def __init__(self, conn: _Connection | None, method: str, path: str, query_string: str,
                  headers: dict[str, str], version: str, keep_alive: bool) -> None:
@@ -111,6 +112,7 @@ class Request:
         cl = headers.get("content-length")
         self.content_length: int | None = int(cl) if cl is not None and cl.isdigit() else None
         self._query: dict[str, str] | None = None
+        self.received_ns = time.perf_counter_ns()
 
     def close_connection(self) -> None:
         """Close the connection this request came on once what was written has gone out: the
@@ -156,7 +158,7 @@ class StreamResponse:
     here), so a relayed event stream keeps its timing.
     """
 
-    __slots__ = ("_chunked", "_conn", "_eof", "_head_only", "headers", "status")
+    __slots__ = ("_chunked", "_conn", "_eof", "_head_only", "head_sent_ns", "headers", "status")
 
     def __init__(self, status: int = 200, *, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
@@ -165,6 +167,8 @@ class StreamResponse:
         self._chunked = True
         self._head_only = False
         self._eof = False
+        self.head_sent_ns = 0
+        """``perf_counter_ns`` when ``prepare`` wrote the head (0: not yet)."""
 
     @property
     def prepared(self) -> bool:
@@ -194,6 +198,7 @@ class StreamResponse:
         framing = "Transfer-Encoding: chunked\r\n" if self._chunked else ""
         head = render_head(self.status, self.headers, framing, request.keep_alive)
         conn.send(head + self._framed(first) if first else head)
+        self.head_sent_ns = time.perf_counter_ns()
         await conn.drain()
 
     async def write(self, data: bytes) -> None:
@@ -459,6 +464,7 @@ class _Connection(asyncio.Protocol):
         if self._body:
             request.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
             self._body = []
+        request.received_ns = time.perf_counter_ns()
         self._enqueue(request)
 
     # -- dispatch ---------------------------------------------------------------------------

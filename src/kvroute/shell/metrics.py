@@ -10,7 +10,7 @@ and content type for ``GET /metrics``.
 
 Counts are deferred: the methods called per request or per KV-event batch (``decision``,
 ``tokenize``, ``warm``, ``upstream_error``, ``retry``, ``admission_reject``, ``discovery``,
-``state_error``, ``escalation``, ``cut_short``, ``events``) only add to plain Python numbers
+``state_error``, ``escalation``, ``cut_short``, ``events``, ``router_time``) only add to plain Python numbers
 kept per label tuple, and those pending amounts are moved into the prometheus_client series
 when something reads the registry. The reason: prometheus_client pays for thread safety and
 generality on every update (``inc`` takes a lock, ``Histogram.observe`` walks the buckets
@@ -24,7 +24,7 @@ Invariants:
   ``collect()`` (which ``render``, ``value``, ``generate_latest``, ``get_sample_value`` and
   any direct reader of ``registry`` go through) and its ``restricted_registry()`` move the
   pending amounts in first. Counter increments are ints, which floats add exactly (below
-  2**53), so summing them before the ``inc`` gives the same value; the latency histogram's
+  2**53), so summing them before the ``inc`` gives the same value; a latency histogram's
   sum is kept as the running total of the observations in arrival order, the very float
   additions ``observe`` would have made, and its buckets are chosen by ``bisect_left`` on the
   histogram's own bounds (the first bound >= the value, as ``observe`` picks it). Latencies
@@ -39,7 +39,7 @@ Invariants:
 - The series' children are created at a label tuple's first count, not at the first move,
   so the label values are checked at the caller and ``*_created`` is the first count's time.
 
-The histogram is written through prometheus_client's per-child ``_buckets`` (per-bucket,
+The histograms are written through prometheus_client's per-child ``_buckets`` (per-bucket,
 not cumulative, values) and ``_sum``: there is no public call that adds n observations at
 once. ``RouterMetrics()`` checks that layout on a probe histogram and refuses to start if a
 prometheus_client release changed it.
@@ -53,6 +53,7 @@ decisions_total                        counter    pool, replica, reason, approxi
 prompt_tokens_total                    counter    pool
 cached_tokens_total                    counter    pool (expected cached prefix tokens)
 routing_latency_seconds                histogram  pool
+router_time_seconds                    histogram  stage (before_engine, after_engine, total)
 upstream_errors_total                  counter    replica, kind
 retries_total                          counter    replica
 admission_rejects_total                counter    reason
@@ -98,13 +99,32 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import RestrictedRegistry
 
-__all__ = ["ROUTING_LATENCY_BUCKETS", "TOKENIZER_CHECKS", "TOKENIZER_MODES", "RouterMetrics"]
+__all__ = [
+    "ROUTER_TIME_BUCKETS",
+    "ROUTER_TIME_STAGES",
+    "ROUTING_LATENCY_BUCKETS",
+    "TOKENIZER_CHECKS",
+    "TOKENIZER_MODES",
+    "RouterMetrics",
+]
 
 ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
     0.05, 0.1,
 )  # fmt: skip
 """Routing is pure CPU work (hashing plus an index lookup): 10 µs to 100 ms covers it."""
+
+ROUTER_TIME_BUCKETS: Final[tuple[float, ...]] = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.00175, 0.002, 0.0025, 0.003,
+    0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+"""The router's own share of a request's latency: fine steps around the 1 ms and 2 ms that
+matter (a router should add about that much at the median and at p99), coarse beyond."""
+
+ROUTER_TIME_STAGES: Final = ("before_engine", "after_engine", "total")
+"""``router_time_seconds``'s stages (``RouterMetrics.router_time``)."""
+
+_ROUTER_TIME_BOUNDS: Final[tuple[float, ...]] = (*ROUTER_TIME_BUCKETS, float("inf"))
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
 TOKENIZER_CHECKS: Final = ("pending", "verified", "mismatch", "unverifiable", "no_local")
@@ -160,19 +180,25 @@ class _PendingCounts:
 
 
 class _LatencyTally:
-    """One pool's routing latencies not yet in its histogram child.
+    """One histogram child's observations not yet in it (a pool's routing latencies, a
+    stage of the router's time).
 
-    Invariant: ``counts[i]`` observations fell in bucket ``i`` (the first of
-    ``_LATENCY_BOUNDS`` >= the value) since the last flush; ``total`` is the sum of every
-    observation since start in arrival order, so it is the float ``observe`` would hold.
+    Invariant: ``counts[i]`` observations fell in bucket ``i`` (the first of ``bounds`` >=
+    the value) since the last flush; ``total`` is the sum of every observation since start
+    in arrival order, so it is the float ``observe`` would hold.
     """
 
-    __slots__ = ("_child", "counts", "total")
+    __slots__ = ("_child", "bounds", "counts", "total")
 
-    def __init__(self, child: Histogram) -> None:
+    def __init__(self, child: Histogram, bounds: tuple[float, ...] = _LATENCY_BOUNDS) -> None:
         self._child = child
-        self.counts = [0] * len(_LATENCY_BOUNDS)
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
         self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.total += seconds
 
     def flush(self) -> None:
         counts = self.counts
@@ -309,6 +335,15 @@ class RouterMetrics:
             "routing_latency_seconds", "Time spent choosing a replica (tokenize excluded).",
             ["pool"], namespace=ns, registry=r, buckets=ROUTING_LATENCY_BUCKETS,
         )
+        router_time = Histogram(
+            "router_time_seconds", "The router's own share of a request's latency: from the "
+            "client's request read to its forwarding to the engine (before_engine), from the "
+            "engine's answer (streamed: its first bytes; whole: its end) to its write to the "
+            "client (after_engine), and their sum (total). Network hops not included.",
+            ["stage"], namespace=ns, registry=r, buckets=ROUTER_TIME_BUCKETS,
+        )
+        self._router_time = tuple(_LatencyTally(router_time.labels(stage), _ROUTER_TIME_BOUNDS)
+                                  for stage in ROUTER_TIME_STAGES)
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
@@ -406,6 +441,8 @@ class RouterMetrics:
             tally.flush()
         for latency in self._latencies.values():
             latency.flush()
+        for stage in self._router_time:
+            stage.flush()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -445,6 +482,15 @@ class RouterMetrics:
             latency,
         )
         return tally
+
+    def router_time(self, before_engine_s: float, after_engine_s: float) -> None:
+        """Record the router's own time in one answered request (``router_time_seconds``):
+        ``before_engine_s`` from its request read to its forwarding, ``after_engine_s`` from
+        the engine's answer to the write to the client."""
+        before, after, total = self._router_time
+        before.observe(before_engine_s)
+        after.observe(after_engine_s)
+        total.observe(before_engine_s + after_engine_s)
 
     def upstream_error(self, replica: str, kind: str) -> None:
         self._upstream_errors.add((replica, kind), 1)

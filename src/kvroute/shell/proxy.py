@@ -106,12 +106,17 @@ class UpstreamReply:
     For a non-streamed answer ``body`` is complete and ``response`` is already released; for
     a streamed one ``body`` is the first chunk and ``response`` is still open (the caller
     must ``relay_stream`` it or ``close()`` it).
+
+    ``sent_ns`` is when the request was written to the engine and ``ready_ns`` when ``body``
+    was complete (``perf_counter_ns``; 0 when unknown, as for a canned reply in a test).
     """
 
     status: int
     headers: Mapping[str, str]
     body: bytes
     response: EngineResponse | None
+    sent_ns: int = 0
+    ready_ns: int = 0
 
     def close(self) -> None:
         if self.response is not None:
@@ -185,14 +190,16 @@ class Upstream:
                     )
                 if not stream:
                     data = await resp.read()
-                    return UpstreamReply(resp.status, relay_headers(resp.headers), data, None)
+                    return UpstreamReply(resp.status, relay_headers(resp.headers), data, None,
+                                         resp.sent_ns, resp.end_ns)
                 first = await resp.readany()
                 if not first and resp.at_eof():
                     raise UpstreamError(
                         "disconnect", f"{url} ended the stream before its first byte",
                         retryable=True,
                     )
-                return UpstreamReply(resp.status, relay_headers(resp.headers), first, resp)
+                return UpstreamReply(resp.status, relay_headers(resp.headers), first, resp,
+                                     resp.sent_ns, resp.first_body_ns)
         except UpstreamError:
             if resp is not None:
                 resp.close()
