@@ -225,6 +225,10 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
             assert row["router_cpu_ms_per_req"] > 0 and row["added_p50_ms"] is not None
         if row["router"] == "kvroute-local":  # its own share, from its router_time metric
             assert 0 < row["router_own_p50_ms"] <= row["router_own_p99_ms"] < row["p99_ms"]
+            stages = row["router_own_stages_ms"]
+            assert set(stages) == {"before_engine", "after_engine", "total"}
+            assert stages["total"]["p50"] == row["router_own_p50_ms"]
+            assert 0 < stages["before_engine"]["p50"] <= stages["total"]["p50"]
         else:
             assert "router_own_p99_ms" not in row
     assert report["config"]["engine_tokenizer"].startswith("bundled")

@@ -29,7 +29,7 @@ like vllm-router's ``/render``, shows here), and ``added_p50_ms``/``added_p99_ms
 ``router_own_p99_ms``: its own share of each answer as it measures it
 (``router_time_seconds``, total: request read → forwarded, engine's answer → written), the
 part of the added latency that is its code rather than the extra hop and the machine
-(``bench/router_time.py``).
+(``bench/router_time.py``), and the same per stage in ``router_own_stages_ms``.
 
 CPU placement (``router_cpus``): by default every process shares every CPU, as in the
 reference anchors; a router then competes for the cores with the engines and the load
@@ -70,6 +70,7 @@ from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quan
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
+from kvroute.shell.metrics import ROUTER_TIME_STAGES
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
 
 __all__ = [
@@ -240,9 +241,12 @@ def _engine_cpu_s(fleet: Fleet) -> float:
     return sum(process_tree_cpu_s(e.pid) for e in fleet.replicas if e.pid is not None)
 
 
-def _router_time_buckets(metrics_url: str | None) -> Buckets | None:
-    """kvroute's ``router_time_seconds`` (total) now, or None for another router."""
-    return None if metrics_url is None else bucket_counts(http_text(metrics_url, timeout_s=5.0))
+def _router_time_buckets(metrics_url: str | None) -> dict[str, Buckets] | None:
+    """kvroute's ``router_time_seconds`` now, per stage, or None for another router."""
+    if metrics_url is None:
+        return None
+    text = http_text(metrics_url, timeout_s=5.0)
+    return {stage: bucket_counts(text, stage) for stage in ROUTER_TIME_STAGES}
 
 
 def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Phase,
@@ -277,11 +281,16 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
         row["router_cpu_ms_per_req"] = round(1e3 * (router1 - router0) / done, 4)
         row["router_cores"] = round((router1 - router0) / max(run.wall_s, 1e-9), 3)
     if own0 is not None and own1 is not None:
-        # The router's own share of each answer (its code; no network hop), from its metric.
-        own = phase_counts(own0, own1)
-        for q, name in ((0.5, "router_own_p50_ms"), (0.99, "router_own_p99_ms")):
-            value = quantile_ms(own, q)
-            row[name] = round(value, 3) if value is not None else None
+        # The router's own share of each answer (its code; no network hop), from its metric:
+        # the total in the table, each stage in the report.
+        stages: dict[str, dict[str, float | None]] = {}
+        for stage in ROUTER_TIME_STAGES:
+            own = phase_counts(own0[stage], own1[stage])
+            stages[stage] = {name: None if (v := quantile_ms(own, q)) is None else round(v, 3)
+                             for q, name in ((0.5, "p50"), (0.99, "p99"))}
+        row["router_own_p50_ms"] = stages["total"]["p50"]
+        row["router_own_p99_ms"] = stages["total"]["p99"]
+        row["router_own_stages_ms"] = stages
     return row
 
 
