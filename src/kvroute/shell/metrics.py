@@ -466,9 +466,7 @@ class RouterMetrics:
             tally.prompt_tokens += prompt_tokens
         if cached_tokens > 0:
             tally.cached_tokens += cached_tokens
-        latency = tally.latency
-        latency.counts[bisect_left(_LATENCY_BOUNDS, routing_latency_s)] += 1
-        latency.total += routing_latency_s
+        tally.latency.observe(routing_latency_s)
 
     def _start_decision(self, key: tuple[str, str, str, bool]) -> _DecisionTally:
         pool, replica, reason, approximate = key
