@@ -224,7 +224,11 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
         else:
             assert row["router_cpu_ms_per_req"] > 0 and row["added_p50_ms"] is not None
         if row["router"] == "kvroute-local":  # its own share, from its router_time metric
-            assert 0 < row["router_own_p50_ms"] <= row["router_own_p99_ms"] < row["p99_ms"]
+            # A share of what the client waited: per request always, but an interpolated
+            # bucket quantile of a few requests can pass the client's own p99, so the
+            # median is compared.
+            assert 0 < row["router_own_p50_ms"] <= row["router_own_p99_ms"]
+            assert row["router_own_p50_ms"] < row["p99_ms"]
             stages = row["router_own_stages_ms"]
             assert set(stages) == {"before_engine", "after_engine", "total"}
             assert stages["total"]["p50"] == row["router_own_p50_ms"]
