@@ -41,6 +41,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -252,6 +253,33 @@ def _distinct_ports(count: int) -> list[int]:
     return ports
 
 
+def _connect_target_port(taken: Sequence[int]) -> int:
+    """A free port below the kernel's ephemeral range, for an endpoint the engine *connects*
+    to while nothing may be listening (the KV-event SUB, bound by each test's router in turn).
+
+    Why: between two routers the engine's PUB keeps reconnecting to that port. Inside the
+    ephemeral range the kernel may hand the same number out as a source port (to that
+    reconnect itself, which then connects to itself, or to any other socket), and the next
+    router's bind fails with "Address already in use". Below the range it never does.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low}) after 200 tries")
+
+
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
     """Terminate the engine's process group (API server + EngineCore), then reap it."""
     if proc.poll() is None:
@@ -365,7 +393,7 @@ def real_vllm_engines(
     with contextlib.ExitStack() as stack:
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="realvllm-")))
-        ports = _distinct_ports(3 * count)
+        ports = _distinct_ports(2 * count)  # HTTP and replay; the events port comes below
         engines = RealVllmEngines()
         procs = engines._procs  # restart() swaps entries in place, so cleanup stops the new one
         # Registered first, so it runs last: engines stop even if a later step raises.
@@ -374,7 +402,9 @@ def real_vllm_engines(
         engines._env = env
         engines._cwd = log_dir
         for i in range(count):
-            http_port, events_port, replay_port = ports[3 * i : 3 * i + 3]
+            http_port, replay_port = ports[2 * i : 2 * i + 2]
+            events_port = _connect_target_port(ports)
+            ports.append(events_port)
             name = f"e{i}"
             log_path = log_dir / f"{name}.log"
             events = f"tcp://127.0.0.1:{events_port}"
