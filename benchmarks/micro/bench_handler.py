@@ -32,8 +32,9 @@ about three times the back-to-back figure on each request.
 Not included: the HTTP server's protocol (parsing the HTTP request, writing the response) and
 the engine client (sending to the engine, reading its answer): about a bare relay's cost
 (``kvroute bench overhead``'s ``passthrough``), measured live. Figures are per request: the
-mean and p50 of ``handle`` in µs, and this process's CPU µs per request over the series; the
-best of ``R`` repeats. CPU time is noisy on a shared machine: compare runs side by side.
+mean, p50 and max of ``handle`` in µs, how many calls took over 1 ms (stalls: a live router's
+p99), and this process's CPU µs per request over the series (all threads: the piece cache's
+check thread too); the best of ``R`` repeats. CPU time is noisy on a shared machine: compare runs side by side.
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0) -> dict[
         cpu_us = (time.process_time() - cpu0) * 1e6 / count
         return {"handle_mean_us": statistics.fmean(samples) / 1e3,
                 "handle_p50_us": statistics.median(samples) / 1e3,
+                "handle_max_us": max(samples) / 1e3,
+                "handle_over_1ms": float(sum(1 for ns in samples if ns > 1_000_000)),
                 "events_mean_us": statistics.fmean(event_ns) / 1e3,
                 "cpu_us_per_request": cpu_us}
 

@@ -160,6 +160,13 @@ class HFTokenizer:
     def _encode_plain(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_plain_unlocked(self, text: str) -> list[int]:
+        """``text``'s ids without special tokens added, encoded whole (no piece cache), for a
+        worker thread: the same ids as ``_encode_plain``, but through ``encode_batch``, which
+        releases the GIL while it encodes (``encode`` holds it throughout: a thread calling
+        it would stall the event loop as much as calling it inline)."""
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+
     def split_tokens(self) -> dict[str, int]:
         """The special added tokens matched on the raw text as they are (``{text: id}``).
 

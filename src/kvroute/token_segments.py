@@ -22,6 +22,15 @@ one call in ``verify_every`` is encoded both ways and a difference switches the 
 for good (logged as an error, counted in ``mismatches``), so a tokenizer whose rules break the
 argument costs one wrong routing decision at most, never a silent drift.
 
+Where the serving check runs: inline by default (the call that is checked returns the whole
+encoding). Encoding a whole prompt costs what the cache saves, ~2 ms for a long chat prompt,
+so inline it is a stall of the caller once every ``verify_every`` calls; on a router's event
+loop that is every request then waiting (at 400 requests/s, one such stall every 2.6 s).
+``defer_checks(submit)`` hands the due call's ``(text, ids)`` to ``submit`` instead, which
+encodes the whole prompt elsewhere (``shell/piece_check.py``: a worker thread) and reports
+back through ``check``. The checked call then returns the cached ids unverified, which the
+argument above already allows: one routing decision at most.
+
 Memory: pieces are kept in an LRU bounded by their total tokens (``max_tokens``), as
 ``array('I')`` (4 bytes a token).
 
@@ -42,7 +51,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
 
-__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "DEFAULT_VERIFY_EVERY", "SegmentEncoder"]
+__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "DEFAULT_VERIFY_EVERY", "CheckSubmit", "SegmentEncoder"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +72,8 @@ _PROBES: Final = (
 
 
 EncodeFn = Callable[[str], Sequence[int]]
+CheckSubmit = Callable[[str, "array[int]"], None]
+"""Takes a due check's prompt text and the ids the cache gave for it (``defer_checks``)."""
 
 
 class SegmentEncoder:
@@ -99,9 +110,11 @@ class SegmentEncoder:
         self._cache: OrderedDict[tuple[str | None, str], array[int]] = OrderedDict()
         self._cached_tokens = 0
         self._calls = 0
+        self._submit: CheckSubmit | None = None
         self.hits = 0
         self.misses = 0
         self.mismatches = 0
+        self.checks = 0
         self._pattern: re.Pattern[str] | None = None
         if self._ids:
             alternatives = sorted(self._ids, key=len, reverse=True)  # leftmost-longest
@@ -125,11 +138,32 @@ class SegmentEncoder:
             return whole
         self._calls += 1
         if self._verify_every and self._calls % self._verify_every == 0:
+            if self._submit is not None:
+                self._submit(text, ids)
+                return ids
             whole = array("I", self._encode(text))
-            if whole != ids:
-                self._disable(text, whole, ids)
+            if not self.check(text, whole, ids):
                 return whole
         return ids
+
+    def defer_checks(self, submit: CheckSubmit | None) -> None:
+        """Hand each due serving check to ``submit(text, ids)`` instead of running it inline
+        (None: inline again). ``submit`` must not block; it reports through ``check``."""
+        self._submit = submit
+
+    def check(self, text: str, whole: array[int], ids: array[int]) -> bool:
+        """Compare ``text``'s whole encoding with the ``ids`` the cache gave for it; on a
+        difference switch the cache off for good (logged, counted in ``mismatches``).
+
+        Returns whether they agree. A deferred check may arrive after the cache was already
+        switched off: it is still counted, but logs and counts no second mismatch.
+        """
+        self.checks += 1
+        if whole == ids:
+            return True
+        if self.enabled:
+            self._disable(text, whole, ids)
+        return False
 
     # -- internals ------------------------------------------------------------------------
 

@@ -150,3 +150,53 @@ def test_a_marker_that_merges_with_its_neighbour_fails_the_self_check(
         seg = SegmentEncoder(encode, wrong)
     assert not seg.enabled
     assert "token cache is off" in caplog.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=_texts)
+def test_the_unlocked_whole_encoding_gives_the_same_ids(text: str) -> None:
+    """``encode_plain_unlocked`` (``encode_batch``, off the GIL, for the check thread) is the
+    whole-prompt encoding the piece cache is checked against."""
+    tok = _BUNDLED_TOK
+    assert tok.encode_plain_unlocked(text) == list(tok._tok.encode(text, add_special_tokens=False).ids)
+
+
+_BUNDLED_TOK = HFTokenizer.from_dir(bundled_tokenizer_dir())
+
+
+def test_deferred_checks_leave_the_caller_and_report_through_check(
+        caplog: pytest.LogCaptureFixture) -> None:
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    whole_calls: list[str] = []
+
+    def counting(text: str) -> Sequence[int]:
+        whole_calls.append(text)
+        return encode(text)
+
+    seg = SegmentEncoder(counting, split, verify_every=2)
+    submitted: list[tuple[str, array[int]]] = []
+    seg.defer_checks(lambda text, ids: submitted.append((text, ids)))
+    text = "<s><|user|>\nhello there<|end|>\n"
+    seg.encode(text)
+    whole_calls.clear()
+    second = seg.encode(text)  # due: handed over, not encoded whole here
+    assert [t for t, _ in submitted] == [text] and submitted[0][1] == second
+    assert text not in whole_calls and seg.checks == 0
+    # the worker reports agreement, then a disagreement
+    assert seg.check(text, array("I", encode(text)), second) and seg.checks == 1
+    wrong = array("I", encode(text))
+    wrong[-1] = 999
+    with caplog.at_level(logging.ERROR):
+        assert not seg.check(text, wrong, second)
+    assert not seg.enabled and seg.mismatches == 1 and seg.checks == 2
+    assert "token cache is now off" in caplog.text
+    # a late report after the switch-off is counted, but is no second mismatch
+    assert not seg.check(text, wrong, second)
+    assert seg.mismatches == 1 and seg.checks == 3
+    # None: checks run inline again
+    seg2 = SegmentEncoder(counting, split, verify_every=1)
+    seg2.defer_checks(lambda text, ids: submitted.append((text, ids)))
+    seg2.defer_checks(None)
+    whole_calls.clear()
+    seg2.encode(text)
+    assert text in whole_calls and seg2.checks == 1

@@ -396,7 +396,8 @@ class RouterMetrics:
         self._piece_cache = Gauge(
             "token_piece_cache", "A local tokenizer's cache of prompt pieces: enabled (0/1; "
             "it turns itself off on any disagreement with whole-prompt tokenization), hits, "
-            "misses, cached_tokens, mismatches (since start).",
+            "misses, cached_tokens, mismatches, checks (whole-prompt comparisons done, on a "
+            "worker thread), checks_dropped (due while one ran), checks_failed (since start).",
             ["pool", "stat"], namespace=ns, registry=r,
         )
         self._discovery = self._deferred(Counter(
@@ -549,11 +550,15 @@ class RouterMetrics:
         self._tokenize.add((pool, outcome), 1)
 
     def set_token_piece_cache(self, pool: str, *, enabled: bool, hits: int, misses: int,
-                              cached_tokens: int, mismatches: int) -> None:
-        """Export a local tokenizer's piece-cache state (``token_segments.SegmentEncoder``)."""
+                              cached_tokens: int, mismatches: int, checks: int,
+                              checks_dropped: int, checks_failed: int) -> None:
+        """Export a local tokenizer's piece-cache state (``token_segments.SegmentEncoder``;
+        its checks: ``shell/piece_check.py``)."""
         for stat, value in (("enabled", 1 if enabled else 0), ("hits", hits),
                             ("misses", misses), ("cached_tokens", cached_tokens),
-                            ("mismatches", mismatches)):
+                            ("mismatches", mismatches), ("checks", checks),
+                            ("checks_dropped", checks_dropped),
+                            ("checks_failed", checks_failed)):
             self._piece_cache.labels(pool, stat).set(value)
 
     def discovery(self, replica: str, outcome: str) -> None:

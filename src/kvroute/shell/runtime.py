@@ -188,6 +188,8 @@ class RouterRuntime:
             task.cancel()
             await step(asyncio.gather(task, return_exceptions=True))
         self._check_tasks.clear()
+        for _, local in self._local_tokenizers():
+            local.close()
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()
@@ -236,13 +238,22 @@ class RouterRuntime:
                 malformed=now.malformed - before.malformed,
             )
             self._seen[replica] = now
+        for pool, local in self._local_tokenizers():
+            pieces = local.pieces
+            self.metrics.set_token_piece_cache(
+                pool, enabled=pieces.enabled, hits=pieces.hits, misses=pieces.misses,
+                cached_tokens=pieces.cached_tokens, mismatches=pieces.mismatches,
+                checks=pieces.checks, checks_dropped=local.piece_check.dropped,
+                checks_failed=local.piece_check.failed)
+
+    def _local_tokenizers(self) -> list[tuple[str, LocalTokenizer]]:
+        """The pools whose requests a local tokenizer serves now, with it."""
+        out = []
         for pool, tokenizer in self.tokenizers.items():
             local = tokenizer.local if isinstance(tokenizer, SwitchingTokenizer) else tokenizer
             if isinstance(local, LocalTokenizer):
-                pieces = local.pieces
-                self.metrics.set_token_piece_cache(
-                    pool, enabled=pieces.enabled, hits=pieces.hits, misses=pieces.misses,
-                    cached_tokens=pieces.cached_tokens, mismatches=pieces.mismatches)
+                out.append((pool, local))
+        return out
 
     def _start_tokenizer_checks(self) -> None:
         """One background ``TokenizerCheck`` per ``local`` or ``auto`` pool."""

@@ -49,6 +49,7 @@ from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.engine_client import EngineClient, EngineClientError
 from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.piece_check import PieceCheckThread
 from kvroute.token_segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
@@ -351,6 +352,9 @@ class LocalTokenizer:
     (``token_segments``) as an ``array('I')``. Completion strings: encoded with
     ``add_special_tokens`` (default True), as a list.
 
+    The piece cache's serving checks (one prompt in ``verify_every`` encoded whole) run on a
+    worker thread (``shell/piece_check.py``), not on the request's path.
+
     Args:
         pool: the pool's name.
         tokenizer: the loaded tokenizer.
@@ -363,6 +367,14 @@ class LocalTokenizer:
         self.pool = pool
         self._tok = tokenizer
         self._metrics = metrics
+        self.piece_check = PieceCheckThread(tokenizer.pieces, tokenizer.encode_plain_unlocked,
+                                            name=f"pool {pool}")
+        tokenizer.pieces.defer_checks(self.piece_check.submit)
+
+    def close(self) -> None:
+        """Stop the piece cache's check thread (the tokenizer still works, checking inline)."""
+        self._tok.pieces.defer_checks(None)
+        self.piece_check.close()
 
     @property
     def pieces(self) -> SegmentEncoder:

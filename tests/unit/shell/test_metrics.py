@@ -122,10 +122,13 @@ def test_render_content_type_and_help() -> None:
 def test_token_piece_cache_state_is_exported() -> None:
     m = RouterMetrics()
     m.set_token_piece_cache("p", enabled=True, hits=7, misses=3, cached_tokens=120,
-                            mismatches=0)
+                            mismatches=0, checks=1, checks_dropped=0, checks_failed=0)
     m.set_token_piece_cache("p", enabled=False, hits=9, misses=4, cached_tokens=0,
-                            mismatches=1)
+                            mismatches=1, checks=2, checks_dropped=3, checks_failed=4)
     text = m.render()[0].decode()
     assert 'kvroute_token_piece_cache{pool="p",stat="enabled"} 0.0' in text
     assert 'kvroute_token_piece_cache{pool="p",stat="hits"} 9.0' in text
     assert 'kvroute_token_piece_cache{pool="p",stat="mismatches"} 1.0' in text
+    assert 'kvroute_token_piece_cache{pool="p",stat="checks"} 2.0' in text
+    assert 'kvroute_token_piece_cache{pool="p",stat="checks_dropped"} 3.0' in text
+    assert 'kvroute_token_piece_cache{pool="p",stat="checks_failed"} 4.0' in text
