@@ -300,3 +300,16 @@ def test_kvroute_auto_is_ready_only_once_its_tokenizer_is_checked(tmp_path: Path
     checks = [line for line in metrics.splitlines()
               if line.startswith("kvroute_tokenizer_check{") and line.endswith(" 1.0")]
     assert len(checks) == 1 and 'result="verified"' in checks[0], checks
+
+
+def test_a_kvroute_router_may_carry_another_of_its_policies() -> None:
+    specs = parse_overhead_routers("kvroute-auto,kvroute-auto:round_robin")
+    assert [(s.name, s.kind, s.policy, s.tokenizer) for s in specs[1:]] == [
+        ("kvroute-auto", "kvroute", "kvroute", "auto"),
+        ("kvroute-auto:round_robin", "kvroute", "round_robin", "auto")]
+    with pytest.raises(ConfigError, match="only kvroute routers take a policy"):
+        parse_overhead_routers("sglang-router:round_robin")
+    with pytest.raises(ConfigError, match="unknown kvroute policy 'fastest'"):
+        parse_overhead_routers("kvroute-auto:fastest")
+    with pytest.raises(ConfigError, match="unknown router"):
+        parse_overhead_routers("kvroutex:round_robin")

@@ -69,6 +69,7 @@ from kvroute.bench.live_routers import (
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError
+from kvroute.core.peer_policies import POLICY_NAMES
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.shell.metrics import ROUTER_TIME_STAGES
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
@@ -147,9 +148,16 @@ def parse_cpus(text: str) -> frozenset[int]:
 
 def parse_overhead_routers(text: str) -> tuple[RouterSpec, ...]:
     """Router names of ``ROUTER_CHOICES`` -> specs (``direct`` is added first if missing:
-    every added-latency figure needs it)."""
+    every added-latency figure needs it).
+
+    A kvroute router may carry another of its policies, ``kvroute-auto:round_robin``: the
+    same router and work per request, placed as the named policy places. Beside the default
+    it separates what the router's code adds from what its placement does to the engines'
+    queues (on these zero-time engines a prefix hit saves nothing, while two requests on one
+    engine still wait for each other's tokenization).
+    """
     names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in ROUTER_CHOICES]
+    unknown = [n for n in names if n.partition(":")[0] not in ROUTER_CHOICES]
     if unknown:
         raise ConfigError(f"unknown router(s) {unknown}; choose from {', '.join(ROUTER_CHOICES)}")
     if len(set(names)) != len(names):
@@ -166,7 +174,20 @@ def parse_overhead_routers(text: str) -> tuple[RouterSpec, ...]:
         "sglang-router": RouterSpec("sglang-router", "sglang", "cache_aware"),
         "vllm-router": RouterSpec("vllm-router", "vllm", "cache_aware"),
     }
-    return tuple(specs[n] for n in names)
+    out = []
+    for name in names:
+        base, _, policy = name.partition(":")
+        spec = specs[base]
+        if policy:
+            if spec.kind != "kvroute":
+                raise ConfigError(f"{name!r}: only kvroute routers take a policy here "
+                                  "(e.g. kvroute-auto:round_robin)")
+            if policy not in POLICY_NAMES:
+                raise ConfigError(f"{name!r}: unknown kvroute policy {policy!r}; choose from: "
+                                  f"{', '.join(POLICY_NAMES)}")
+            spec = replace(spec, name=name, policy=policy)
+        out.append(spec)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ _HEADS = ["router", "phase", "req/s", "p50 ms", "p99 ms", "added p50", "added p9
 def bench_overhead(
     routers: Annotated[str, typer.Option(help="Comma-separated: direct, passthrough, kvroute, "
                                          "kvroute-local, kvroute-auto, sglang-router, "
-                                         "vllm-router.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
+                                         "vllm-router; a kvroute one may name another of "
+                                         "its policies: kvroute-auto:round_robin.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
     phases: Annotated[str, typer.Option(help="r<rate> fixed-rate whole responses, s<rate> "
                                         "streamed, c<workers> closed loop.")] = "r100,r200,r400,s100,c32",
     engines: Annotated[int, typer.Option(help="Simulated engines (zero timing profile).")] = 8,
