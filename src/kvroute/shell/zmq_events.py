@@ -40,25 +40,34 @@ of unknown types are skipped by the codec and counted in ``unknown_events``.
 Receiving
 ---------
 
-An awaited ``recv_multipart`` of ``zmq.asyncio`` costs a future and its bookkeeping (flag
-arithmetic on Python enums, repeated ``ZMQ_EVENTS`` reads), and an event-loop wake-up when
-the socket was empty: the larger part of the subscriber's CPU per message once the router is
-busy and messages queue up. So the subscriber awaits only for the first message of a burst;
-after it, if ``ZMQ_EVENTS`` reports more, it takes the queued ones from a plain
-(synchronous) shadow of the same libzmq socket with ``NOBLOCK`` until ``zmq.Again``. Each
-message is decoded and accepted before the next one is read, so order holds, and a replay
-awaited by ``_accept`` finishes before the next queued message is taken. At most
-``_TAKE_PER_TURN`` messages are handled between two yields to the loop (an awaited recv on a
-non-empty socket completes without yielding, so the yield is explicit): a busy engine cannot
-starve the router's other tasks.
+The SUB socket is a plain (synchronous) libzmq socket whose file descriptor the event loop
+watches (``add_reader``); the subscriber reads it from that callback with ``NOBLOCK``. Why
+not ``zmq.asyncio``: an awaited ``recv_multipart`` costs a future, pyzmq's own reader
+callback, flag arithmetic on Python enums and a wake-up of the subscriber's task for every
+message. At 400 requests/s a router gets about one message per request, one at a time, and
+that machinery was 15% of its CPU (``docs/benchmarks.md``, 2026-11-30, Zen 4).
 
-Mixing the shadow's receives with the async socket is safe: the socket's file descriptor is
-edge-triggered (it signals a change of ``ZMQ_EVENTS``, not readiness), and pyzmq reads
-``ZMQ_EVENTS`` when it registers each awaited recv, receiving at once if a message is
-already there; a message arriving after that read raises a new edge. Whatever the shadow
-consumed before, the await therefore neither misses a queued message nor hangs. pyzmq
-itself receives through such a shadow (``NOBLOCK``) once the loop reports the descriptor
-readable; both run on the loop's thread, as ZMQ requires.
+Every message goes through the reader callback, which decodes it and, when its sequence
+number is the expected one (the steady state), delivers it right there: one callback a
+message, no task wake-up. Any other message (the first ever, a gap, a restart) is handed to
+the subscriber's task, which runs ``_accept`` on it, replay included. Until the task is done
+with it, the callback reads nothing more: order holds, and a replay finishes before the next
+queued message is taken. The task then drains what queued meanwhile.
+
+The descriptor is edge-triggered: it signals a change of ``ZMQ_EVENTS``, not readiness, and
+stays readable until ``ZMQ_EVENTS`` is read. So each read checks ``ZMQ_EVENTS`` first and
+stops only when it shows no message, nothing stops reading without either that or a reader
+already scheduled (a continuation, or the task with a message in hand), and a callback that
+stands down for such a reader still reads ``ZMQ_EVENTS`` (or the loop's poll would report
+the descriptor on every turn). At most ``_TAKE_PER_TURN``
+messages are handled per callback; if more are queued, the rest are taken by a continuation
+on the next loop turn (``call_soon``), so a busy engine cannot starve the router's other
+tasks. A continuation already scheduled makes the descriptor's own callback stand down, so a
+turn never takes more than ``_TAKE_PER_TURN``. All of it runs on the loop's thread, as ZMQ
+requires.
+
+An exception from ``on_batch`` or ``on_reset`` in the callback is kept and raised by the
+subscriber's task, so it still ends the subscriber (``run``, ``stop``).
 """
 
 from __future__ import annotations
@@ -183,6 +192,14 @@ class EventSubscriber:
         self._expected: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
+        # Receiving (module doc): the socket while running, the task's wake-up, the message
+        # it must accept, an error from a callback, and whether a continuation is scheduled.
+        self._sub: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._pending: EventBatch | None = None
+        self._failure: Exception | None = None
+        self._continuing = False
 
     @property
     def stats(self) -> SubscriberStats:
@@ -220,7 +237,9 @@ class EventSubscriber:
 
     async def run(self) -> None:
         """Receive until cancelled. Use ``start``/``stop``, or own the task yourself."""
-        sub = self._ctx.socket(zmq.SUB)
+        loop = asyncio.get_running_loop()
+        sub: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.SUB)
+        fd: int | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self._hwm)
@@ -231,37 +250,67 @@ class EventSubscriber:
                 sub.bind(self.endpoint)
             else:
                 sub.connect(self.endpoint)
+            self._sub = sub
+            self._loop = loop
+            fd = cast(int, sub.getsockopt(zmq.FD))
+            loop.add_reader(fd, self._on_readable)
             self._connected.set()
-            # Same libzmq socket, no futures: drains what is queued (module doc, Receiving).
-            # A shadow never closes the socket; ``sub.close`` below does.
-            queued: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-            since_yield = 0  # messages handled since the loop last ran other tasks
-            drain = False  # take from ``queued`` until zmq.Again instead of awaiting
+            self._take()  # anything queued before the reader was in place raised no edge
             while True:
-                if since_yield >= _TAKE_PER_TURN:
-                    await asyncio.sleep(0)
-                    since_yield = 0
-                if drain:
-                    try:
-                        frames = queued.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        drain = False
-                        continue
-                else:
-                    pending = sub.recv_multipart()
-                    if not (isinstance(pending, asyncio.Future) and pending.done()):
-                        since_yield = 0  # the await below parks this task
-                    frames = await pending
-                since_yield += 1
-                batch = self._decode(frames)
+                await self._wake.wait()
+                self._wake.clear()
+                if self._failure is not None:
+                    raise self._failure
+                batch = self._pending
                 if batch is not None:
                     await self._accept(batch)
-                if not drain:
-                    # Probe rather than try a recv: a lone message (the idle case) then pays
-                    # no zmq.Again, which costs a few times more than reading ZMQ_EVENTS.
-                    drain = bool(cast(int, queued.get(_EVENTS)) & _POLLIN)
+                    self._pending = None
+                    self._take()  # the edges of what queued meanwhile were not acted on
         finally:
+            self._sub = None
+            if fd is not None:
+                loop.remove_reader(fd)
             sub.close(linger=0)
+
+    def _on_readable(self) -> None:
+        """The descriptor's callback (module doc, Receiving)."""
+        sub = self._sub
+        if sub is not None and (self._continuing or self._pending is not None):
+            # A continuation or the task will read; reading ZMQ_EVENTS here clears the
+            # descriptor, which the loop's level-triggered poll would otherwise report on
+            # every turn until then.
+            sub.get(_EVENTS)
+            return
+        self._take()
+
+    def _continue(self) -> None:
+        self._continuing = False
+        self._take()
+
+    def _take(self) -> None:
+        """Read and deliver queued messages until none is left, one needs the task, or
+        ``_TAKE_PER_TURN`` were handled (then continue on the next loop turn)."""
+        sub = self._sub
+        if sub is None or self._pending is not None or self._failure is not None:
+            return  # stopped, or the task has a message in hand and drains after it
+        try:
+            for _ in range(_TAKE_PER_TURN):
+                if not cast(int, sub.get(_EVENTS)) & _POLLIN:
+                    return
+                batch = self._decode(sub.recv_multipart(zmq.NOBLOCK))
+                if batch is None:
+                    continue
+                if batch.seq == self._expected:
+                    self._deliver(batch)
+                else:
+                    self._pending = batch
+                    self._wake.set()
+                    return
+            self._continuing = True
+            cast(asyncio.AbstractEventLoop, self._loop).call_soon(self._continue)
+        except Exception as exc:  # noqa: BLE001 - kept and raised by the task (module doc)
+            self._failure = exc
+            self._wake.set()
 
     # ------------------------------------------------------------------ sequencing
 
