@@ -3,8 +3,9 @@
 Owns the sockets that read one engine's event stream and the sequence bookkeeping for it.
 It does not own the index: it hands each batch to ``on_batch(replica, batch)`` and tells the
 owner to forget the replica with ``on_reset(replica, reason)`` when the stream can no longer
-be trusted. Both callbacks run on the subscriber's task, one at a time, so the owner can
-feed a single-owner actor (``RouterCore``) without locks. An exception from a callback ends
+be trusted. Both callbacks run on the event loop's thread, one at a time (from the socket's
+reader callback, or from the subscriber's task around a replay), so the owner can feed a
+single-owner actor (``RouterCore``) without locks. An exception from a callback ends
 the subscriber (it propagates out of ``run``): an owner bug must be loud, not retried.
 
 Theory of operation
