@@ -343,29 +343,47 @@ def test_malformed_frames_are_counted_and_skipped() -> None:
     run(test)
 
 
+class SilentReplay:
+    """A bare PUB sending empty batches in sequence, and a replay ROUTER that accepts
+    requests and never answers (a replay then waits out its timeout)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.raw = ctx.socket(zmq.PUB)
+        self.silent = ctx.socket(zmq.ROUTER)
+        for sock in (self.raw, self.silent):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.raw.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay = self.silent.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._last = -1
+
+    @staticmethod
+    def good(seq: int) -> list[bytes]:
+        return [b"kv", encode_seq(seq), encode_payload(EventBatch(seq, 1.0, (), 0))]
+
+    def send_next(self) -> int:
+        """Send the next batch in sequence; returns its number."""
+        self._last += 1
+        self.raw.send_multipart(self.good(self._last))
+        return self._last
+
+    def subscriber(self, ctx: zmq.asyncio.Context, sink: Sink, *,
+                   replay_timeout: float) -> EventSubscriber:
+        return make_sub(ctx, self.endpoint, sink, replay_endpoint=self.replay,
+                        replay_timeout=replay_timeout)
+
+    def close(self) -> None:
+        self.raw.close(linger=0)
+        self.silent.close(linger=0)
+
+
 def test_replay_timeout_resets_and_stop_is_prompt() -> None:
     async def test(ctx: zmq.asyncio.Context) -> None:
         sink = Sink()
-        raw = ctx.socket(zmq.PUB)
-        silent = ctx.socket(zmq.ROUTER)  # accepts replay requests, never answers
-        for sock in (raw, silent):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind("tcp://127.0.0.1:0")
-        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
-        replay = silent.getsockopt_string(zmq.LAST_ENDPOINT)
-
-        def good(seq: int) -> list[bytes]:
-            return [b"kv", encode_seq(seq), encode_payload(EventBatch(seq, 1.0, (), 0))]
-
-        counter = [-1]
-
-        def send_next() -> int:
-            counter[0] += 1
-            raw.send_multipart(good(counter[0]))
-            return counter[0]
-
+        pub = SilentReplay(ctx)
+        raw, good, send_next = pub.raw, pub.good, pub.send_next
         try:
-            sub = make_sub(ctx, endpoint, sink, replay_endpoint=replay, replay_timeout=0.3)
+            sub = pub.subscriber(ctx, sink, replay_timeout=0.3)
 
             async def body() -> None:
                 start = await probe(send_next, lambda: bool(sink.batches))
@@ -379,7 +397,7 @@ def test_replay_timeout_resets_and_stop_is_prompt() -> None:
 
             # A subscriber stuck in a long replay stops promptly.
             sink2 = Sink()
-            stuck = make_sub(ctx, endpoint, sink2, replay_endpoint=replay, replay_timeout=30)
+            stuck = pub.subscriber(ctx, sink2, replay_timeout=30)
             stuck.start()
             await stuck.wait_connected()
             # Its first message is not seq 0, so it starts a catch-up replay that cannot end.
@@ -390,8 +408,7 @@ def test_replay_timeout_resets_and_stop_is_prompt() -> None:
             assert loop.time() - began < 0.5
             await stuck.stop()  # idempotent
         finally:
-            raw.close(linger=0)
-            silent.close(linger=0)
+            pub.close()
 
     run(test)
 
@@ -403,26 +420,10 @@ def test_messages_queued_during_a_replay_wait_without_spinning_then_follow_in_or
 
     async def test(ctx: zmq.asyncio.Context) -> None:
         sink = Sink()
-        raw = ctx.socket(zmq.PUB)
-        silent = ctx.socket(zmq.ROUTER)  # accepts replay requests, never answers
-        for sock in (raw, silent):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind("tcp://127.0.0.1:0")
-        endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
-        replay = silent.getsockopt_string(zmq.LAST_ENDPOINT)
-
-        def good(seq: int) -> list[bytes]:
-            return [b"kv", encode_seq(seq), encode_payload(EventBatch(seq, 1.0, (), 0))]
-
-        counter = [-1]
-
-        def send_next() -> int:
-            counter[0] += 1
-            raw.send_multipart(good(counter[0]))
-            return counter[0]
-
+        pub = SilentReplay(ctx)
+        raw, good, send_next = pub.raw, pub.good, pub.send_next
         try:
-            sub = make_sub(ctx, endpoint, sink, replay_endpoint=replay, replay_timeout=0.6)
+            sub = pub.subscriber(ctx, sink, replay_timeout=0.6)
             calls = [0]
             on_readable = sub._on_readable
 
@@ -451,8 +452,7 @@ def test_messages_queued_during_a_replay_wait_without_spinning_then_follow_in_or
 
             await with_sub(sub, body)
         finally:
-            raw.close(linger=0)
-            silent.close(linger=0)
+            pub.close()
 
     run(test)
 
