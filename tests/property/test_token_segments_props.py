@@ -39,6 +39,7 @@ def _metaspace_first() -> tuple[Callable[[str], Sequence[int]], dict[str, int]]:
 
 
 _TOKENIZERS = {"bundled_bpe": _bundled(), "metaspace_first": _metaspace_first()}
+_BUNDLED_TOK = HFTokenizer.from_dir(bundled_tokenizer_dir())
 
 _texts = st.lists(st.sampled_from(_WORDS + _MARKERS), min_size=0, max_size=40).map("".join)
 
@@ -159,9 +160,6 @@ def test_the_unlocked_whole_encoding_gives_the_same_ids(text: str) -> None:
     whole-prompt encoding the piece cache is checked against."""
     tok = _BUNDLED_TOK
     assert tok.encode_plain_unlocked(text) == list(tok._tok.encode(text, add_special_tokens=False).ids)
-
-
-_BUNDLED_TOK = HFTokenizer.from_dir(bundled_tokenizer_dir())
 
 
 def test_deferred_checks_leave_the_caller_and_report_through_check(
