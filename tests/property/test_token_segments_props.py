@@ -55,7 +55,8 @@ def test_piecewise_ids_equal_whole_ids(name: str, texts: list[str]) -> None:
         assert seg.encode(text).tolist() == list(encode(text))
 
 
-def test_shared_system_prompt_is_encoded_once() -> None:
+def _counting_bundled() -> tuple[Callable[[str], Sequence[int]], dict[str, int], list[str]]:
+    """The bundled tokenizer's whole encoding, recording each text it is given."""
     encode, split = _TOKENIZERS["bundled_bpe"]
     calls: list[str] = []
 
@@ -63,6 +64,12 @@ def test_shared_system_prompt_is_encoded_once() -> None:
         calls.append(text)
         return encode(text)
 
+    return counting, split, calls
+
+
+def test_shared_system_prompt_is_encoded_once() -> None:
+    encode, _ = _TOKENIZERS["bundled_bpe"]
+    counting, split, calls = _counting_bundled()
     seg = SegmentEncoder(counting, split, verify_every=0)
     calls.clear()
     system = "You are a careful assistant. " * 40
@@ -164,13 +171,8 @@ def test_the_unlocked_whole_encoding_gives_the_same_ids(text: str) -> None:
 
 def test_deferred_checks_leave_the_caller_and_report_through_check(
         caplog: pytest.LogCaptureFixture) -> None:
-    encode, split = _TOKENIZERS["bundled_bpe"]
-    whole_calls: list[str] = []
-
-    def counting(text: str) -> Sequence[int]:
-        whole_calls.append(text)
-        return encode(text)
-
+    encode, _ = _TOKENIZERS["bundled_bpe"]
+    counting, split, whole_calls = _counting_bundled()
     seg = SegmentEncoder(counting, split, verify_every=2)
     submitted: list[tuple[str, array[int]]] = []
     seg.defer_checks(lambda text, ids: submitted.append((text, ids)))

@@ -196,7 +196,6 @@ class EventSubscriber:
         # Receiving (module doc): the socket while running, the task's wake-up, the message
         # it must accept, an error from a callback, and whether a continuation is scheduled.
         self._sub: zmq.Socket[bytes] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._pending: EventBatch | None = None
         self._failure: Exception | None = None
@@ -252,7 +251,6 @@ class EventSubscriber:
             else:
                 sub.connect(self.endpoint)
             self._sub = sub
-            self._loop = loop
             fd = cast(int, sub.getsockopt(zmq.FD))
             loop.add_reader(fd, self._on_readable)
             self._connected.set()
@@ -308,7 +306,7 @@ class EventSubscriber:
                     self._wake.set()
                     return
             self._continuing = True
-            cast(asyncio.AbstractEventLoop, self._loop).call_soon(self._continue)
+            asyncio.get_running_loop().call_soon(self._continue)  # callbacks run on the loop
         except Exception as exc:  # noqa: BLE001 - kept and raised by the task (module doc)
             self._failure = exc
             self._wake.set()

@@ -62,6 +62,15 @@ def _encoder(verify_every: int = 1) -> SegmentEncoder:
                           verify_every=verify_every, name="test")
 
 
+def _attached(whole: Callable[[str], Sequence[int]], *,
+              name: str = "t") -> tuple[SegmentEncoder, PieceCheckThread]:
+    """A piece cache checking every call, its checks deferred to a ``PieceCheckThread``."""
+    pieces = _encoder()
+    check = PieceCheckThread(pieces, whole, name=name)
+    pieces.defer_checks(check.submit)
+    return pieces, check
+
+
 async def _settled(check: PieceCheckThread, pieces: SegmentEncoder, checks: int) -> None:
     for _ in range(500):
         if pieces.checks >= checks and not check._running:
@@ -72,10 +81,8 @@ async def _settled(check: PieceCheckThread, pieces: SegmentEncoder, checks: int)
 
 @_in_loop
 async def test_the_whole_encoding_runs_on_another_thread_while_the_loop_runs() -> None:
-    pieces = _encoder()
     whole = _SlowWhole(delay_s=0.3)
-    check = PieceCheckThread(pieces, whole, name="t")
-    pieces.defer_checks(check.submit)
+    pieces, check = _attached(whole)
     loop_ticks = 0
     ids = pieces.encode(_TEXT)  # due at once (verify_every=1): handed to the thread
     assert pieces.checks == 0
@@ -93,9 +100,7 @@ async def test_the_whole_encoding_runs_on_another_thread_while_the_loop_runs() -
 @_in_loop
 async def test_a_disagreement_found_by_the_thread_turns_the_cache_off(
         caplog: pytest.LogCaptureFixture) -> None:
-    pieces = _encoder()
-    check = PieceCheckThread(pieces, _SlowWhole(wrong=True), name="t")
-    pieces.defer_checks(check.submit)
+    pieces, check = _attached(_SlowWhole(wrong=True))
     with caplog.at_level(logging.ERROR):
         pieces.encode(_TEXT)
         await _settled(check, pieces, 1)
@@ -106,10 +111,8 @@ async def test_a_disagreement_found_by_the_thread_turns_the_cache_off(
 
 @_in_loop
 async def test_one_check_at_a_time_and_the_extra_ones_are_counted() -> None:
-    pieces = _encoder()
     whole = _SlowWhole(delay_s=0.2)
-    check = PieceCheckThread(pieces, whole, name="t")
-    pieces.defer_checks(check.submit)
+    pieces, check = _attached(whole)
     pieces.encode(_TEXT)
     pieces.encode(_TEXT + " again")  # due while the first still runs
     pieces.encode(_TEXT + " and again")
@@ -125,10 +128,8 @@ async def test_one_check_at_a_time_and_the_extra_ones_are_counted() -> None:
 @_in_loop
 async def test_a_failed_encoding_is_logged_and_counted_and_the_cache_stays(
         caplog: pytest.LogCaptureFixture) -> None:
-    pieces = _encoder()
-    check = PieceCheckThread(pieces, _SlowWhole(error=RuntimeError("tokenizer exploded")),
-                             name="pool p")
-    pieces.defer_checks(check.submit)
+    pieces, check = _attached(_SlowWhole(error=RuntimeError("tokenizer exploded")),
+                              name="pool p")
     with caplog.at_level(logging.ERROR):
         pieces.encode(_TEXT)
         for _ in range(500):
@@ -142,10 +143,8 @@ async def test_a_failed_encoding_is_logged_and_counted_and_the_cache_stays(
 
 
 def test_without_a_running_loop_the_check_runs_inline() -> None:
-    pieces = _encoder()
     whole = _SlowWhole()
-    check = PieceCheckThread(pieces, whole, name="t")
-    pieces.defer_checks(check.submit)
+    pieces, _ = _attached(whole)
     pieces.encode(_TEXT)
     assert pieces.checks == 1 and whole.threads == [threading.get_ident()]
 
