@@ -36,6 +36,8 @@ from kvroute.bench.live import (
 )
 from kvroute.bench.live_client import (
     ClientRun,
+    ControlLane,
+    LiveRequest,
     RequestResult,
     build_live_requests,
     percentile,
@@ -154,6 +156,74 @@ def test_summarize_counts_errors_and_uses_ok_requests_only() -> None:
     assert out["ttft_p50_ms"] == 10.0 and out["e2e_p99_ms"] == 30.0
     assert out["itl_p50_ms"] == 5.0 and out["itl_p99_ms"] == 15.0
     assert out["achieved_rps"] == 0.5 and out["start_lag_p99_ms"] == 2.0
+
+
+def test_summarize_takes_one_lane_or_both() -> None:
+    def result(name: str, e2e: float, control: bool) -> RequestResult:
+        return RequestResult(name, control=control, start_s=0.0, lag_s=0.0, status=200,
+                             ttft_s=e2e, e2e_s=e2e, output_events=1)
+
+    run = ClientRun([result("a", 0.010, False), result("b", 0.002, True),
+                     result("c", 0.020, False)], wall_s=1.0, tcp_nodelay=True)
+    assert summarize(run)["completed"] == 3
+    router = summarize(run, control=False)
+    assert router["completed"] == 2 and router["e2e_p99_ms"] == 20.0
+    direct = summarize(run, control=True)
+    assert direct["completed"] == 1 and direct["e2e_p50_ms"] == 2.0
+
+
+def test_a_control_lane_needs_engines_and_leaves_the_router_most_requests() -> None:
+    with pytest.raises(ConfigError, match="at least one engine URL"):
+        ControlLane((), 5)
+    with pytest.raises(ConfigError, match="every=1 must be >= 2"):
+        ControlLane(("http://127.0.0.1:1",), 1)
+    lane = ControlLane(("http://127.0.0.1:1",), 5)
+    assert [i for i in range(15) if lane.has(i)] == [4, 9, 14]
+
+
+def test_the_control_lane_sends_every_kth_request_straight_to_the_engines() -> None:
+    """Real HTTP on loopback: a stand-in router and two stand-in engines count what reaches
+    them; the client marks the control lane's results and each lane keeps its round robin."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    seen: dict[str, list[str]] = {"router": [], "e0": [], "e1": []}
+
+    def server_for(name: str) -> web.Application:
+        async def chat(request: web.Request) -> web.Response:
+            body = await request.json()
+            seen[name].append(body["messages"][-1]["content"])
+            return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    reqs = [LiveRequest(f"q{i}", i * 0.002, json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}).encode(), 5, 1,
+        stream=False) for i in range(9)]
+
+    async def scenario() -> ClientRun:
+        servers = {name: TestServer(server_for(name), host="127.0.0.1") for name in seen}
+        for server in servers.values():
+            await server.start_server()
+        try:
+            def url(name: str) -> str:
+                return str(servers[name].make_url("")).rstrip("/")
+
+            lane = ControlLane((url("e0"), url("e1")), 3)
+            return await run_client([url("router")], reqs, control=lane,
+                                    request_timeout_s=5, duration_s=10)
+        finally:
+            for server in servers.values():
+                await server.close()
+
+    run = asyncio.run(scenario())
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    assert [r.control for r in run.results] == [False, False, True] * 3
+    assert sorted(seen["router"]) == ["q0", "q1", "q3", "q4", "q6", "q7"]
+    assert (seen["e0"], seen["e1"]) == (["q2", "q8"], ["q5"])  # the lane's own round robin
+    assert summarize(run, control=True)["completed"] == 3
 
 
 def test_process_tree_cpu_counts_this_process() -> None:

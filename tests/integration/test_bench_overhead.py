@@ -27,6 +27,7 @@ from kvroute.bench.overhead import (
     OverheadSpec,
     Phase,
     _add_overheads,
+    _add_same_window,
     _engine_warmup,
     _schedule,
     format_rows,
@@ -68,6 +69,30 @@ def test_schedule_is_fixed_rate_or_a_closed_loop_pool() -> None:
     assert fixed[4].body is pool[1].body
     closed = _schedule(pool, Phase("c8", "c", 8.0), 1.0)
     assert len(closed) == 5000 and all(r.arrival_s == 0.0 for r in closed)
+
+
+def test_a_same_window_schedule_keeps_the_routers_rate() -> None:
+    pool = [LiveRequest(f"q{i}", 0.0, b"{}", 10, 8) for i in range(3)]
+    mixed = _schedule(pool, Phase("r400", "r", 400.0), 2.0, same_window=4)
+    assert len(mixed) == 1000  # 800 for the router, 200 straight to the engines
+    assert mixed[5].arrival_s == pytest.approx(5 / 500)
+    closed = _schedule(pool, Phase("c8", "c", 8.0), 1.0, same_window=4)
+    assert len(closed) == 5000  # a closed loop has no control lane
+    with pytest.raises(ConfigError, match="same_window=-1 must be >= 0"):
+        OverheadSpec(routers=parse_overhead_routers("direct"), same_window=-1).validate()
+
+
+def test_same_window_figures_are_the_routers_requests_against_the_lanes() -> None:
+    row: dict[str, Any] = {"p50_ms": 1.5, "p99_ms": 3.0}
+    lane = {"completed": 100, "errors": {"timeout": 1}, "e2e_p50_ms": 1.0, "e2e_p99_ms": 2.25,
+            "ttft_p50_ms": 9.0, "ttft_p99_ms": 9.0}
+    _add_same_window(row, lane, "e2e")
+    assert row["same_window_direct_completed"] == 100
+    assert row["same_window_direct_errors"] == {"timeout": 1}
+    assert (row["same_window_direct_p50_ms"], row["same_window_direct_p99_ms"]) == (1.0, 2.25)
+    assert (row["added_same_window_p50_ms"], row["added_same_window_p99_ms"]) == (0.5, 0.75)
+    _add_same_window(row, {**lane, "e2e_p99_ms": None}, "e2e")
+    assert row["added_same_window_p99_ms"] is None
 
 
 def test_engine_warmup_shows_every_engine_every_prompt_group() -> None:
@@ -208,7 +233,7 @@ def test_passthrough_relays_whole_and_streamed_answers() -> None:
 def test_a_short_run_measures_every_router_on_every_phase() -> None:
     spec = OverheadSpec(routers=parse_overhead_routers("direct,passthrough,kvroute-local"),
                         phases=parse_phases("r40,s20"), engines=2, phase_s=1.0, warmup_s=0.5,
-                        passes=1)
+                        passes=1, same_window=4)
     report = run_overhead_bench(spec)
     rows = report["results"]
     assert {(r["router"], r["phase"]) for r in rows} == {
@@ -216,7 +241,13 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
         for phase in ("r40", "s20")}
     for row in rows:
         assert row["errors"] == {}, row
+        # The router still gets the phase's rate; one more in five went straight to an engine.
         assert row["completed"] == (40 if row["phase"] == "r40" else 20)
+        assert row["same_window_direct_completed"] == (10 if row["phase"] == "r40" else 5)
+        assert row["same_window_direct_errors"] == {}
+        assert 0 < row["same_window_direct_p50_ms"] <= row["same_window_direct_p99_ms"]
+        assert row["added_same_window_p99_ms"] == pytest.approx(
+            row["p99_ms"] - row["same_window_direct_p99_ms"], abs=1e-3)
         assert row["p50_ms"] is not None and row["p50_ms"] > 0
         assert row["tcp_nodelay"] in (True, None)  # None: the answer was whole before the check
         if row["router"] == "direct":
@@ -237,6 +268,7 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
             assert "router_own_p99_ms" not in row
     assert report["config"]["engine_tokenizer"].startswith("bundled")
     assert report["config"]["router_cpus"] is None
+    assert report["config"]["same_window"] == 4
     assert len(format_rows(report)) == 6
     json.dumps(report)
 

@@ -25,6 +25,13 @@ Bounds (every run ends, whatever the server does):
   ``over_max_in_flight`` (the open loop stays open, as the overhead anchors' client did);
 * closed loop (``concurrency=N``): N workers send back to back in workload order.
 
+A control lane (``ControlLane``): in the same stream, every ``every``-th request goes straight
+to the engines instead of to the target, and its result is marked ``control``. A router's
+added latency can then be taken against requests sent direct *in the same seconds*, through
+the same client, to the same engines, rather than against a baseline measured in another
+window: on a shared VM the client's p99 moves by milliseconds from one window to the next,
+for every router and for ``direct`` alike, which a same-window baseline cancels.
+
 Latency definitions (every router is measured identically, so differences are the router's):
 TTFT runs from just before the request is written to the first SSE event carrying output text;
 ITL is every gap between consecutive text-carrying events of one response; E2E runs to the end
@@ -64,6 +71,7 @@ from kvroute.wire.sse import SSEDecoder
 
 __all__ = [
     "ClientRun",
+    "ControlLane",
     "LiveRequest",
     "RequestResult",
     "build_live_requests",
@@ -87,16 +95,41 @@ class LiveRequest:
     stream: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class ControlLane:
+    """Send request *i* of a stream straight to ``targets`` (round robin among them) when
+    ``i % every == every - 1``: one request in ``every``, spread evenly through the stream.
+
+    Raises:
+        ConfigError: no targets, or ``every`` below 2 (every request would be a control one).
+    """
+
+    targets: tuple[str, ...]
+    every: int
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ConfigError("a control lane needs at least one engine URL")
+        if self.every < 2:
+            raise ConfigError(f"control lane every={self.every} must be >= 2 (one request in "
+                              "`every` goes direct; the others go to the router)")
+
+    def has(self, i: int) -> bool:
+        return i % self.every == self.every - 1
+
+
 @dataclass(slots=True)
 class RequestResult:
     """What the client saw of one request. Times are seconds; ``start_s`` is from run start.
 
     ``error`` is None for an OK request, else a short kind: ``http_<status>``, ``no_output``,
     ``no_done``, ``timeout``, ``deadline``, ``not_sent``, ``over_max_in_flight``,
-    ``connect``, ``client:<ExceptionName>``.
+    ``connect``, ``client:<ExceptionName>``. ``control`` marks a request of the control
+    lane (sent straight to an engine, ``ControlLane``).
     """
 
     request_id: str
+    control: bool = False
     start_s: float | None = None
     lag_s: float | None = None
     status: int | None = None
@@ -360,6 +393,7 @@ async def run_client(
     request_timeout_s: float = 60.0,
     duration_s: float = 300.0,
     on_done: Callable[[int], None] | None = None,
+    control: ControlLane | None = None,
 ) -> ClientRun:
     """Send ``requests`` once each and measure them (see the module docstring for bounds).
 
@@ -373,6 +407,9 @@ async def run_client(
         request_timeout_s: bound on one request, start to last byte.
         duration_s: bound on the whole run.
         on_done: called with 1 after each request (progress bars).
+        control: send one request in ``control.every`` straight to ``control.targets``
+            instead (marked ``control`` in the results); each lane takes its targets round
+            robin among its own requests.
 
     Returns:
         Per-request results in ``requests`` order, the wall time, the TCP_NODELAY check.
@@ -388,8 +425,9 @@ async def run_client(
             raise ConfigError(f"{name}={value!r} must be > 0")
     if concurrency is not None and concurrency < 1:
         raise ConfigError(f"concurrency={concurrency} must be >= 1 (or None for open loop)")
-    urls = [t.rstrip("/") + "/v1/chat/completions" for t in targets]
-    results = [RequestResult(r.request_id) for r in requests]
+    urls = _lane_urls(targets, control, len(requests))
+    results = [RequestResult(r.request_id, control=control is not None and control.has(i))
+               for i, r in enumerate(requests)]
     nodelay: list[bool | None] = []
     client = EngineClient(connect_timeout_s=request_timeout_s,
                           total_timeout_s=request_timeout_s)
@@ -402,8 +440,7 @@ async def run_client(
         res.start_s = now - started
         res.lag_s = max(0.0, now - scheduled)
         try:
-            await _one(client, urls[i % len(urls)], requests[i], res, request_timeout_s,
-                       nodelay)
+            await _one(client, urls[i], requests[i], res, request_timeout_s, nodelay)
         finally:
             if on_done is not None:
                 on_done(1)
@@ -467,6 +504,24 @@ async def run_client(
     return ClientRun(results, wall, nodelay[0] if nodelay else None)
 
 
+def _lane_urls(targets: Sequence[str], control: ControlLane | None, count: int) -> list[str]:
+    """Each request's URL: the targets round robin, and with a control lane, its requests
+    round robin over the lane's targets (each lane counts only its own requests)."""
+    path = "/v1/chat/completions"
+    main = [t.rstrip("/") + path for t in targets]
+    if control is None:
+        return [main[i % len(main)] for i in range(count)]
+    direct = [t.rstrip("/") + path for t in control.targets]
+    out: list[str] = []
+    sent = [0, 0]  # main lane, control lane
+    for i in range(count):
+        lane = 1 if control.has(i) else 0
+        pool = direct if lane else main
+        out.append(pool[sent[lane] % len(pool)])
+        sent[lane] += 1
+    return out
+
+
 def replay(targets: Sequence[str], requests: Sequence[LiveRequest],
            **options: Any) -> ClientRun:
     """``run_client`` on an event loop of its own, uvloop's when it is installed.
@@ -495,21 +550,25 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 3)
 
 
-def summarize(run: ClientRun) -> dict[str, Any]:
+def summarize(run: ClientRun, *, control: bool | None = None) -> dict[str, Any]:
     """Client-side figures of one run (milliseconds, nearest-rank percentiles over OK requests).
 
     ``errors`` counts every non-OK request by kind; ``achieved_rps`` is OK requests over wall.
+    ``control``: None summarizes every request; False only those sent to the target, True
+    only the control lane's (``ControlLane``).
     """
-    ok = [r for r in run.results if r.ok]
+    results = (run.results if control is None
+               else [r for r in run.results if r.control == control])
+    ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
-    for r in run.results:
+    for r in results:
         if r.error is not None:
             errors[r.error] = errors.get(r.error, 0) + 1
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     itl = [gap for r in ok for gap in r.itl_s]
-    lag = [r.lag_s for r in run.results if r.lag_s is not None]
-    out: dict[str, Any] = {"requests": len(run.results), "completed": len(ok), "errors": errors}
+    lag = [r.lag_s for r in results if r.lag_s is not None]
+    out: dict[str, Any] = {"requests": len(results), "completed": len(ok), "errors": errors}
     for name, values in (("ttft", ttft), ("e2e", e2e), ("itl", itl)):
         out[f"{name}_mean_ms"] = _ms(sum(values) / len(values)) if values else None
         for q in (50, 90, 99):

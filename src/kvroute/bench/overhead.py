@@ -31,6 +31,18 @@ like vllm-router's ``/render``, shows here), and ``added_p50_ms``/``added_p99_ms
 part of the added latency that is its code rather than the extra hop and the machine
 (``bench/router_time.py``), and the same per stage in ``router_own_stages_ms``.
 
+Same-window baseline (``same_window``, off by default): ``direct`` of the same pass runs in
+another window of seconds, and on a shared VM the client's p99 moves by milliseconds from one
+window to the next for every router, ``direct`` included, so an added p99 taken across
+windows carries that drift. With ``same_window`` = *K*, each fixed-rate phase also sends one
+request straight to the engines (round robin) for every *K* it sends to the router, mixed into
+the same stream (``live_client.ControlLane``); the router still gets the phase's rate. Each
+row then also has ``same_window_direct_p50_ms``/``_p99_ms`` (those requests' latency) and
+``added_same_window_p50_ms``/``_p99_ms``: the router's requests against them. ``direct``'s own
+row gets the same columns, which should be near zero: that is the noise of the method. The
+engines and the client carry ``(K + 1) / K`` times the rate; closed-loop phases have no
+control lane.
+
 CPU placement (``router_cpus``): by default every process shares every CPU, as in the
 reference anchors; a router then competes for the cores with the engines and the load
 generator, and on a small machine part of what it "adds" is that contention rather than its
@@ -55,7 +67,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from kvroute.bench.live_client import LiveRequest, build_live_requests, replay, summarize
+from kvroute.bench.live_client import (
+    ControlLane,
+    LiveRequest,
+    build_live_requests,
+    replay,
+    summarize,
+)
 from kvroute.bench.live_routers import (
     PEER_VERSIONS,
     PeerRouters,
@@ -209,6 +227,9 @@ class OverheadSpec:
     router_cpus: frozenset[int] | None = None
     """Pin every router to these CPUs and the engines and the client to the rest (None: all
     share every CPU, as in the reference anchors)."""
+    same_window: int = 0
+    """Per this many requests to a router in a fixed-rate phase, one more straight to the
+    engines in the same stream (0: no same-window baseline; see the module docstring)."""
 
     def apparatus_cpus(self) -> frozenset[int] | None:
         """The CPUs left to the engines and the load generator (None when not pinned)."""
@@ -228,6 +249,9 @@ class OverheadSpec:
                 raise ConfigError(f"{name}={fvalue} must be > 0")
         if self.warmup_s < 0:
             raise ConfigError(f"warmup_s={self.warmup_s} must be >= 0")
+        if self.same_window < 0:
+            raise ConfigError(f"same_window={self.same_window} must be >= 0 (0: off; K: one "
+                              "request straight to the engines per K sent to the router)")
         if self.router_cpus is not None:
             usable = frozenset(os.sched_getaffinity(0))
             if not self.router_cpus <= usable or self.router_cpus == usable:
@@ -246,16 +270,31 @@ def _requests(spec: OverheadSpec, stream: bool) -> list[LiveRequest]:
     return build_live_requests(workload, model=spec.model, stream=stream)
 
 
-def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float) -> list[LiveRequest]:
+def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float,
+              same_window: int = 0) -> list[LiveRequest]:
     """The phase's requests: fixed-rate arrivals over ``phase_s``, or enough for a closed
-    loop to run ``phase_s`` at up to 5,000 req/s; bodies cycle through ``pool``."""
-    count = int(phase.value * phase_s) if phase.kind in ("r", "s") else int(5000 * phase_s)
+    loop to run ``phase_s`` at up to 5,000 req/s; bodies cycle through ``pool``.
+
+    With ``same_window`` = *K* (fixed-rate phases), the stream runs at ``(K + 1) / K`` times
+    the rate, so that the router still gets the phase's rate once ``_control_lane`` has taken
+    one request in ``K + 1`` straight to the engines.
+    """
+    fixed = phase.kind in ("r", "s")
+    rate = phase.value * (same_window + 1) / same_window if fixed and same_window else phase.value
+    count = int(rate * phase_s) if fixed else int(5000 * phase_s)
     out = []
     for i in range(max(1, count)):
         req = pool[i % len(pool)]
-        arrival = i / phase.value if phase.kind in ("r", "s") else 0.0
+        arrival = i / rate if fixed else 0.0
         out.append(replace(req, request_id=f"{phase.name}-{i}", arrival_s=arrival))
     return out
+
+
+def _control_lane(phase: Phase, spec: OverheadSpec, fleet: Fleet) -> ControlLane | None:
+    """The same-window baseline of a fixed-rate phase (None: off, or a closed loop)."""
+    if not spec.same_window or phase.kind not in ("r", "s"):
+        return None
+    return ControlLane(tuple(e.url for e in fleet.replicas), spec.same_window + 1)
 
 
 def _engine_cpu_s(fleet: Fleet) -> float:
@@ -273,16 +312,18 @@ def _router_time_buckets(metrics_url: str | None) -> dict[str, Buckets] | None:
 def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Phase,
                spec: OverheadSpec, cpu: Callable[[], float | None], fleet: Fleet,
                metrics_url: str | None = None) -> dict[str, Any]:
+    control = _control_lane(phase, spec, fleet)
     own0 = _router_time_buckets(metrics_url)
     router0, engines0, client0 = cpu(), _engine_cpu_s(fleet), time.process_time()
     run = replay(
         router_targets, requests,
         concurrency=int(phase.value) if phase.kind == "c" else None,
         max_in_flight=spec.max_in_flight, request_timeout_s=spec.request_timeout_s,
-        duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0))
+        duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0),
+        control=control)
     router1, engines1, client1 = cpu(), _engine_cpu_s(fleet), time.process_time()
     own1 = _router_time_buckets(metrics_url)
-    summary = summarize(run)
+    summary = summarize(run, control=None if control is None else False)
     errors = dict(summary["errors"])
     if phase.kind == "c":
         errors.pop("not_sent", None)  # a closed loop stops at its deadline by design:
@@ -298,6 +339,8 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
         "client_cpu_ms_per_req": round(1e3 * (client1 - client0) / done, 4) if done else None,
         "router_cpu_ms_per_req": None,
     }
+    if control is not None:
+        _add_same_window(row, summarize(run, control=True), key)
     if router0 is not None and router1 is not None and done:
         row["router_cpu_ms_per_req"] = round(1e3 * (router1 - router0) / done, 4)
         row["router_cores"] = round((router1 - router0) / max(run.wall_s, 1e-9), 3)
@@ -313,6 +356,19 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
         row["router_own_p99_ms"] = stages["total"]["p99"]
         row["router_own_stages_ms"] = stages
     return row
+
+
+def _add_same_window(row: dict[str, Any], lane: Mapping[str, Any], key: str) -> None:
+    """The control lane's figures, and the router's requests against them (``row``'s
+    ``p50_ms``/``p99_ms`` are already the router's requests only)."""
+    row["same_window_direct_completed"] = lane["completed"]
+    row["same_window_direct_errors"] = dict(lane["errors"])
+    for q in ("p50", "p99"):
+        ref = lane[f"{key}_{q}_ms"]
+        mine = row[f"{q}_ms"]
+        row[f"same_window_direct_{q}_ms"] = ref
+        row[f"added_same_window_{q}_ms"] = (None if ref is None or mine is None
+                                            else round(mine - ref, 3))
 
 
 def run_overhead_bench(
@@ -365,7 +421,8 @@ def run_overhead_bench(
                                 request_timeout_s=spec.request_timeout_s,
                                 duration_s=spec.warmup_s + spec.request_timeout_s)
                         for phase in spec.phases:
-                            requests = _schedule(pools[phase.stream], phase, spec.phase_s)
+                            requests = _schedule(pools[phase.stream], phase, spec.phase_s,
+                                                 spec.same_window)
                             metrics_url = (router.targets[0] + "/metrics"
                                            if router_spec.kind == "kvroute" else None)
                             row = _run_phase(router.targets, requests, phase, spec,
@@ -441,6 +498,7 @@ def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
         "mean_body_bytes": round(sum(len(r.body) for r in pool) / len(pool)),
         "routers": [r.name for r in spec.routers],
         "router_cpus": sorted(spec.router_cpus) if spec.router_cpus is not None else None,
+        "same_window": spec.same_window,
         "apparatus_cpus": (sorted(apparatus) if (apparatus := spec.apparatus_cpus()) is not None
                            else None),
         "peer_versions": PEER_VERSIONS if peers.available else None,
@@ -452,7 +510,8 @@ def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
 
 def format_rows(report: Mapping[str, Any]) -> list[list[str]]:
     """Table rows: router, phase, then per-pass ``p1 / p2`` cells of the main figures (``-``
-    where a router has no such figure: kvroute's own time for the others)."""
+    where a router has no such figure: kvroute's own time for the others, the same-window
+    columns without ``same_window`` or in a closed loop)."""
     by_key: dict[tuple[str, str], dict[int, Mapping[str, Any]]] = {}
     for row in report["results"]:
         by_key.setdefault((row["router"], row["phase"]), {})[row["pass"]] = row
@@ -466,7 +525,8 @@ def format_rows(report: Mapping[str, Any]) -> list[list[str]]:
         errors = sum(sum(rows[p]["errors"].values()) for p in rows)
         out.append([router, phase, cell(rows, "achieved_rps", "{:.0f}"), cell(rows, "p50_ms"),
                     cell(rows, "p99_ms"), cell(rows, "added_p50_ms"),
-                    cell(rows, "added_p99_ms"), cell(rows, "router_own_p50_ms"),
+                    cell(rows, "added_p99_ms"), cell(rows, "added_same_window_p50_ms"),
+                    cell(rows, "added_same_window_p99_ms"), cell(rows, "router_own_p50_ms"),
                     cell(rows, "router_own_p99_ms"),
                     cell(rows, "router_cpu_ms_per_req", "{:.3f}"),
                     cell(rows, "engine_cpu_ms_per_req", "{:.3f}"), str(errors)])

@@ -19,7 +19,7 @@ HELP = ("Router overhead side by side: direct, a bare relay, kvroute (engine /to
         "two passes in opposite order.")
 
 _HEADS = ["router", "phase", "req/s", "p50 ms", "p99 ms", "added p50", "added p99",
-          "own p50", "own p99", "router CPU ms/req", "engine CPU ms/req", "errors"]
+          "same-window added p50", "same-window added p99", "own p50", "own p99", "router CPU ms/req", "engine CPU ms/req", "errors"]
 
 
 def bench_overhead(
@@ -39,6 +39,10 @@ def bench_overhead(
         help="Run every router on these CPUs (e.g. 1) and the engines and the load generator "
              "on the others, as a router on a host of its own would be. Default: all share "
              "every CPU.")] = None,
+    same_window: Annotated[int, typer.Option(
+        help="Per K requests to a router in a fixed-rate phase, send one more straight to "
+             "the engines in the same stream, and report the router's added latency against "
+             "those too (steadier than direct's own phase on a noisy machine). 0: off.")] = 0,
 ) -> None:
     """Router overhead side by side (see ``kvroute.bench.overhead``)."""
     from kvroute.bench.overhead import (
@@ -53,20 +57,25 @@ def bench_overhead(
     console = Console(stderr=True)
 
     def on_phase(router: str, pass_no: int, phase: str, row: Any) -> None:
+        same = ""
+        if "same_window_direct_p99_ms" in row:
+            same = (f" (direct in the same window: p50 {row['same_window_direct_p50_ms']} ms, "
+                    f"p99 {row['same_window_direct_p99_ms']} ms)")
         console.print(f"pass {pass_no} {router:>14} {phase:>5}: {row['achieved_rps']} req/s, "
-                      f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms, router CPU "
+                      f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms{same}, router CPU "
                       f"{row['router_cpu_ms_per_req']} ms/req, errors {row['errors']}")
 
     try:
         spec = OverheadSpec(routers=parse_overhead_routers(routers), phases=parse_phases(phases),
                             engines=engines, phase_s=phase_seconds, passes=passes, seed=seed,
                             log_dir=log_dir,
-                            router_cpus=parse_cpus(router_cpus) if router_cpus else None)
+                            router_cpus=parse_cpus(router_cpus) if router_cpus else None,
+                            same_window=same_window)
         report = run_overhead_bench(spec, on_phase=on_phase)
     except RouterError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    wide_console(190).print(rows_table(
+    wide_console(230).print(rows_table(
         f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...",
         [_HEADS, *format_rows(report)], left=("router", "phase")))
     for router, reason in report["skipped"].items():
