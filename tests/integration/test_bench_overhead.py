@@ -29,7 +29,9 @@ from kvroute.bench.overhead import (
     _add_overheads,
     _add_same_window,
     _engine_warmup,
+    _event_primers,
     _schedule,
+    caught_up,
     format_rows,
     parse_cpus,
     parse_overhead_routers,
@@ -93,6 +95,30 @@ def test_same_window_figures_are_the_routers_requests_against_the_lanes() -> Non
     assert (row["added_same_window_p50_ms"], row["added_same_window_p99_ms"]) == (0.5, 0.75)
     _add_same_window(row, {**lane, "e2e_p99_ms": None}, "e2e")
     assert row["added_same_window_p99_ms"] is None
+
+
+def test_caught_up_needs_events_from_every_replica_and_no_replay() -> None:
+    def metrics(applied: dict[str, int], replaying: dict[str, int]) -> str:
+        lines = [f'kvroute_kv_event_batches_applied_total{{replica="{r}"}} {n}'
+                 for r, n in applied.items()]
+        lines += [f'kvroute_kv_event_replaying{{replica="{r}"}} {n}'
+                  for r, n in replaying.items()]
+        return "\n".join(lines) + "\n"
+
+    assert caught_up(metrics({"e0": 3, "e1": 1}, {"e0": 0, "e1": 0}), ["e0", "e1"])
+    assert not caught_up(metrics({"e0": 3, "e1": 1}, {"e0": 0, "e1": 1}), ["e0", "e1"])
+    assert not caught_up(metrics({"e0": 3}, {"e0": 0}), ["e0", "e1"])  # e1: nothing yet
+    assert not caught_up("", ["e0"])
+
+
+def test_event_primers_give_each_engine_a_prompt_no_one_has_seen() -> None:
+    primers = _event_primers(4, "kvroute-auto-2", "sim-model")
+    assert len(primers) == 4  # the client sends primer i to engine i
+    texts = [json.loads(p.body)["messages"][0]["content"] for p in primers]
+    assert len(set(texts)) == 4 and all("kvroute-auto-2" in t for t in texts)
+    assert all(len(t) > 200 for t in texts)  # several blocks of new tokens
+    assert all(not p.stream and json.loads(p.body)["max_tokens"] == 1 for p in primers)
+    assert _event_primers(4, "other", "sim-model")[0].body != primers[0].body
 
 
 def test_engine_warmup_shows_every_engine_every_prompt_group() -> None:
@@ -254,6 +280,11 @@ def test_a_short_run_measures_every_router_on_every_phase() -> None:
             assert row["router_cpu_ms_per_req"] is None and row["added_p50_ms"] is None
         else:
             assert row["router_cpu_ms_per_req"] > 0 and row["added_p50_ms"] is not None
+        if row["router"] == "kvroute-local":
+            # Measured once its KV-event catch-up (start-up work) was over.
+            assert row["caught_up"] is True and 0 <= row["catch_up_wait_s"] < 60
+        else:
+            assert "caught_up" not in row
         if row["router"] == "kvroute-local":  # its own share, from its router_time metric
             # A share of what the client waited: per request always, but an interpolated
             # bucket quantile of a few requests can pass the client's own p99, so the

@@ -21,7 +21,7 @@ import zmq.asyncio
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.types import ReplicaId, WireHash
 from kvroute.shell.kv_publisher import KVEventPublisher
-from kvroute.shell.zmq_events import _TAKE_PER_TURN, EventSubscriber
+from kvroute.shell.zmq_events import _REPLAY_PER_TURN, _TAKE_PER_TURN, EventSubscriber
 from kvroute.wire.vllm_events import (
     ReplayBatch,
     decode_replay_reply,
@@ -191,6 +191,51 @@ def test_late_joiner_catches_up_from_replay() -> None:
         assert sink.resets == []
         assert sub.stats.replays == 1
         assert sub.stats.replayed_batches >= 5
+
+    run(test)
+
+
+def test_a_long_catch_up_shares_the_loop_and_says_it_is_replaying() -> None:
+    """A late joiner beside an engine with a full buffer: every buffered batch arrives in
+    order, and other tasks run while the replay is received and while it is delivered (it
+    yields every few batches instead of holding the loop for the whole buffer)."""
+    buffered = 40 * _REPLAY_PER_TURN
+
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        sink = Sink()
+        with KVEventPublisher(buffer_steps=buffered + 500) as pub:
+            for i in range(buffered):  # nobody is listening yet
+                pub.publish(events_for(i), ts=float(i))
+            pub.wait_sent()
+            sub = make_sub(ctx, pub, sink, token_ids=False)
+            seen: list[tuple[bool, int]] = []  # (replaying, batches delivered) per turn
+
+            async def watch() -> None:
+                while True:
+                    seen.append((sub.stats.replaying, len(sink.batches)))
+                    await asyncio.sleep(0)
+
+            async def body() -> None:
+                watcher = asyncio.create_task(watch())
+                try:
+                    last = await probe(lambda: pub.publish(events_for(9), ts=9.0),
+                                       lambda: bool(sink.batches))
+                    await wait_until(lambda: sub.stats.last_seq == last, "the catch-up")
+                finally:
+                    watcher.cancel()
+
+            await with_sub(sub, body)
+        assert sink.seqs == list(range(len(sink.seqs)))
+        assert len(sink.seqs) > buffered and sink.resets == []
+        # Replayed batches decode without token ids, as the live ones do.
+        assert sink.batches[0] == EventBatch(0, 0.0, tuple(
+            BlockStored(e.block_hashes, e.parent_block_hash, (), e.block_size, group_idx=0)
+            if isinstance(e, BlockStored) else e for e in events_for(0)), 0)
+        receiving = [n for replaying, n in seen if replaying and n == 0]
+        delivering = [n for replaying, n in seen if replaying and 0 < n < buffered]
+        assert len(receiving) >= 10, "nothing else ran while the replay was received"
+        assert len(set(delivering)) >= 10, "nothing else ran while the replay was delivered"
+        assert not sub.stats.replaying and seen[-1][0] is False
 
     run(test)
 

@@ -62,6 +62,7 @@ kv_event_gaps_total                    counter    replica
 kv_event_replays_total                 counter    replica
 kv_event_resets_total                  counter    replica
 kv_event_malformed_total               counter    replica
+kv_event_replaying                     gauge      replica (1 while a replay is under way)
 index_entries / index_hashes           gauge      -
 pool_approximate                       gauge      pool (1 = routing on text chunks)
 tokenizer_mode                         gauge      pool, mode (1 for the pool's current mode)
@@ -374,6 +375,11 @@ class RouterMetrics:
             "index_hashes", "Distinct block hashes in the prefix index.",
             namespace=ns, registry=r,
         )
+        self._replaying = Gauge(
+            "kv_event_replaying", "1 while the replica's KV-event subscriber receives or "
+            "delivers a replay (a catch-up after the router starts, or a gap's recovery).",
+            ["replica"], namespace=ns, registry=r,
+        )
         self._approximate = Gauge(
             "pool_approximate", "1 if the pool routes approximately (no exact block hashes: "
             "block size/hash algorithm not read yet, or no tokenizer).",
@@ -523,6 +529,9 @@ class RouterMetrics:
         for pending, amount in zip(self._event_counts, amounts, strict=True):
             if amount:
                 pending.add(key, amount)
+
+    def set_replaying(self, replica: str, on: bool) -> None:
+        self._replaying.labels(replica).set(1 if on else 0)
 
     def set_index_size(self, entries: int, hashes: int) -> None:
         self._index_entries.set(entries)

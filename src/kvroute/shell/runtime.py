@@ -237,6 +237,7 @@ class RouterRuntime:
                 resets=now.resets - before.resets,
                 malformed=now.malformed - before.malformed,
             )
+            self.metrics.set_replaying(replica, now.replaying)
             self._seen[replica] = now
         for pool, local in self._local_tokenizers():
             pieces = local.pieces
@@ -284,7 +285,7 @@ class RouterRuntime:
             subs[replica] = {"batches": s.batches, "events": s.events, "gaps": s.gaps,
                              "replays": s.replays, "replayed_batches": s.replayed_batches,
                              "resets": s.resets, "malformed": s.malformed,
-                             "last_seq": s.last_seq}
+                             "last_seq": s.last_seq, "replaying": s.replaying}
         windows = {}
         if self.discovery is not None:
             windows = {pool: self.discovery.pool_window(pool) for pool in self.config.pools}

@@ -69,6 +69,25 @@ requires.
 
 An exception from ``on_batch`` or ``on_reset`` in the callback is kept and raised by the
 subscriber's task, so it still ends the subscriber (``run``, ``stop``).
+
+Replays
+-------
+
+A replay can be large: a router that starts (or restarts) beside a busy engine catches up on
+the engine's whole buffer (vLLM keeps 10,000 batches), and every replica's subscriber does so
+at once. It runs beside the requests the router is serving, so it must neither stall the loop
+nor starve them. The DEALER is a plain socket read with ``NOBLOCK`` like the SUB (pyzmq's
+asyncio ``poll`` and ``recv_multipart`` were four fifths of a replay's CPU, about 80 µs a
+batch, ``docs/benchmarks.md``); receiving and then delivering both yield to the loop after
+every ``_REPLAY_PER_TURN`` batches, so a request waits for at most one such slice of another
+replica's catch-up. The live stream queues meanwhile (the task has a message in hand), and
+``stats.replaying`` says a replay is under way (the router exports it as
+``kvroute_kv_event_replaying``).
+
+``replay_timeout`` bounds the time spent *waiting* for the engine during one replay, not the
+time the router spends decoding, delivering and serving in between: a dead or silent replay
+socket still fails the replay within it, while a long catch-up on a busy router is not cut
+short for the router's own slowness. The engine's buffer bounds what it can send.
 """
 
 from __future__ import annotations
@@ -102,6 +121,9 @@ OnReset = Callable[[ReplicaId, str], None]
 
 _TAKE_PER_TURN = 64
 """Most live messages handled between two yields to the event loop."""
+_REPLAY_PER_TURN = 16
+"""Most replayed messages received, or replayed batches delivered, between two yields: a
+catch-up is not urgent, and a request should wait for a few hundred µs of it at most."""
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)  # plain ints: ``zmq.PollEvent`` arithmetic runs in Python
 
@@ -128,6 +150,8 @@ class SubscriberStats:
     """Events of an unknown type, skipped by the codec."""
     last_seq: int | None = None
     """Sequence number of the last delivered batch."""
+    replaying: bool = False
+    """A replay (catch-up or gap recovery) is being received or delivered now."""
 
 
 class _ReplayResult:
@@ -148,7 +172,8 @@ class EventSubscriber:
         on_reset: told to forget everything about the replica, with a human-readable reason.
         replay_endpoint: the engine's replay ROUTER endpoint; None disables recovery.
         topic: SUB prefix filter (vLLM's default topic is ``""``, which matches everything).
-        replay_timeout: seconds allowed for one whole replay exchange.
+        replay_timeout: seconds one replay may spend waiting for the engine's answers (the
+            router's own work in between is not counted; module doc, Replays).
         catch_up: replay the engine's buffer when the first message is not seq 0.
         hwm: receive high-water mark of the SUB socket (vLLM's PUB default is 100 000).
         context: a ``zmq.asyncio.Context``; the process-wide instance when None.
@@ -339,22 +364,34 @@ class EventSubscriber:
         log.warning("replica %s: KV index reset: %s", self.replica, reason)
         self._on_reset(self.replica, reason)
 
-    def _deliver_tail(self, got: dict[int, EventBatch], stop: int) -> None:
+    async def _deliver_tail(self, got: dict[int, EventBatch], stop: int) -> None:
         """Deliver the contiguous run of replayed batches that ends at ``stop - 1``."""
         first = stop
         while first - 1 in got:
             first -= 1
-        for seq in range(first, stop):
+        await self._deliver_replayed(got, first, stop)
+
+    async def _deliver_replayed(self, got: dict[int, EventBatch], first: int,
+                                stop: int) -> None:
+        """Deliver replayed batches ``first..stop - 1`` in order, yielding to the loop after
+        every ``_REPLAY_PER_TURN`` (module doc, Replays)."""
+        for n, seq in enumerate(range(first, stop), start=1):
             self._stats.replayed_batches += 1
             self._deliver(got[seq])
+            if n % _REPLAY_PER_TURN == 0:
+                await asyncio.sleep(0)
 
     async def _accept(self, batch: EventBatch) -> None:
         seq = batch.seq
         expected = self._expected
         if expected is None:
             if seq > 0 and self._catch_up and self.replay_endpoint is not None:
-                result = await self._replay(0, seq)
-                self._deliver_tail(result.batches, seq)
+                self._stats.replaying = True
+                try:
+                    result = await self._replay(0, seq)
+                    await self._deliver_tail(result.batches, seq)
+                finally:
+                    self._stats.replaying = False
             self._deliver(batch)
             return
         if seq == expected:
@@ -375,37 +412,63 @@ class EventSubscriber:
             )
             self._deliver(batch)
             return
-        result = await self._replay(expected, seq)
-        if result.problem is None:
-            for missing in range(expected, seq):
-                self._stats.replayed_batches += 1
-                self._deliver(result.batches[missing])
-        else:
-            self._reset(f"could not recover batches {expected}..{seq - 1}: {result.problem}")
-            self._deliver_tail(result.batches, seq)
+        self._stats.replaying = True
+        try:
+            result = await self._replay(expected, seq)
+            if result.problem is None:
+                await self._deliver_replayed(result.batches, expected, seq)
+            else:
+                self._reset(f"could not recover batches {expected}..{seq - 1}: "
+                            f"{result.problem}")
+                await self._deliver_tail(result.batches, seq)
+        finally:
+            self._stats.replaying = False
         self._deliver(batch)
 
     async def _replay(self, start: int, stop: int) -> _ReplayResult:
-        """Ask the replay ROUTER for ``[start, stop)``; never raises for a bad peer."""
+        """Ask the replay ROUTER for ``[start, stop)``; never raises for a bad peer.
+
+        Reads a plain DEALER with ``NOBLOCK`` and yields every ``_REPLAY_PER_TURN`` messages;
+        waits on the descriptor only when ``ZMQ_EVENTS`` shows nothing (module doc,
+        Receiving and Replays)."""
         assert self.replay_endpoint is not None
         self._stats.replays += 1
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._replay_timeout
+        waited = 0.0
         got: dict[int, EventBatch] = {}
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.DEALER)
+        readable = asyncio.Event()
+        fd: int | None = None
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart(encode_replay_request(start))
+            # A connecting DEALER queues the request (its pipe exists from connect on).
+            dealer.send_multipart(encode_replay_request(start), zmq.NOBLOCK)
+            fd = cast(int, dealer.getsockopt(zmq.FD))
+            loop.add_reader(fd, readable.set)
+            taken = 0
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or not await dealer.poll(remaining * 1000):
-                    return _ReplayResult(
-                        got, f"replay did not finish within {self._replay_timeout}s"
-                    )
-                frames = await dealer.recv_multipart()
+                if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
+                    # Reading ZMQ_EVENTS re-armed the edge: the next message sets the event.
+                    readable.clear()
+                    remaining = self._replay_timeout - waited
+                    began = loop.time()
+                    try:
+                        if remaining <= 0:
+                            raise TimeoutError
+                        async with asyncio.timeout(remaining):
+                            await readable.wait()
+                    except TimeoutError:
+                        return _ReplayResult(
+                            got, f"replay did not finish within {self._replay_timeout}s of "
+                                 "waiting for the engine's answers")
+                    finally:
+                        waited += loop.time() - began
+                    continue
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
                 try:
-                    reply = decode_replay_reply(frames, on_unknown=self._count_unknown)
+                    reply = decode_replay_reply(frames, on_unknown=self._count_unknown,
+                                                token_ids=self._token_ids)
                 except MalformedEventError as exc:
                     self._stats.malformed += 1
                     return _ReplayResult(got, f"malformed replay reply ({exc})")
@@ -416,7 +479,12 @@ class EventSubscriber:
                     got[replayed] = reply.batch
                     if len(got) == stop - start:
                         return _ReplayResult(got, None)
+                taken += 1
+                if taken % _REPLAY_PER_TURN == 0:
+                    await asyncio.sleep(0)
         finally:
+            if fd is not None:
+                loop.remove_reader(fd)
             dealer.close(linger=0)
         missing = next(s for s in range(start, stop) if s not in got)
         oldest = f"the oldest it returned was {min(got)}" if got else "it returned none of them"

@@ -655,9 +655,10 @@ def encode_replay_end() -> list[bytes]:
 
 
 def decode_replay_reply(
-    frames: Sequence[bytes | bytearray | memoryview], *, on_unknown: OnUnknown | None = None
+    frames: Sequence[bytes | bytearray | memoryview], *, on_unknown: OnUnknown | None = None,
+    token_ids: bool = True,
 ) -> ReplayBatch | ReplayEnd:
-    """Decode one reply as a DEALER receives it.
+    """Decode one reply as a DEALER receives it (``token_ids`` as for ``decode_payload``).
 
     Accepted shapes, newest first:
 
@@ -691,4 +692,5 @@ def decode_replay_reply(
             raise MalformedEventError("the replay end marker must carry an empty payload")
         return ReplayEnd()
     seq = decode_seq(seq_frame)
-    return ReplayBatch(topic, decode_payload(payload, seq, on_unknown=on_unknown))
+    return ReplayBatch(topic, decode_payload(payload, seq, on_unknown=on_unknown,
+                                             token_ids=token_ids))

@@ -61,6 +61,12 @@ def test_event_counters_and_index_size() -> None:
     m.set_index_size(entries=10, hashes=4)
     m.set_index_size(entries=8, hashes=3)
     assert (value("kvroute_index_entries"), value("kvroute_index_hashes")) == (8, 3)
+    m.set_replaying("r0", True)
+    m.set_replaying("r1", False)
+    assert samples(m)[("kvroute_kv_event_replaying", (("replica", "r0"),))] == 1
+    m.set_replaying("r0", False)
+    assert value("kvroute_kv_event_replaying", {"replica": "r0"}) == 0
+    assert value("kvroute_kv_event_replaying", {"replica": "r1"}) == 0
 
 
 def test_fleet_gauges() -> None:
