@@ -240,6 +240,57 @@ def test_a_long_catch_up_shares_the_loop_and_says_it_is_replaying() -> None:
     run(test)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_subscribers_sharing_turns_catch_up_one_at_a_time(shared: bool) -> None:
+    """Two late joiners beside full buffers: with one ``catch_up_turns`` lock their catch-ups
+    never run at the same time; without it (the control) they do."""
+    buffered = 100 * _REPLAY_PER_TURN
+
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        turns = asyncio.Lock() if shared else None
+        both: list[bool] = []  # per loop turn: were both replaying?
+        with KVEventPublisher(buffer_steps=buffered + 500) as a, \
+                KVEventPublisher(buffer_steps=buffered + 500) as b:
+            for pub in (a, b):
+                for i in range(buffered):
+                    pub.publish(events_for(i), ts=float(i))
+                pub.wait_sent()
+            subs = [EventSubscriber(R, pub.endpoint, on_batch=Sink().on_batch,
+                                    on_reset=Sink().on_reset, replay_endpoint=pub.replay_endpoint,
+                                    context=ctx, topic="kv", catch_up_turns=turns)
+                    for pub in (a, b)]
+
+            async def watch() -> None:
+                while True:
+                    both.append(all(s.stats.replaying for s in subs))
+                    await asyncio.sleep(0)
+
+            for sub in subs:
+                sub.start()
+            watcher = asyncio.create_task(watch())
+            try:
+                for sub in subs:
+                    await sub.wait_connected()
+                await asyncio.sleep(0.2)  # both subscriptions reach their publishers
+                # Both get their first live message at once, so both want to catch up.
+                last = await probe(lambda: [p.publish(events_for(9), ts=9.0) for p in (a, b)],
+                                   lambda: all(s.stats.batches for s in subs))
+                await wait_until(lambda: all(s.stats.last_seq == n
+                                             for s, n in zip(subs, last, strict=True)),
+                                 "both catch-ups")
+            finally:
+                watcher.cancel()
+                for sub in subs:
+                    await sub.stop()
+        assert all(s.stats.replayed_batches >= buffered for s in subs)
+        if shared:
+            assert not any(both), "the catch-ups overlapped"
+        else:
+            assert any(both), "the control did not overlap: the test shows nothing"
+
+    run(test)
+
+
 def test_dropped_messages_recovered_through_replay() -> None:
     async def test(ctx: zmq.asyncio.Context) -> None:
         sink = Sink()

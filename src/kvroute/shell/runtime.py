@@ -144,6 +144,7 @@ class RouterRuntime:
                                    provider_keys=secrets.provider_keys)
         await self.discovery.refresh_now()
         await self.discovery.start()
+        catch_up_turns = asyncio.Lock()  # the subscribers catch up one at a time
         for pool in config.pools.values():
             for rep in pool.replicas:
                 if rep.kv_events is None:
@@ -151,7 +152,7 @@ class RouterRuntime:
                 sub = EventSubscriber(
                     rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
                     replay_endpoint=rep.kv_replay, topic=rep.kv_topic, bind=rep.kv_events_bind,
-                    token_ids=False,
+                    token_ids=False, catch_up_turns=catch_up_turns,
                 )
                 self.subscribers[rep.name] = sub
                 self._seen[rep.name] = SubscriberStats()
