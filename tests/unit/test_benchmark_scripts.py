@@ -23,7 +23,7 @@ CASES = {
     "bench_handler.py": ["--requests", "20", "--repeats", "1", "--gap-ms", "0.5"],
     "bench_hashing.py": ["--repeats", "2", "--blocks", "4"],
     "bench_index.py": ["--quick"],
-    "bench_kv_catchup.py": ["--batches", "300", "--repeats", "1"],
+    "bench_kv_catchup.py": ["--batches", "200", "--replicas", "2", "--repeats", "1"],
     "bench_kv_subscriber.py": ["--messages", "200", "--gap-ms", "0.5"],
     "bench_metrics.py": ["--calls", "100", "--repeats", "1"],
     "bench_router_path.py": ["--requests", "20", "--repeats", "1", "--no-engine"],
