@@ -29,9 +29,7 @@ from kvroute.bench.overhead import (
     _add_overheads,
     _add_same_window,
     _engine_warmup,
-    _event_primers,
     _schedule,
-    caught_up,
     format_rows,
     parse_cpus,
     parse_overhead_routers,
@@ -39,6 +37,7 @@ from kvroute.bench.overhead import (
     run_overhead_bench,
 )
 from kvroute.bench.passthrough import build_app
+from kvroute.bench.settle import caught_up, event_primers
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
@@ -112,13 +111,13 @@ def test_caught_up_needs_events_from_every_replica_and_no_replay() -> None:
 
 
 def test_event_primers_give_each_engine_a_prompt_no_one_has_seen() -> None:
-    primers = _event_primers(4, "kvroute-auto-2", "sim-model")
+    primers = event_primers(4, "kvroute-auto-2", "sim-model")
     assert len(primers) == 4  # the client sends primer i to engine i
     texts = [json.loads(p.body)["messages"][0]["content"] for p in primers]
     assert len(set(texts)) == 4 and all("kvroute-auto-2" in t for t in texts)
     assert all(len(t) > 200 for t in texts)  # several blocks of new tokens
     assert all(not p.stream and json.loads(p.body)["max_tokens"] == 1 for p in primers)
-    assert _event_primers(4, "other", "sim-model")[0].body != primers[0].body
+    assert event_primers(4, "other", "sim-model")[0].body != primers[0].body
 
 
 def test_engine_warmup_shows_every_engine_every_prompt_group() -> None:

@@ -43,14 +43,8 @@ row gets the same columns, which should be near zero: that is the noise of the m
 engines and the client carry ``(K + 1) / K`` times the rate; closed-loop phases have no
 control lane.
 
-Steady state: a kvroute router that starts beside engines that have served earlier routers
-catches up on their KV-event buffers (every replica's subscriber replays the engine's last
-batches when its first message arrives, ``shell/zmq_events.py``). That is start-up work, not
-a cost per request, so after its warm-up the bench sends every engine one request of new
-text (the engine publishes its blocks, so every subscriber has had its first message) and
-waits until every replica has applied a batch and none is replaying
-(``kvroute_kv_event_replaying``), at most ``_CATCH_UP_S``; each row records
-``catch_up_wait_s`` and ``caught_up``.
+Steady state: a kvroute router is measured once its KV-event catch-up is over
+(``bench/settle.py``); its rows record ``catch_up_wait_s`` and ``caught_up``.
 
 CPU placement (``router_cpus``): by default every process shares every CPU, as in the
 reference anchors; a router then competes for the cores with the engines and the load
@@ -67,7 +61,6 @@ only; ports picked at run time.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import tempfile
@@ -95,20 +88,19 @@ from kvroute.bench.live_routers import (
     start_router,
 )
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
+from kvroute.bench.settle import settle_kvroute
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError
 from kvroute.core.peer_policies import POLICY_NAMES
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.shell.metrics import ROUTER_TIME_STAGES
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
-from kvroute.wire.prom import wanted_samples
 
 __all__ = [
     "DEFAULT_PHASES",
     "ROUTER_CHOICES",
     "OverheadSpec",
     "Phase",
-    "caught_up",
     "format_rows",
     "parse_cpus",
     "parse_overhead_routers",
@@ -124,8 +116,6 @@ ROUTER_CHOICES: Final = ("direct", "passthrough", "kvroute", "kvroute-local", "k
 _WORKLOAD: Final = {"num_groups": 32, "prompts_per_group": 64, "system_prompt_len": 300,
                     "question_len": 24, "output_len": 8}
 _WARMUP_RATE: Final = 50.0
-_CATCH_UP_S: Final = 60.0
-"""Longest wait after a kvroute router's warm-up for its KV-event catch-up to end."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,46 +313,6 @@ def _router_time_buckets(metrics_url: str | None) -> dict[str, Buckets] | None:
     return {stage: bucket_counts(text, stage) for stage in ROUTER_TIME_STAGES}
 
 
-def caught_up(exposition: str, replicas: Sequence[str]) -> bool:
-    """Whether a kvroute router's ``/metrics`` show every replica's KV events flowing (a
-    batch applied) and no replay under way (its catch-up done)."""
-    samples, _ = wanted_samples(exposition, ("kvroute_kv_event_batches_applied_total",
-                                             "kvroute_kv_event_replaying"))
-    applied: dict[str, float] = {}
-    replaying = 0.0
-    for sample in samples:
-        replica = sample.labels.get("replica", "")
-        if sample.name == "kvroute_kv_event_batches_applied_total":
-            applied[replica] = sample.value
-        elif sample.name == "kvroute_kv_event_replaying":
-            replaying += sample.value
-    return replaying == 0 and all(applied.get(r, 0) > 0 for r in replicas)
-
-
-def _event_primers(engines: int, tag: str, model: str) -> list[LiveRequest]:
-    """One request per engine (the client sends request *i* to engine *i* mod ``engines``)
-    whose prompt no engine has seen, so each engine stores blocks and publishes an event."""
-    out = []
-    for i in range(engines):
-        text = " ".join(f"prime {tag} engine {i} word {w}" for w in range(24))
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}],
-                           "max_tokens": 1, "stream": False}).encode()
-        out.append(LiveRequest(f"prime-{tag}-{i}", 0.0, body, len(text) // 4, 1, stream=False))
-    return out
-
-
-def _wait_caught_up(metrics_url: str, replicas: Sequence[str],
-                    timeout_s: float = _CATCH_UP_S) -> tuple[float, bool]:
-    """Poll ``caught_up`` until true or ``timeout_s``; returns (seconds waited, caught up)."""
-    began = time.monotonic()
-    while True:
-        if caught_up(http_text(metrics_url, timeout_s=5.0), replicas):
-            return time.monotonic() - began, True
-        if time.monotonic() - began >= timeout_s:
-            return time.monotonic() - began, False
-        time.sleep(0.2)
-
-
 def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Phase,
                spec: OverheadSpec, cpu: Callable[[], float | None], fleet: Fleet,
                metrics_url: str | None = None) -> dict[str, Any]:
@@ -478,15 +428,9 @@ def run_overhead_bench(
                                 duration_s=spec.warmup_s + spec.request_timeout_s)
                         settled: dict[str, Any] = {}
                         if metrics_url is not None and spec.warmup_s > 0:
-                            replay([e.url for e in fleet.replicas],
-                                   _event_primers(len(fleet.replicas),
-                                                  f"{router_spec.name}-{pass_no}", spec.model),
-                                   concurrency=len(fleet.replicas),
-                                   request_timeout_s=spec.request_timeout_s,
-                                   duration_s=spec.request_timeout_s)
-                            waited, done = _wait_caught_up(
-                                metrics_url, [e.name for e in fleet.replicas])
-                            settled = {"catch_up_wait_s": round(waited, 2), "caught_up": done}
+                            settled = settle_kvroute(
+                                metrics_url, fleet.replicas, f"{router_spec.name}-{pass_no}",
+                                model=spec.model, request_timeout_s=spec.request_timeout_s)
                         for phase in spec.phases:
                             requests = _schedule(pools[phase.stream], phase, spec.phase_s,
                                                  spec.same_window)

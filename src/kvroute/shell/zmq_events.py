@@ -73,20 +73,22 @@ subscriber's task, so it still ends the subscriber (``run``, ``stop``).
 Replays
 -------
 
-A replay can be large: a router that starts (or restarts) beside a busy engine catches up on
-the engine's whole buffer (vLLM keeps 10,000 batches), and every replica's subscriber does so
-at once. It runs beside the requests the router is serving, so it must neither stall the loop
-nor starve them. The DEALER is a plain socket read with ``NOBLOCK`` like the SUB (pyzmq's
-asyncio ``poll`` and ``recv_multipart`` were four fifths of a replay's CPU, about 80 µs a
-batch, ``docs/benchmarks.md``); receiving and then delivering both yield to the loop after
-every ``_REPLAY_PER_TURN`` batches, so a request waits for one such slice of a catch-up at
-most. Subscribers given the same ``catch_up_turns`` lock (the router gives all of its own
-one) catch up one at a time: eight replicas catching up at once would put eight slices
-between two steps of every request, and the router measured +270 ms at p99 serving 400
-requests/s through such a start against engines with full buffers. Gap recoveries, small and
-urgent (the live stream waits for them), do not take turns. The live stream queues meanwhile (the task has a message in hand), and
-``stats.replaying`` says a replay is under way (the router exports it as
-``kvroute_kv_event_replaying``).
+A replay can be large: a router that starts (or restarts) beside busy engines catches up on
+each engine's whole buffer (vLLM keeps 10,000 batches). It runs beside the requests the router
+is serving, so it must neither stall the loop nor starve them:
+
+* the DEALER is a plain socket read with ``NOBLOCK``, like the SUB (pyzmq's asyncio ``poll``
+  and ``recv_multipart`` were four fifths of a replay's CPU, about 80 µs a batch,
+  ``docs/benchmarks.md``);
+* receiving and then delivering both yield to the loop after every ``_REPLAY_PER_TURN``
+  batches, so a request waits for one such slice at most;
+* subscribers given the same ``catch_up_turns`` lock (the router gives all of its own one)
+  catch up one at a time. Eight at once put eight slices back to back between two steps of
+  every request: +270 ms at p99 at 400 requests/s through such a start. Gap recoveries,
+  small and urgent (the live stream waits for them), do not take turns.
+
+The live stream queues meanwhile (the task has a message in hand), and ``stats.replaying``
+says a replay is under way (the router exports it as ``kvroute_kv_event_replaying``).
 
 ``replay_timeout`` bounds the time spent *waiting* for the engine during one replay, not the
 time the router spends decoding, delivering and serving in between: a dead or silent replay
@@ -456,21 +458,21 @@ class EventSubscriber:
             fd = cast(int, dealer.getsockopt(zmq.FD))
             loop.add_reader(fd, readable.set)
             taken = 0
+            timed_out = (f"replay did not finish within {self._replay_timeout}s of waiting "
+                         "for the engine's answers")
             while True:
                 if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
                     # Reading ZMQ_EVENTS re-armed the edge: the next message sets the event.
                     readable.clear()
                     remaining = self._replay_timeout - waited
+                    if remaining <= 0:
+                        return _ReplayResult(got, timed_out)
                     began = loop.time()
                     try:
-                        if remaining <= 0:
-                            raise TimeoutError
                         async with asyncio.timeout(remaining):
                             await readable.wait()
                     except TimeoutError:
-                        return _ReplayResult(
-                            got, f"replay did not finish within {self._replay_timeout}s of "
-                                 "waiting for the engine's answers")
+                        return _ReplayResult(got, timed_out)
                     finally:
                         waited += loop.time() - began
                     continue
