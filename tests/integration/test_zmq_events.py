@@ -714,6 +714,41 @@ async def _bind_mode() -> None:
     assert got and got == sorted(got)
 
 
+def test_a_binding_subscriber_waits_for_its_address_to_be_released() -> None:
+    """A socket of this process still holds the endpoint when the subscriber starts (libzmq
+    releases a closed listener later): the subscriber binds once it is free, within its
+    bound, and still fails loudly if it never is."""
+
+    async def test(ctx: zmq.asyncio.Context) -> None:
+        holder = ctx.socket(zmq.PUB)
+        holder.setsockopt(zmq.LINGER, 0)
+        holder.bind("tcp://127.0.0.1:0")
+        endpoint = holder.getsockopt_string(zmq.LAST_ENDPOINT)
+        sub = EventSubscriber(R, endpoint, on_batch=Sink().on_batch, on_reset=Sink().on_reset,
+                              context=ctx, topic="kv", bind=True)
+        task = sub.start()
+        await asyncio.sleep(0.2)
+        assert not task.done()  # still waiting for the address, not failed
+        holder.close(linger=0)
+        await asyncio.wait_for(sub.wait_connected(), 3.0)
+        await sub.stop()
+
+        still = ctx.socket(zmq.PUB)
+        still.setsockopt(zmq.LINGER, 0)
+        still.bind("tcp://127.0.0.1:0")
+        try:
+            stuck = EventSubscriber(R, still.getsockopt_string(zmq.LAST_ENDPOINT),
+                                    on_batch=Sink().on_batch, on_reset=Sink().on_reset,
+                                    context=ctx, topic="kv", bind=True)
+            with pytest.raises(zmq.ZMQError) as failed:
+                await asyncio.wait_for(stuck.run(), 4.0)
+            assert failed.value.errno == zmq.EADDRINUSE
+        finally:
+            still.close(linger=0)
+
+    run(test)
+
+
 # ---------------------------------------------------------------- draining queued bursts
 
 

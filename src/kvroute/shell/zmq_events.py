@@ -130,6 +130,8 @@ _TAKE_PER_TURN = 64
 _REPLAY_PER_TURN = 16
 """Most replayed messages received, or replayed batches delivered, between two yields: a
 catch-up is not urgent, and a request should wait for a few hundred µs of it at most."""
+_BIND_WAIT_S = 2.0
+"""How long a binding subscriber waits for its address to be released (``_bind_sub``)."""
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)  # plain ints: ``zmq.PollEvent`` arithmetic runs in Python
 
@@ -282,7 +284,7 @@ class EventSubscriber:
             if self._bind:
                 # The engine was given this exact tcp://host:port, so vLLM *connects* its
                 # PUB socket to it and the subscriber must be the one that binds.
-                sub.bind(self.endpoint)
+                await self._bind_sub(sub)
             else:
                 sub.connect(self.endpoint)
             self._sub = sub
@@ -305,6 +307,26 @@ class EventSubscriber:
             if fd is not None:
                 loop.remove_reader(fd)
             sub.close(linger=0)
+
+    async def _bind_sub(self, sub: zmq.Socket[bytes]) -> None:
+        """Bind ``sub`` at the endpoint, waiting up to ``_BIND_WAIT_S`` while the address is
+        in use.
+
+        Why wait: libzmq releases a closed socket's listener later, in its I/O thread, so a
+        subscriber started right after another one of this process closed on the same
+        endpoint (a router runtime restarted in place) can find it still held for a moment.
+        Any other error, or the address still in use after the wait, is raised.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _BIND_WAIT_S
+        while True:
+            try:
+                sub.bind(self.endpoint)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or loop.time() >= deadline:
+                    raise
+            await asyncio.sleep(0.05)
 
     def _on_readable(self) -> None:
         """The descriptor's callback (module doc, Receiving)."""
