@@ -131,6 +131,11 @@ class Phase:
     def stream(self) -> bool:
         return self.kind == "s"
 
+    @property
+    def fixed_rate(self) -> bool:
+        """Requests arrive on a schedule (r, s), not from a closed loop (c)."""
+        return self.kind != "c"
+
 
 def parse_phases(text: str) -> tuple[Phase, ...]:
     """``r100,s100,c32`` -> phases; raises ``ConfigError`` naming a bad item."""
@@ -283,7 +288,7 @@ def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float,
     the rate, so that the router still gets the phase's rate once ``_control_lane`` has taken
     one request in ``K + 1`` straight to the engines.
     """
-    fixed = phase.kind in ("r", "s")
+    fixed = phase.fixed_rate
     rate = phase.value * (same_window + 1) / same_window if fixed and same_window else phase.value
     count = int(rate * phase_s) if fixed else int(5000 * phase_s)
     out = []
@@ -296,7 +301,7 @@ def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float,
 
 def _control_lane(phase: Phase, spec: OverheadSpec, fleet: Fleet) -> ControlLane | None:
     """The same-window baseline of a fixed-rate phase (None: off, or a closed loop)."""
-    if not spec.same_window or phase.kind not in ("r", "s"):
+    if not spec.same_window or not phase.fixed_rate:
         return None
     return ControlLane(tuple(e.url for e in fleet.replicas), spec.same_window + 1)
 

@@ -102,7 +102,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import zmq
@@ -396,6 +396,15 @@ class EventSubscriber:
         log.warning("replica %s: KV index reset: %s", self.replica, reason)
         self._on_reset(self.replica, reason)
 
+    @contextlib.contextmanager
+    def _replaying(self) -> Iterator[None]:
+        """``stats.replaying`` while a replay is received and delivered."""
+        self._stats.replaying = True
+        try:
+            yield
+        finally:
+            self._stats.replaying = False
+
     async def _deliver_tail(self, got: dict[int, EventBatch], stop: int) -> None:
         """Deliver the contiguous run of replayed batches that ends at ``stop - 1``."""
         first = stop
@@ -419,12 +428,9 @@ class EventSubscriber:
         if expected is None:
             if seq > 0 and self._catch_up and self.replay_endpoint is not None:
                 async with self._catch_up_turns or contextlib.nullcontext():
-                    self._stats.replaying = True
-                    try:
+                    with self._replaying():
                         result = await self._replay(0, seq)
                         await self._deliver_tail(result.batches, seq)
-                    finally:
-                        self._stats.replaying = False
             self._deliver(batch)
             return
         if seq == expected:
@@ -445,8 +451,7 @@ class EventSubscriber:
             )
             self._deliver(batch)
             return
-        self._stats.replaying = True
-        try:
+        with self._replaying():
             result = await self._replay(expected, seq)
             if result.problem is None:
                 await self._deliver_replayed(result.batches, expected, seq)
@@ -454,8 +459,6 @@ class EventSubscriber:
                 self._reset(f"could not recover batches {expected}..{seq - 1}: "
                             f"{result.problem}")
                 await self._deliver_tail(result.batches, seq)
-        finally:
-            self._stats.replaying = False
         self._deliver(batch)
 
     async def _replay(self, start: int, stop: int) -> _ReplayResult:
