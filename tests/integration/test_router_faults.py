@@ -18,6 +18,13 @@ reset that replica's index (counted) and routing must go on.
 Requests A and B go to the engine directly, not through the router, so that no *predicted*
 index entry (written on dispatch) can stand in for the lost events.
 
+Failures before the first byte: ``{"fail_next": 1, "status": 503}`` (a 5xx answer) and
+``{"stall_first_byte_s": S, "stall_next": 1}`` (a stream whose first byte does not come within
+``timeouts.first_byte_s``) on the replica the request goes to first: the router must serve it
+from another replica, count the error and the retry, and keep the replica in routing. With
+every engine armed, it must stop after ``retries.max_retries`` and tell the client why (or
+relay the engine's own error answer).
+
 Client disconnect: a streaming client that goes away mid-stream must make the router close
 its upstream request; the engine aborts it (``vllm:request_success_total`` with
 ``finished_reason="abort"``) and the router's load accounting releases it.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,6 +43,7 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from settling import settled
 
 from kvroute.config import RouterConfig
 from kvroute.core.clock import ManualClock
@@ -52,20 +61,6 @@ MODEL = "sim-model"  # as tests/integration/conftest.py starts the engines
 ROUTE = "assistant"
 FleetFactory = Callable[..., Fleet]
 ConfigFor = Callable[..., RouterConfig]
-
-
-async def settled(read: Callable[[], int], quiet_s: float = 0.3, timeout_s: float = 5.0) -> int:
-    """Wait until ``read()`` has not changed for ``quiet_s`` (the last of a request's event
-    batches may still be on its way); return the settled value."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    value, since = read(), loop.time()
-    while loop.time() - since < quiet_s and loop.time() < deadline:
-        await asyncio.sleep(0.02)
-        now = read()
-        if now != value:
-            value, since = now, loop.time()
-    return value
 
 
 def run(coro: Any, timeout_s: float = 30.0) -> None:
@@ -273,6 +268,154 @@ def test_a_gap_without_replay_resets_the_replicas_index_and_routing_goes_on(
         await direct(session, engine, words(rng, 100, "d"))
         await wait_for(lambda: entries(rt, name) >= fresh + 6, what="events after the reset")
         assert sub.stats.resets == 1
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# Failures before the first byte
+# --------------------------------------------------------------------------------------------
+
+# A 5xx answer, or a stream whose first byte does not come within ``timeouts.first_byte_s``:
+# another replica may well succeed, and nothing has reached the client yet.
+PRE_FIRST_BYTE = {
+    "status": ({"fail_next": 1, "status": 503}, "requests_failed", False),
+    "timeout": ({"stall_first_byte_s": 3.0, "stall_next": 1}, "requests_stalled", True),
+}
+QUICK_FIRST_BYTE = {"connect_s": 1.0, "first_byte_s": 0.5, "total_s": 10.0}
+
+
+def decision_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvroute.decision"]
+
+
+@pytest.mark.parametrize("kind", sorted(PRE_FIRST_BYTE))
+def test_a_failure_before_the_first_byte_is_retried_on_another_replica(
+        make_fleet: FleetFactory, config_for: ConfigFor, caplog: pytest.LogCaptureFixture,
+        kind: str) -> None:
+    arm, fired, stream = PRE_FIRST_BYTE[kind]
+    fleet = make_fleet(3, fault_injection=True)
+    rng = random.Random(44)
+    prefix = words(rng, 200)
+    config = config_for(fleet, timeouts=QUICK_FIRST_BYTE,
+                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        status, headers, _ = await post_json(session, rt.url + "/v1/chat/completions",
+                                             chat(prefix))
+        assert status == 200
+        home = headers["x-kvroute-replica"]
+        await wait_for(lambda: entries(rt, home) >= 12, what="the prefix's events")
+        await settled(lambda: entries(rt, home))
+        engines = {e.name: e for e in fleet.replicas}
+        await faults(session, engines[home], arm)
+        caplog.clear()
+        # The prefix is cached at home, so home is the first choice; it fails, and the
+        # request is served by another replica instead.
+        async with session.post(rt.url + "/v1/chat/completions",
+                                json=chat(prefix + " " + words(rng, 3), stream=stream,
+                                          max_tokens=3)) as resp:
+            assert resp.status == 200
+            served = resp.headers["x-kvroute-replica"]
+            raw = await resp.read()
+        assert served != home and served in engines
+        if stream:
+            assert raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw
+        else:
+            assert json.loads(raw)["object"] == "chat.completion"
+        assert (await faults(session, engines[home]))["fired"][fired] == 1
+        assert rt.metrics is not None
+        assert rt.metrics.value("kvroute_upstream_errors_total",
+                                {"replica": home, "kind": kind}) == 1
+        assert rt.metrics.value("kvroute_retries_total", {"replica": home}) == 1
+        # One slow or failed answer is not a dead replica: it stays in routing.
+        assert rt.core.is_healthy(ReplicaId(home))
+        [line] = decision_lines(caplog)
+        assert line["replica"] == served and line["retries"] == 1 and line["outcome"] == "ok"
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    with caplog.at_level(logging.INFO, logger="kvroute.decision"):
+        run(main())
+
+
+@pytest.mark.parametrize("kind", sorted(PRE_FIRST_BYTE))
+def test_retries_stop_at_max_retries_and_the_client_is_told_why(
+        make_fleet: FleetFactory, config_for: ConfigFor, caplog: pytest.LogCaptureFixture,
+        kind: str) -> None:
+    arm, fired, stream = PRE_FIRST_BYTE[kind]
+    fleet = make_fleet(3, fault_injection=True)
+    rng = random.Random(45)
+    config = config_for(fleet, timeouts=QUICK_FIRST_BYTE, retries={"max_retries": 1},
+                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        for engine in fleet.replicas:  # every engine would fail once
+            await faults(session, engine, arm)
+        caplog.clear()
+        async with session.post(rt.url + "/v1/chat/completions",
+                                json=chat(words(rng, 30), stream=stream)) as resp:
+            status, headers = resp.status, resp.headers.copy()
+            answer = json.loads(await resp.read())
+        states = [await faults(session, engine) for engine in fleet.replicas]
+        # The first choice and one retry: two engines tried, the third never asked.
+        assert sorted(state["fired"][fired] for state in states) == [0, 1, 1]
+        last = headers["x-kvroute-replica"]
+        assert rt.metrics is not None
+        retries = {e.name: rt.metrics.value("kvroute_retries_total", {"replica": e.name}) or 0
+                   for e in fleet.replicas}
+        assert sum(retries.values()) == 1 and retries[last] == 0
+        if kind == "status":
+            # The engine's own answer is relayed as it is, in OpenAI's error shape.
+            assert status == 503 and answer["error"]["code"] == 503
+        else:
+            assert status == 504
+            message = answer["error"]["message"]
+            assert last in message and "first byte" in message
+            assert "Gave up after 1 retry on other replicas (retries.max_retries: 1)" in message
+        [line] = decision_lines(caplog)
+        assert line["retries"] == 1 and line["outcome"] == f"upstream_{kind}"
+        assert line["replica"] == last
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    with caplog.at_level(logging.INFO, logger="kvroute.decision"):
+        run(main())
+
+
+def test_a_whole_answer_past_its_deadline_is_not_sent_again(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    """A whole answer that runs past ``timeouts.total_s`` may have been computed already:
+    running it again elsewhere could double its cost (and its side effects), so the client
+    gets a 504 that says so."""
+    fleet = make_fleet(2, fault_injection=True)
+    rng = random.Random(46)
+    config = config_for(fleet, timeouts={"connect_s": 1.0, "first_byte_s": 0.5, "total_s": 0.5},
+                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        for engine in fleet.replicas:
+            await faults(session, engine, {"stall_first_byte_s": 3.0, "stall_next": 1})
+        status, headers, answer = await post_json(session, rt.url + "/v1/chat/completions",
+                                                  chat(words(rng, 30)))
+        assert status == 504
+        tried = headers["x-kvroute-replica"]
+        assert tried in answer["error"]["message"]
+        assert "Not retried: the engine may already have run the request" in \
+            answer["error"]["message"]
+        stalled = {e.name: (await faults(session, e))["fired"]["requests_stalled"]
+                   for e in fleet.replicas}
+        assert stalled == {e.name: int(e.name == tried) for e in fleet.replicas}
+        assert rt.metrics is not None
+        assert rt.metrics.value("kvroute_retries_total", {"replica": tried}) in (None, 0.0)
 
     async def main() -> None:
         async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:

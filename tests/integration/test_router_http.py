@@ -9,25 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
+import logging
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
+from settling import settled
 
-from kvroute.config import RouterConfig
+from kvroute.config import RouterConfig, TokenizerConfig
 from kvroute.core.types import ReplicaId
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet, start_fleet
+from kvroute.wire.prom import parse_exposition
 from kvroute.wire.sse import SSEDecoder
 
 pytestmark = pytest.mark.integration
@@ -85,6 +89,17 @@ async def wait_for(predicate: Any, timeout_s: float = 10.0, what: str = "conditi
         await asyncio.sleep(0.02)
 
 
+async def wait_for_async(read: Callable[[], Awaitable[Any]], want: Any, timeout_s: float = 5.0,
+                         what: str = "condition") -> None:
+    """Poll the coroutine ``read()`` until it returns ``want`` (the timeout is a bound)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := await read()) != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: "
+                                 f"{got!r}, not {want!r}")
+        await asyncio.sleep(0.02)
+
+
 def entries(rt: RouterRuntime, replica: str) -> int:
     return rt.core.index.stats().num_entries_by_replica.get(ReplicaId(replica), 0)
 
@@ -139,6 +154,16 @@ def test_a_hot_prefix_spreads_once_queues_build(shared_fleet: Fleet, config_for:
 
     async def body(rt: RouterRuntime, c: Client) -> None:
         prefix = words(rng, 300)
+        # While no queue builds, the prefix stays where it is cached (a balancer would not).
+        status, h, _ = await c.post(chat(prefix + " " + words(rng, 5)))
+        assert status == 200
+        home = h["x-kvroute-replica"]
+        await wait_for(lambda: entries(rt, home) >= 18, what="the prefix's events")
+        await settled(lambda: entries(rt, home))  # a first catch-up may still be delivering
+        for _ in range(3):
+            status, h, _ = await c.post(chat(prefix + " " + words(rng, 5)))
+            assert status == 200 and h["x-kvroute-replica"] == home
+            assert int(h["x-kvroute-cached-tokens"]) >= 288  # 18 of the prefix's 19 blocks
         # Long distinct suffixes: each request brings 1,500 tokens of its own prefill, so
         # queueing them all behind the cached replica soon costs more than recomputing the
         # 300-token prefix elsewhere.
@@ -148,6 +173,11 @@ def test_a_hot_prefix_spreads_once_queues_build(shared_fleet: Fleet, config_for:
         assert all(status == 200 for status, _, _ in results)
         placed = collections.Counter(h["x-kvroute-replica"] for _, h, _ in results)
         assert len(placed) >= 2, f"a hot prefix stayed on one replica: {placed}"
+        assert placed[home] >= 1, f"the burst never used the replica holding the prefix: {placed}"
+        # Those sent elsewhere were expected to recompute the prefix: they went for speed.
+        elsewhere = [int(h["x-kvroute-cached-tokens"]) for _, h, _ in results
+                     if h["x-kvroute-replica"] != home]
+        assert elsewhere and min(elsewhere) < 288
 
     run(with_router(config_for(shared_fleet), body))
 
@@ -168,6 +198,95 @@ def test_unique_prompts_balance(shared_fleet: Fleet, config_for: ConfigFor) -> N
         assert max(placed.values()) - min(placed.values()) <= 4, placed
 
     run(with_router(config_for(shared_fleet), body))
+
+
+def test_an_approximate_pool_routes_on_text_and_says_so(shared_fleet: Fleet,
+                                                       config_for: ConfigFor) -> None:
+    """``tokenizer: none``: no token ids, so no block hashes to match against the engines'
+    events; the router matches text chunks against its own predicted entries (TTL
+    ``approx_predicted_ttl_s``) and says so on every answer and in ``/metrics``."""
+    rng = random.Random(12)
+    base = config_for(shared_fleet)
+    pool = dataclasses.replace(base.pools[POOL], tokenizer=TokenizerConfig("none"))
+    config = dataclasses.replace(base, pools={POOL: pool})
+
+    async def body(rt: RouterRuntime, c: Client) -> None:
+        for _ in range(3):
+            prefix = words(rng, 300)
+            status, h, _ = await c.post(chat(prefix + " " + words(rng, 5)))
+            assert status == 200 and h["x-kvroute-approximate"] == "true"
+            home = h["x-kvroute-replica"]
+            for _ in range(2):  # followers find the prefix's text where it was sent
+                status, h, _ = await c.post(chat(prefix + " " + words(rng, 5)))
+                assert status == 200 and h["x-kvroute-replica"] == home
+                assert h["x-kvroute-approximate"] == "true"
+        prefix = words(rng, 400)
+        results = await asyncio.gather(*(c.post(chat(prefix + " " + words(rng, 3)))
+                                         for _ in range(6)))
+        placed = collections.Counter(h["x-kvroute-replica"] for _, h, _ in results)
+        assert len(placed) == 1, f"siblings were split: {placed}"
+        assert rt.metrics is not None
+        assert rt.metrics.value("kvroute_pool_approximate", {"pool": POOL}) == 1
+
+    run(with_router(config, body))
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_session_follows_its_pin_and_the_pin_lives_while_the_session_does(
+        shared_fleet: Fleet, config_for: ConfigFor) -> None:
+    """The session id is read in LiteLLM's header order; the replica that served a session
+    is pinned (TTL refreshed by every request), and the ``session`` policy follows the pin
+    rather than its hash once the fleet has changed under it."""
+    rng = random.Random(13)
+    ttl_s = 2.0
+    config = config_for(shared_fleet, policy={"name": "session", "seed": 7},
+                        state={"backend": "memory", "session_ttl_s": ttl_s},
+                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+    session_id = "sess-0123456789"
+    # x-litellm-session-id comes before x-session-id in LiteLLM's order.
+    headers = {"x-litellm-session-id": session_id, "x-session-id": "not-this-one"}
+    key = f"default\x1f{session_id}"
+
+    async def body(rt: RouterRuntime, c: Client) -> None:
+        assert rt.state is not None
+        state = rt.state
+
+        async def pin() -> str | None:
+            return await state.get_pin(key)
+
+        async def ask() -> str:
+            status, h, _ = await c.post(chat(words(rng, 30)), headers=headers)
+            assert status == 200
+            return h["x-kvroute-replica"]
+
+        first = await ask()
+        await wait_for_async(lambda: pin(), first, what="the pin")
+        assert await state.get_pin("default\x1fnot-this-one") is None
+        # The fleet changes: the pinned replica leaves, the session moves and is pinned anew.
+        rt.core.set_healthy(ReplicaId(first), False)
+        moved = await ask()
+        assert moved != first
+        await wait_for_async(lambda: pin(), moved, what="the new pin")
+        # The first replica comes back. Rendezvous hashing alone would send the session back
+        # to it (it won the hash before); the pin keeps it where its cache now is.
+        rt.core.set_healthy(ReplicaId(first), True)
+        for _ in range(3):
+            assert await ask() == moved
+        # Every request refreshes the TTL: past the first request's TTL the pin still holds.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.sleep(0.6 * ttl_s)
+        assert await ask() == moved
+        await asyncio.sleep(max(0.0, started + 1.2 * ttl_s - loop.time()))
+        assert await pin() == moved
+        # Left alone, the pin expires.
+        await wait_for_async(lambda: pin(), None, timeout_s=3 * ttl_s, what="the pin to expire")
+
+    run(with_router(config, body), timeout_s=20.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,6 +438,21 @@ def test_engine_restart_resets_its_index(make_fleet: FleetFactory, config_for: C
             status, h, _ = await c.post(chat(prefix + " " + words(rng, 3)))
             assert status == 200
             assert int(h["x-kvroute-cached-tokens"]) == 0  # nobody holds the old blocks
+            # The index follows the new process: its events arrive and are applied. A batch
+            # published before the router's SUB has reconnected is lost (ZMQ's slow joiner)
+            # and recovered by replay only once another follows, so send until one arrives.
+            engine = restarted.replicas[0]
+            async with aiohttp.ClientSession() as direct:
+                for _ in range(5):
+                    async with direct.post(engine.url + "/v1/chat/completions",
+                                           json={**chat(words(rng, 200)), "model": MODEL}) as resp:
+                        assert resp.status == 200
+                    deadline = time.monotonic() + 1.0
+                    while entries(rt, victim) < 12 and time.monotonic() < deadline:
+                        await asyncio.sleep(0.02)
+                    if entries(rt, victim) >= 12:
+                        break
+            assert entries(rt, victim) >= 12, "the restarted engine's events never arrived"
         finally:
             restarted.stop()
 
@@ -541,11 +675,63 @@ def test_models_health_and_metrics(shared_fleet: Fleet, config_for: ConfigFor) -
         assert status == 200 and json.loads(raw)["healthy_replicas"] == {POOL: 3}
         _, h, _ = await c.post(chat("hello there " * 20))
         await wait_for(lambda: entries(rt, h["x-kvroute-replica"]) > 0, what="events")
+        await settled(lambda: rt.core.index.stats().num_entries)
         status, raw = await c.get("/metrics")
         assert status == 200 and b"kvroute_decisions_total{" in raw
         assert b"kvroute_kv_event_batches_applied_total{" in raw
+        # The index's size is read when /metrics is scraped.
+        stats = rt.core.index.stats()
+        assert stats.num_entries > 0
+        scraped = {s.name: s.value for s in parse_exposition(
+            raw.decode(), names=("kvroute_index_",)).samples}
+        assert scraped["kvroute_index_entries"] == stats.num_entries
+        assert scraped["kvroute_index_hashes"] == stats.num_hashes
 
     run(with_router(config_for(shared_fleet), body))
+
+
+@pytest.mark.parametrize("log_format", ["json", "kv"])
+def test_one_structured_log_line_per_decision(shared_fleet: Fleet, config_for: ConfigFor,
+                                              caplog: pytest.LogCaptureFixture,
+                                              log_format: str) -> None:
+    """Every routed request leaves exactly one ``kvroute.decision`` line that says where it
+    went and why, matching the answer's headers; refused input leaves none."""
+    rng = random.Random(14)
+    config = config_for(shared_fleet, log_format=log_format)
+
+    def parse(line: str) -> dict[str, Any]:
+        if log_format == "json":
+            return dict(json.loads(line))
+        return dict(field.split("=", 1) for field in line.split(" "))
+
+    async def body(rt: RouterRuntime, c: Client) -> None:
+        answers = {}
+        for i, stream in enumerate((False, True, False)):
+            rid = f"req-{log_format}-{i}"
+            status, h, _ = await c.post(chat(words(rng, 40), stream=stream),
+                                        headers={"x-request-id": rid,
+                                                 "x-session-id": "s-abcdef12" if i == 2 else ""})
+            assert status == 200
+            answers[rid] = h
+        status, _, _ = await c.post({"model": ROUTE, "messages": "not a list"})
+        assert status == 400
+        lines = [parse(r.getMessage()) for r in caplog.records if r.name == "kvroute.decision"]
+        assert len(lines) == 3, lines
+        for line in lines:
+            h = answers[str(line["request_id"])]
+            assert str(line["replica"]) == h["x-kvroute-replica"]
+            assert str(line["pool"]) == h["x-kvroute-pool"] == POOL
+            assert int(line["cached_tokens"]) == int(h["x-kvroute-cached-tokens"])
+            assert str(line["route"]) == ROUTE and str(line["outcome"]) == "ok"
+            assert str(line["policy"]) == "kvroute" and str(line["reason"]) == "cost"
+            assert int(line["prompt_tokens"]) >= 40 and float(line["routing_us"]) > 0
+            assert int(line["retries"]) == 0 and str(line["tenant"]) == "default"
+            assert str(line["approximate"]) in ("False", "false")
+        sessions = [str(line["session"]) for line in lines]
+        assert sessions.count("True") + sessions.count("true") == 1
+
+    with caplog.at_level(logging.INFO, logger="kvroute.decision"):
+        run(with_router(config, body))
 
 
 # --------------------------------------------------------------------------------------------

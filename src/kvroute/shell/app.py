@@ -603,7 +603,7 @@ class Router:
                             active = None
                         if nxt is None:
                             attempt.outcome = f"upstream_{exc.kind}"
-                            return self._upstream_failure(current, exc)
+                            return self._upstream_failure(current, exc, attempt.retries)
                         self.metrics.retry(current.replica)
                         attempt.retries += 1
                         current = nxt
@@ -728,15 +728,24 @@ class Router:
         nxt = self.core.reroute(decision, decision.replica)  # releases the failed load
         return nxt, True
 
-    def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError) -> Response:
+    def _upstream_failure(self, decision: RoutingDecision, exc: UpstreamError,
+                          retries: int) -> Response:
+        """The answer when ``_recover`` gives up: the engine's own error answer as it is, or a
+        502/504 that says what failed and why it was not tried elsewhere."""
         if exc.kind == "status" and exc.status is not None:
             return _routed(Response(status=exc.status, body=exc.body,
                                     content_type=_content_type(exc.content_type)), decision)
         status = 504 if exc.kind == "timeout" else 502
-        message = (
-            f"kvroute could not get an answer from replica {decision.replica}: {exc}. "
-            "No other replica was available to retry on; check the engines' /health."
-        )
+        limit = self.config.retries.max_retries
+        if not exc.retryable:
+            why = ("Not retried: the engine may already have run the request (raise "
+                   "timeouts.total_s for long answers, or stream them).")
+        elif retries >= limit:
+            why = (f"Gave up after {retries} {'retry' if retries == 1 else 'retries'} on other "
+                   f"replicas (retries.max_retries: {limit}); check the engines' /health.")
+        else:
+            why = "No other healthy replica was left to retry on; check the engines' /health."
+        message = f"kvroute could not get an answer from replica {decision.replica}: {exc}. {why}"
         return _routed(Response(status=status, body=error_body(message, status=status),
                                 content_type=_JSON), decision)
 

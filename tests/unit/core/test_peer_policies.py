@@ -81,6 +81,28 @@ def test_cache_aware_leaves_affinity_only_past_both_thresholds() -> None:
     assert policy.select(req(text), fleet({"w0": 70, "w1": 5, "w2": 5, "w3": 5})).replica == "w1"
 
 
+def test_cache_aware_threshold_is_a_matched_fraction_above_0_3() -> None:
+    """0.3.2's default ``cache_threshold`` 0.3: 31 of 100 characters matched is affinity,
+    30 of 100 is not (the least-loaded worker, w0 being busier)."""
+    policy = make_policy("cache_aware", random.Random(0))
+    policy.select(req("t" * 100), fleet())  # recorded for w0
+    busy = {"w0": 1}
+    assert policy.select(req("t" * 31 + "v" * 69), fleet(busy)).replica == "w0"
+    assert policy.select(req("t" * 30 + "u" * 70), fleet(busy)).replica == "w1"
+
+
+def test_prefixaware_matches_whole_128_character_chunks() -> None:
+    """production-stack's chunk of 128 characters: sharing 127 leading characters is no
+    match (a random endpoint), sharing 128 is (the holder)."""
+    policy = make_policy("prefixaware", random.Random(2))
+    holder = policy.select(req("a" * 128 + "X" * 60), fleet()).replica
+    near = Counter(policy.select(req("a" * 127 + chr(0x4E00 + i) + "Y" * 60), fleet()).replica
+                   for i in range(40))
+    assert len(near) == 4, near  # 127 shared characters are not a chunk: spread at random
+    assert all(policy.select(req("a" * 128 + f"Z{i}" * 30), fleet()).replica == holder
+               for i in range(20))
+
+
 def test_prefixaware_random_among_holders_and_random_when_cold() -> None:
     policy = make_policy("prefixaware", random.Random(1))
     text = "x" * 300
