@@ -10,6 +10,7 @@ import typer
 
 from kvroute.commands import bench as bench_cmd
 from kvroute.commands import bench_overhead as bench_overhead_cmd
+from kvroute.commands import bench_soak as bench_soak_cmd
 from kvroute.commands import demo as demo_cmd
 from kvroute.commands import events as events_cmd
 from kvroute.commands import hash as hash_cmd
@@ -29,6 +30,7 @@ app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
 app.command(name="serve", help=serve_cmd.HELP)(serve_cmd.serve)
 bench_cmd.bench_app.command(name="overhead", help=bench_overhead_cmd.HELP)(
     bench_overhead_cmd.bench_overhead)
+bench_cmd.bench_app.command(name="soak", help=bench_soak_cmd.HELP)(bench_soak_cmd.bench_soak)
 app.add_typer(bench_cmd.bench_app, name="bench")
 app.add_typer(events_cmd.events_app, name="events")
 app.add_typer(sim_cmd.sim_app, name="sim")

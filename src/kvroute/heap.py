@@ -1,14 +1,18 @@
 """The process heap after start-up: what the long-running servers do with it once ready.
 
 Owns ``freeze_startup_heap``, called by ``kvroute serve`` (the router) and ``kvroute sim
-serve`` (the simulated engine) once they listen.
+serve`` (the simulated engine) once they listen, and ``watch_gc_pauses``, which the router's
+runtime uses to export how long the collector stops it (``kvroute_gc_pause_seconds``).
 """
 
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["freeze_startup_heap"]
+__all__ = ["freeze_startup_heap", "watch_gc_pauses"]
 
 
 def freeze_startup_heap() -> None:
@@ -25,3 +29,31 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def watch_gc_pauses(on_pause: Callable[[int, float], None]) -> Callable[[], None]:
+    """Call ``on_pause(generation, seconds)`` after every garbage collection of this process;
+    returns the function that stops it.
+
+    Why: a collection stops the event loop, and every request in flight waits as long. Its
+    cost grows with what the process keeps (caches, the index), so it is the pause a long run
+    shows and a short one does not; the loop's own timings never see it as such. The
+    callback runs in the collecting thread, between ``start`` and ``stop`` of a collection
+    that may have been triggered by any allocation: ``on_pause`` must be cheap and must not
+    allocate much (a histogram observation is fine).
+    """
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif started[0]:
+            on_pause(int(info["generation"]), time.perf_counter() - started[0])
+
+    gc.callbacks.append(callback)
+
+    def stop() -> None:
+        if callback in gc.callbacks:
+            gc.callbacks.remove(callback)
+
+    return stop

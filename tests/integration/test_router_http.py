@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -686,8 +687,15 @@ def test_models_health_and_metrics(shared_fleet: Fleet, config_for: ConfigFor) -
             raw.decode(), names=("kvroute_index_",)).samples}
         assert scraped["kvroute_index_entries"] == stats.num_entries
         assert scraped["kvroute_index_hashes"] == stats.num_hashes
+        # The router's garbage collections are timed while it runs.
+        assert rt.metrics is not None
+        full = rt.metrics.value("kvroute_gc_pause_seconds_count", {"generation": "2"}) or 0
+        gc.collect()
+        assert rt.metrics.value("kvroute_gc_pause_seconds_count", {"generation": "2"}) == full + 1
 
+    callbacks = len(gc.callbacks)
     run(with_router(config_for(shared_fleet), body))
+    assert len(gc.callbacks) == callbacks  # and no longer once it has stopped
 
 
 @pytest.mark.parametrize("log_format", ["json", "kv"])

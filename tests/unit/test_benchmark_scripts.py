@@ -16,6 +16,7 @@ import pytest
 MICRO = Path(__file__).resolve().parents[2] / "benchmarks" / "micro"
 
 CASES = {
+    "bench_cache_memory.py": ["--piece-tokens", "2000", "--memo-entries", "64"],
     "bench_cold.py": ["--gaps-ms", "0,0.2", "--calls", "3"],
     "bench_decode_apply.py": ["--batches", "20", "--repeat", "1"],
     "bench_engine_model.py": ["--requests", "8"],
@@ -25,6 +26,7 @@ CASES = {
     "bench_index.py": ["--quick"],
     "bench_kv_catchup.py": ["--batches", "200", "--replicas", "2", "--repeats", "1"],
     "bench_kv_subscriber.py": ["--messages", "200", "--gap-ms", "0.5"],
+    "bench_memo_churn.py": ["--bound", "64", "--calls", "50"],
     "bench_metrics.py": ["--calls", "100", "--repeats", "1"],
     "bench_router_path.py": ["--requests", "20", "--repeats", "1", "--no-engine"],
     "bench_wire_openai.py": ["--iterations", "50"],

@@ -200,12 +200,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, model: str,
-                 seed: int = 0, tokenizer: str = "engine") -> str:
+                 seed: int = 0, tokenizer: str = "engine", extra: str = "") -> str:
     """The ``kvroute serve`` config for one pool of ``engines`` with KV events wired.
 
     The route is named after the engines' model, so the same request bodies go to every
     router. Retries are off (as for the peers: failures must show), warm-ahead is off (one
     pool has no larger tier), admission is wide enough never to queue a benchmark's burst.
+    ``extra``: more top-level YAML lines (keys not set here, e.g. ``state:``), appended.
     """
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
@@ -232,7 +233,7 @@ def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, mo
         "warm_ahead: {enabled: false}",
         "log_level: warning",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + extra
 
 
 def _read_stat(pid: int) -> list[str] | None:
@@ -373,8 +374,8 @@ class RunningRouter:
 
 
 def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
-             work_dir: Path, peers: PeerRouters | None, model: str,
-             seed: int) -> tuple[list[str], str, Callable[[], bool]]:
+             work_dir: Path, peers: PeerRouters | None, model: str, seed: int,
+             kvroute_extra: str) -> tuple[list[str], str, Callable[[], bool]]:
     urls = [e.url for e in engines]
     base = f"http://127.0.0.1:{port}"
 
@@ -386,7 +387,7 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
     if spec.kind == "kvroute":
         cfg = work_dir / f"{spec.name.replace(':', '-')}.yaml"
         cfg.write_text(kvroute_yaml(engines, port=port, policy=spec.policy, model=model,
-                                    seed=seed, tokenizer=spec.tokenizer))
+                                    seed=seed, tokenizer=spec.tokenizer, extra=kvroute_extra))
 
         def healthy() -> bool:
             body = _http_json(base + "/health")
@@ -434,6 +435,7 @@ def start_router(
     model: str = "sim-model",
     seed: int = 0,
     timeout_s: float = 60.0,
+    kvroute_extra: str = "",
 ) -> RunningRouter:
     """Start ``spec`` in front of ``engines`` and return once it lists them all.
 
@@ -445,6 +447,7 @@ def start_router(
         model: the model name requests carry.
         seed: kvroute's policy seed.
         timeout_s: how long start-up may take.
+        kvroute_extra: more top-level lines for a kvroute router's YAML (``kvroute_yaml``).
 
     Raises:
         ConfigError: a peer router without an install (the message says why).
@@ -455,7 +458,7 @@ def start_router(
     work_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     cmd, base, ready = _command(spec, engines, port=port, work_dir=work_dir, peers=peers,
-                                model=model, seed=seed)
+                                model=model, seed=seed, kvroute_extra=kvroute_extra)
     log_path = work_dir / f"{spec.name.replace(':', '-')}.log"
     started = time.monotonic()
     with open(log_path, "wb") as log_file:

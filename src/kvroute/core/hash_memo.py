@@ -32,15 +32,25 @@ of another's block. The hasher itself always reads the ids as ints.
 Inputs are token ids the caller has already validated as ints (the tokenizer's ids, or a
 completion's checked ``prompt``): a tuple key made of equal-comparing non-ints (``1.0``) could
 hit (an ``array('I')`` holds only ints in ``0..2**32-1``).
-Memory: at most ``max_entries`` entries (blocks and spans), each a key and its digests,
-evicted oldest-inserted first. Hits do not refresh an entry (that costs a third of a hit): a
-hot prefix that ages out is re-inserted by the next request that misses it.
+Memory: at most ``max_entries`` entries (blocks and spans), each a key and its digests, in
+``_SEGMENTS`` dicts written in turn (``_Segments``): entries leave with the oldest one, a few at
+each write, and an entry found in an older one is copied into the one being written, so a hot
+prefix stays while cold ones age out.
+
+Why segments and not one ordered dict: under varied traffic the memo is full within minutes
+(``kvroute bench soak``) and every miss evicts, and a dict that keeps deleting its oldest keys
+while adding new ones rebuilds its whole table every few hundred thousand writes: at the
+default bound one call in a few thousand then held the loop for up to 30 ms
+(``benchmarks/micro/bench_memo_churn.py``: an ``OrderedDict`` of 262,144 entries; 1.6 ms at
+most with segments). A dict that only grows and then empties by ``popitem`` never rebuilds;
+the newest segment's growth copies at most one eighth of the memo, once. Plain dicts also
+hold less than an ordered one's linked entries.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
@@ -50,7 +60,10 @@ from kvroute.core.types import BlockHash, WireHash, to_wire_hash
 __all__ = ["DEFAULT_MEMO_BLOCKS", "BlockHashMemo"]
 
 DEFAULT_MEMO_BLOCKS: Final = 262_144
-"""About 4 M tokens of prefixes at block size 16, some tens of MB."""
+"""About 4 M tokens of prefixes at block size 16, which a router under varied traffic fills
+within minutes (``kvroute bench soak``). Each entry holds its key tuple and token bytes and its
+digest and wire-hash tuples: ~500 bytes, so ~130 MB at this bound
+(``benchmarks/micro/bench_cache_memory.py``, ``docs/benchmarks.md``)."""
 
 SPAN_BLOCKS: Final = 8
 """Blocks per memoised span (128 tokens at block size 16)."""
@@ -61,14 +74,71 @@ _Key = tuple[object, _Tokens]
 _Entry = tuple[tuple[BlockHash, ...], tuple[WireHash, ...]]
 """Digests and wire hashes of a block (one each) or of a span (``SPAN_BLOCKS`` each)."""
 
+_SEGMENTS: Final = 8
+"""Segments the bound is split into (``_Segments``): more make each one's growth and its
+eviction smaller, and a lookup that misses probe more dicts."""
+
+
+class _Segments:
+    """A map of at most ``bound`` entries, kept in segments: a FIFO by segment, in O(1) a write.
+
+    Invariants: ``len(self) <= bound`` after every ``put``; ``segments[-1]`` is the one written,
+    and a new one starts once it holds ``bound // _SEGMENTS`` entries (at least one); eviction
+    takes entries from ``segments[0]`` only (``dict.popitem``: O(1), and a dict that only loses
+    entries never rebuilds its table), one for each entry written beyond the bound, and drops
+    a segment once it is empty. ``get`` looks in the newest segment first; an entry found in an
+    older one is copied into the newest (it may then be counted twice until the older copy is
+    evicted, which the bound includes).
+    """
+
+    __slots__ = ("_bound", "_per", "_size", "segments")
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._per = max(1, bound // _SEGMENTS)
+        self._size = 0
+        self.segments: deque[dict[_Key, _Entry]] = deque([{}])
+
+    def __len__(self) -> int:
+        return self._size
+
+    def get(self, key: _Key) -> _Entry | None:
+        segments = self.segments
+        found = segments[-1].get(key)
+        if found is not None or len(segments) == 1:
+            return found
+        for i in range(len(segments) - 2, -1, -1):
+            found = segments[i].get(key)
+            if found is not None:
+                self.put(key, found)
+                return found
+        return None
+
+    def put(self, key: _Key, value: _Entry) -> None:
+        segments = self.segments
+        newest = segments[-1]
+        before = len(newest)
+        newest[key] = value
+        if len(newest) == before:
+            return  # replaced an entry of the newest segment
+        self._size += 1
+        if len(newest) >= self._per:
+            segments.append({})
+        while self._size > self._bound:
+            oldest = segments[0]
+            oldest.popitem()
+            self._size -= 1
+            if not oldest:
+                segments.popleft()
+
 
 class BlockHashMemo:
     """``wire_hashes`` of one ``BlockHasher``, memoised per block and per span.
 
     Args:
         hasher: the engine configuration's hasher (its result is the truth).
-        max_entries: bound on memoised entries (blocks and spans), oldest-inserted evicted
-            first (0: no memo).
+        max_entries: bound on memoised entries (blocks and spans), evicted a segment at a
+            time, oldest first, hits refreshed (module doc; 0: no memo).
     """
 
     __slots__ = ("_memo", "hasher", "hits", "max_entries", "misses")
@@ -78,7 +148,7 @@ class BlockHashMemo:
             raise ValueError(f"max_entries={max_entries} must be >= 0 (0 turns the memo off)")
         self.hasher = hasher
         self.max_entries = max_entries
-        self._memo: OrderedDict[_Key, _Entry] = OrderedDict()
+        self._memo = _Segments(max_entries)
         self.hits = 0
         self.misses = 0
 
@@ -165,32 +235,22 @@ class BlockHashMemo:
             new = hasher.hash_blocks(ints, start_block=start, parent=digests[-1])
         self.hits += start
         self.misses += len(new)
-        memo = self._memo
+        put = self._memo.put
         prev: object = ("salt", cache_salt) if start == 0 else digests[-1]
         for offset, digest in enumerate(new):
             at = (start + offset) * step
             wire = to_wire_hash(digest)
-            memo[(prev, tokens[at : at + step])] = ((digest,), (wire,))
+            put((prev, tokens[at : at + step]), ((digest,), (wire,)))
             digests.append(digest)
             wires.append(wire)
             prev = digest
-        self._evict()
 
     def _add_spans(self, tokens: _Tokens, step: int, first: int, root: object,
                    digests: list[BlockHash], wires: list[WireHash]) -> None:
         """Memoise the full spans from block ``first`` on (the walk found none of them)."""
-        memo = self._memo
-        added = False
+        put = self._memo.put
         for block in range(first, len(digests) - SPAN_BLOCKS + 1, SPAN_BLOCKS):
             parent = digests[block - 1] if block else root
             end = block + SPAN_BLOCKS
-            memo[(parent, tokens[block * step : end * step])] = (tuple(digests[block:end]),
-                                                                  tuple(wires[block:end]))
-            added = True
-        if added:
-            self._evict()
-
-    def _evict(self) -> None:
-        memo = self._memo
-        while len(memo) > self.max_entries:
-            memo.popitem(last=False)
+            put((parent, tokens[block * step : end * step]),
+                (tuple(digests[block:end]), tuple(wires[block:end])))

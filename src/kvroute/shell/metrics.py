@@ -54,6 +54,7 @@ prompt_tokens_total                    counter    pool
 cached_tokens_total                    counter    pool (expected cached prefix tokens)
 routing_latency_seconds                histogram  pool
 router_time_seconds                    histogram  stage (before_engine, after_engine, total)
+gc_pause_seconds                       histogram  generation (0, 1, 2: a full collection)
 upstream_errors_total                  counter    replica, kind
 retries_total                          counter    replica
 admission_rejects_total                counter    reason
@@ -114,6 +115,11 @@ ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
     0.05, 0.1,
 )  # fmt: skip
 """Routing is pure CPU work (hashing plus an index lookup): 10 µs to 100 ms covers it."""
+
+GC_PAUSE_BUCKETS: Final[tuple[float, ...]] = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+"""A young collection takes tens of µs; a full one ms to hundreds of ms with a large heap."""
 
 ROUTER_TIME_BUCKETS: Final[tuple[float, ...]] = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.00175, 0.002, 0.0025, 0.003,
@@ -345,6 +351,13 @@ class RouterMetrics:
         )
         self._router_time = tuple(_LatencyTally(router_time.labels(stage), _ROUTER_TIME_BOUNDS)
                                   for stage in ROUTER_TIME_STAGES)
+        gc_pause = Histogram(
+            "gc_pause_seconds", "Garbage collections of the router's process and how long each "
+            "stopped it, by generation (2: a full collection, whose cost grows with the objects "
+            "the router keeps).",
+            ["generation"], namespace=ns, registry=r, buckets=GC_PAUSE_BUCKETS,
+        )
+        self._gc_pause = tuple(gc_pause.labels(str(g)) for g in range(3))
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
@@ -487,6 +500,11 @@ class RouterMetrics:
             latency,
         )
         return tally
+
+    def gc_pause(self, generation: int, seconds: float) -> None:
+        """One garbage collection (``heap.watch_gc_pauses``; called inside the collector, so
+        one observation and nothing else)."""
+        self._gc_pause[generation].observe(seconds)
 
     def router_time(self, before_engine_s: float, after_engine_s: float) -> None:
         """Record the router's own time in one answered request (``router_time_seconds``):

@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 import aiohttp
@@ -46,6 +46,7 @@ from kvroute.core.peer_policies import make_policy
 from kvroute.core.policy import Policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.types import PoolName, ReplicaId
+from kvroute.heap import watch_gc_pauses
 from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.engine_client import EngineClient
@@ -116,6 +117,7 @@ class RouterRuntime:
         self.engine_client: EngineClient | None = None
         self.discovery: Discovery | None = None
         self.state: SessionState | None = None
+        self._stop_gc_watch: Callable[[], None] | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
         self.tokenizer_checks: dict[str, TokenizerCheck] = {}
         self._check_tasks: dict[str, asyncio.Task[None]] = {}
@@ -167,6 +169,7 @@ class RouterRuntime:
             on_scrape=self.sync_metrics,
             on_replica_failure=self.discovery.report_failure,
         )
+        self._stop_gc_watch = watch_gc_pauses(self.metrics.gc_pause)
         self.port = await self.app.start(config.listen.host, config.listen.port)
         self.url = f"http://{config.listen.host}:{self.port}"
         log.info("kvroute listening on %s (policy %s, %d pools, %d replicas)", self.url,
@@ -182,6 +185,9 @@ class RouterRuntime:
             except Exception as exc:  # noqa: BLE001 - collected, the first is re-raised below
                 errors.append(exc)
 
+        if self._stop_gc_watch is not None:
+            self._stop_gc_watch()
+            self._stop_gc_watch = None
         if self.app is not None:
             await step(self.app.close())
             self.app = None

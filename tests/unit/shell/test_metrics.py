@@ -69,6 +69,19 @@ def test_event_counters_and_index_size() -> None:
     assert value("kvroute_kv_event_replaying", {"replica": "r1"}) == 0
 
 
+def test_gc_pauses_by_generation() -> None:
+    m = RouterMetrics()
+    m.gc_pause(0, 0.00002)
+    m.gc_pause(2, 0.120)
+    m.gc_pause(2, 0.004)
+    value = m.value
+    assert value("kvroute_gc_pause_seconds_count", {"generation": "0"}) == 1
+    assert value("kvroute_gc_pause_seconds_count", {"generation": "2"}) == 2
+    assert value("kvroute_gc_pause_seconds_sum", {"generation": "2"}) == pytest.approx(0.124)
+    assert value("kvroute_gc_pause_seconds_bucket", {"generation": "2", "le": "0.05"}) == 1
+    assert value("kvroute_gc_pause_seconds_count", {"generation": "1"}) == 0
+
+
 def test_fleet_gauges() -> None:
     m = RouterMetrics()
     assert m.approximate("p") is None

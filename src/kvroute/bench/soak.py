@@ -1,0 +1,397 @@
+"""``kvroute bench soak``: does the router hold steady over a long run?
+
+Owns the plan and the report of a long, steady run of ``kvroute serve`` in front of simulated
+engines, watched from outside: the router's resident memory (``/proc/<pid>/status``), its CPU,
+its prefix index and piece cache (``/metrics``), and the client's latency and errors, window
+by window. A router in production runs for weeks; a map that grows with every session, prompt
+or request id would show here as memory that keeps climbing, and a structure that gets slower
+as it fills as latency that drifts up.
+
+The traffic is built to reach every bound the router keeps within a few minutes, so that a
+plateau can be told from slow growth:
+
+* ``shared`` (half the requests): one of 64 system prompts and a question of its own, the
+  prefix-reuse case;
+* ``session`` (three in ten): multi-turn conversations, each under a new session id (the
+  OpenAI ``user`` field, which kvroute reads as one), four turns each with the history
+  growing; new sessions keep arriving, so the pin map and the tier-session map fill up to
+  ``state.max_pins`` (set low here, ``max_pins``) and then evict;
+* ``unique`` (one in five): a prompt nobody else sends, so the block-hash memo and the piece
+  cache churn.
+
+The engines run with ``num_gpu_blocks`` small enough that they evict within seconds, so the
+index, which follows their events, has a steady size too.
+
+Report: ``windows`` (one per ``sample_s``: requests finished in it, their p50/p99 and errors,
+and the router's RSS, CPU per request, index entries and piece-cache tokens at its end) and
+``summary`` (the same at the first, middle and last sample, RSS growth over the second half,
+p99 of the first and last quarter of the run). Nothing is judged here: the figures are
+recorded in ``docs/benchmarks.md``.
+
+Bounds: ``rate * seconds`` requests, open loop, at most 512 in flight, each at most
+``request_timeout_s``; the run is cut at ``seconds + request_timeout_s + 30``. Loopback only;
+ports picked at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvroute.bench.live_client import ClientRun, LiveRequest, percentile, run_client
+from kvroute.bench.live_routers import RouterSpec, process_tree_cpu_s, start_router
+from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
+from kvroute.core.errors import ConfigError
+from kvroute.hf_tokenizer import bundled_tokenizer_dir
+from kvroute.sim.launcher import ReplicaSpec, start_fleet
+from kvroute.wire.prom import parse_exposition
+
+__all__ = ["SoakSpec", "read_rss_mb", "run_soak", "soak_requests", "soak_windows"]
+
+_SYSTEM_PROMPTS = 64
+_SESSION_TURNS = 4
+_ACTIVE_SESSIONS = 64
+_OUTPUT_TOKENS = 8
+_MAX_MODEL_LEN = 8192
+"""The engines' window: the longest prompt here is a few thousand tokens, and an engine must
+hold one full window in its ``num_gpu_blocks`` (as vLLM checks at start)."""
+_BLOCK_SIZE = 16
+_EVENT_COUNTERS = {f"kvroute_kv_event_{kind}_total": f"kv_{kind}"
+                   for kind in ("gaps", "replays", "resets")}
+"""The KV-event subscribers' troubles, summed over replicas: each is work (a replay) or lost
+knowledge (a reset) that a steady run should not need."""
+_KINDS = ("shared",) * 5 + ("session",) * 3 + ("unique",) * 2
+"""The kind of request *i* is ``_KINDS[i % 10]``: the mix is exact in every ten."""
+
+
+@dataclass(frozen=True, slots=True)
+class SoakSpec:
+    """What to run. ``validate`` says what is wrong with a bad one."""
+
+    seconds: float = 300.0
+    rate: float = 200.0
+    engines: int = 4
+    sample_s: float = 10.0
+    max_pins: int = 2000
+    num_gpu_blocks: int = 4096
+    seed: int = 0
+    model: str = "sim-model"
+    request_timeout_s: float = 30.0
+    log_dir: Path | None = None
+    policy: str = "kvroute"
+    tokenizer: str = "auto"
+
+    def validate(self) -> None:
+        """Raises ``ConfigError`` naming the value and the fix."""
+        checks = (
+            (self.seconds > 0, f"seconds={self.seconds} must be > 0"),
+            (self.rate > 0, f"rate={self.rate} must be > 0 requests a second"),
+            (self.engines >= 1, f"engines={self.engines} must be >= 1"),
+            (0 < self.sample_s <= self.seconds,
+             f"sample_s={self.sample_s} must be > 0 and at most seconds={self.seconds}"),
+            (self.max_pins >= 1, f"max_pins={self.max_pins} must be >= 1"),
+            (self.num_gpu_blocks > _MAX_MODEL_LEN // _BLOCK_SIZE,
+             (f"num_gpu_blocks={self.num_gpu_blocks} must be > "
+              f"{_MAX_MODEL_LEN // _BLOCK_SIZE} (one window of {_MAX_MODEL_LEN} tokens in "
+              f"blocks of {_BLOCK_SIZE})")),
+            (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s} must be > 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"soak: {message}")
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.getrandbits(24):06x}" for _ in range(n))
+
+
+@dataclass(slots=True)
+class _Session:
+    user: str
+    messages: list[dict[str, str]]
+    turns: int = 0
+
+
+def soak_requests(spec: SoakSpec) -> list[LiveRequest]:
+    """The whole stream, ``rate * seconds`` requests at fixed spacing (module doc).
+
+    Deterministic for a seed. Invariants: request *i* arrives at ``i / rate`` and is of kind
+    ``_KINDS[i % 10]`` (its ``group``: ``shared-<g>``, ``session`` or ``unique``); a session
+    has at most ``_SESSION_TURNS`` requests, each one's messages extending the previous one's.
+    """
+    spec.validate()
+    rng = random.Random(spec.seed)
+    systems = [_words(rng, 120) for _ in range(_SYSTEM_PROMPTS)]
+    active: deque[_Session] = deque()
+    started = 0
+    out: list[LiveRequest] = []
+    for i in range(int(spec.rate * spec.seconds)):
+        kind = _KINDS[i % len(_KINDS)]
+        extra: dict[str, Any] = {}
+        if kind == "shared":
+            g = rng.randrange(_SYSTEM_PROMPTS)
+            messages = [{"role": "system", "content": systems[g]},
+                        {"role": "user", "content": _words(rng, 12)}]
+            group = f"shared-{g}"
+        elif kind == "unique":
+            messages = [{"role": "user", "content": _words(rng, 150)}]
+            group = "unique"
+        else:
+            if len(active) < _ACTIVE_SESSIONS or rng.random() < 0.25:
+                session = _Session(f"soak-{spec.seed}-{started}",
+                                   [{"role": "user", "content": _words(rng, 60)}])
+                started += 1
+            else:
+                session = active.popleft()
+                session.messages += [{"role": "assistant", "content": _words(rng, 8)},
+                                     {"role": "user", "content": _words(rng, 30)}]
+            session.turns += 1
+            if session.turns < _SESSION_TURNS:
+                active.append(session)
+            messages = list(session.messages)
+            extra["user"] = session.user
+            group = "session"
+        body = {"model": spec.model, "messages": messages, "max_tokens": _OUTPUT_TOKENS,
+                "stream": False, **extra}
+        words = sum(len(m["content"].split()) for m in messages)
+        out.append(LiveRequest(f"soak-{i}", i / spec.rate, json.dumps(body).encode(),
+                               prompt_tokens=words, max_tokens=_OUTPUT_TOKENS, group=group,
+                               stream=False))
+    return out
+
+
+def read_rss_mb(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in MB (``VmRSS``), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+async def _scrape(http: aiohttp.ClientSession,
+                  metrics_url: str) -> tuple[dict[str, float], Buckets]:
+    """The gauges the soak follows, from the router's ``/metrics``, and its own time's
+    histogram (``router_time_seconds``, stage ``total``)."""
+    async with http.get(metrics_url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        text = await resp.text()
+    out: dict[str, float] = dict.fromkeys(_EVENT_COUNTERS.values(), 0.0)
+    decisions = 0.0
+    out["gc_full_s"] = out["gc_over_50ms"] = 0.0
+    for s in parse_exposition(text, names=("kvroute_index_", "kvroute_token_piece_cache",
+                                           "kvroute_decisions_total", "kvroute_kv_event_",
+                                           "kvroute_gc_pause_seconds")).samples:
+        if s.name in ("kvroute_index_entries", "kvroute_index_hashes"):
+            out[s.name.removeprefix("kvroute_")] = s.value
+        elif s.name in _EVENT_COUNTERS:
+            key = _EVENT_COUNTERS[s.name]
+            out[key] = out.get(key, 0.0) + s.value
+        elif s.name == "kvroute_token_piece_cache" and s.labels.get("stat") == "cached_tokens":
+            out["piece_cache_tokens"] = out.get("piece_cache_tokens", 0.0) + s.value
+        elif s.name == "kvroute_decisions_total":
+            decisions += s.value
+        elif s.name == "kvroute_gc_pause_seconds_sum" and s.labels.get("generation") == "2":
+            out["gc_full_s"] = s.value
+        elif s.name == "kvroute_gc_pause_seconds_count":
+            out["gc_over_50ms"] += s.value
+        elif s.name == "kvroute_gc_pause_seconds_bucket" and s.labels.get("le") == "0.05":
+            out["gc_over_50ms"] -= s.value
+    out["decisions"] = decisions
+    return out, bucket_counts(text, "total")
+
+
+async def _soak(targets: Sequence[str], requests: Sequence[LiveRequest], spec: SoakSpec,
+                pid: int, engine_pids: Sequence[int], metrics_url: str,
+                on_sample: Callable[[Mapping[str, Any]], None] | None,
+                ) -> tuple[ClientRun, list[dict[str, Any]]]:
+    """The client and, beside it on the same loop, a sample every ``sample_s``."""
+    samples: list[dict[str, Any]] = []
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    own_before: list[Buckets] = []
+
+    async def sample(http: aiohttp.ClientSession) -> None:
+        row: dict[str, Any] = {"t_s": round(loop.time() - started, 2),
+                               "rss_mb": read_rss_mb(pid), "cpu_s": process_tree_cpu_s(pid),
+                               "engines_cpu_s": sum(process_tree_cpu_s(p) for p in engine_pids)}
+        gauges, own = await _scrape(http, metrics_url)
+        row.update(gauges)
+        if own_before:  # the router's own p99 over the answers since the sample before
+            row["own_p99_ms"] = _round(quantile_ms(phase_counts(own_before[-1], own), 0.99), 2)
+        own_before[:] = [own]
+        samples.append(row)
+        if on_sample is not None:
+            on_sample(row)
+
+    async def sampler() -> None:
+        async with aiohttp.ClientSession() as http:
+            while True:
+                await sample(http)
+                try:
+                    await asyncio.wait_for(done.wait(), spec.sample_s)
+                except TimeoutError:
+                    continue
+                await sample(http)
+                return
+
+    task = asyncio.create_task(sampler())
+    try:
+        run = await run_client(targets, requests, max_in_flight=512,
+                               request_timeout_s=spec.request_timeout_s,
+                               duration_s=spec.seconds + spec.request_timeout_s + 30.0)
+    finally:
+        done.set()
+        await task
+    return run, samples
+
+
+def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per sample after the first: the requests that finished since the sample
+    before (count, req/s, p50/p99 of the whole answer in ms, errors), and the router's state
+    at this sample (RSS, CPU per decision since the sample before, index, piece cache), with
+    the router's own p99 over those answers (its code: no network hop, no engine time) and
+    the cores the engines used meanwhile (they share the machine with the router), how late
+    the client sent its requests (a stalled load generator shows there), and the router's
+    garbage collections: ms spent in full ones, and how many of any kind took over 50 ms."""
+    ends: list[tuple[float, float | None, str | None]] = []
+    lags: list[tuple[float, float]] = []
+    for r in run.results:
+        if r.start_s is None:
+            continue
+        end = r.start_s + (r.e2e_s or 0.0)
+        ends.append((end, r.e2e_s if r.ok else None, r.error))
+        if r.lag_s is not None:
+            lags.append((r.start_s, r.lag_s))
+    rows = []
+    for before, now in itertools.pairwise(samples):
+        lo, hi = float(before["t_s"]), float(now["t_s"])
+        inside = [(e2e, err) for end, e2e, err in ends if lo <= end < hi]
+        e2e = [v for v, _ in inside if v is not None]
+        errors = sum(1 for _, err in inside if err is not None)
+        late = [lag for start, lag in lags if lo <= start < hi]
+        decided = float(now.get("decisions", 0.0)) - float(before.get("decisions", 0.0))
+        engines = float(now["engines_cpu_s"]) - float(before["engines_cpu_s"])
+        cpu = (now["cpu_s"] - before["cpu_s"]
+               if now.get("cpu_s") is not None and before.get("cpu_s") is not None else None)
+        rows.append({
+            "t_s": hi, "finished": len(inside),
+            "rps": round(len(inside) / (hi - lo), 1) if hi > lo else None,
+            "p50_ms": _ms(percentile(e2e, 50)), "p99_ms": _ms(percentile(e2e, 99)),
+            "max_ms": _ms(max(e2e)) if e2e else None, "own_p99_ms": now.get("own_p99_ms"),
+            "start_lag_max_ms": _ms(max(late)) if late else None,
+            "errors": errors, "rss_mb": _round(now.get("rss_mb"), 1),
+            "cpu_ms_per_decision": (round(1e3 * cpu / decided, 3)
+                                    if cpu is not None and decided > 0 else None),
+            "engines_cores": round(engines / (hi - lo), 2) if hi > lo else None,
+            "gc_full_ms": _delta_ms(before, now, "gc_full_s"),
+            "gc_over_50ms": _delta(before, now, "gc_over_50ms"),
+            "index_entries": now.get("index_entries"),
+            **{key: now.get(key) for key in _EVENT_COUNTERS.values()},
+            "piece_cache_tokens": now.get("piece_cache_tokens"),
+        })
+    return rows
+
+
+def _delta(before: Mapping[str, Any], now: Mapping[str, Any], key: str) -> float | None:
+    """A counter's growth between two samples (None where the router does not export it)."""
+    if now.get(key) is None or before.get(key) is None:
+        return None
+    return float(now[key]) - float(before[key])
+
+
+def _delta_ms(before: Mapping[str, Any], now: Mapping[str, Any], key: str) -> float | None:
+    seconds = _delta(before, now, key)
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 2)
+
+
+def _round(value: Any, digits: int) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def _summary(run: ClientRun, samples: Sequence[Mapping[str, Any]],
+             spec: SoakSpec) -> dict[str, Any]:
+    ok = [r for r in run.results if r.ok and r.start_s is not None and r.e2e_s is not None]
+    errors: dict[str, int] = {}
+    for r in run.results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    quarter = spec.seconds / 4
+
+    def p99_between(lo: float, hi: float) -> float | None:
+        return _ms(percentile([r.e2e_s for r in ok
+                               if r.start_s is not None and r.e2e_s is not None
+                               and lo <= r.start_s < hi], 99))
+
+    rss = [float(s["rss_mb"]) for s in samples if s.get("rss_mb") is not None]
+    mid = rss[len(rss) // 2] if rss else None
+    last = rss[-1] if rss else None
+    return {
+        "requests": len(run.results), "completed": len(ok), "errors": errors,
+        "wall_s": round(run.wall_s, 1),
+        "p99_first_quarter_ms": p99_between(0.0, quarter),
+        "p99_last_quarter_ms": p99_between(spec.seconds - quarter, spec.seconds),
+        "rss_first_mb": _round(rss[0], 1) if rss else None,
+        "rss_mid_mb": _round(mid, 1), "rss_last_mb": _round(last, 1),
+        "rss_max_mb": _round(max(rss), 1) if rss else None,
+        "rss_growth_second_half_mb": (round(last - mid, 1)
+                                      if last is not None and mid is not None else None),
+    }
+
+
+def run_soak(spec: SoakSpec,
+             on_sample: Callable[[Mapping[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Start the engines and one kvroute router, run the stream, return the report
+    (``{"windows", "samples", "summary", "config"}``; module doc)."""
+    spec.validate()
+    requests = soak_requests(spec)
+    tokenizer = str(bundled_tokenizer_dir())
+    engines = [ReplicaSpec(name=f"e{i}", model=spec.model, profile="zero",
+                           num_gpu_blocks=spec.num_gpu_blocks, block_size=_BLOCK_SIZE,
+                           max_model_len=_MAX_MODEL_LEN,
+                           extra_args=("--tokenizer", tokenizer)) for i in range(spec.engines)]
+    router_spec = RouterSpec(f"kvroute-{spec.tokenizer}", "kvroute", spec.policy,
+                             spec.tokenizer)
+    extra = f"state: {{backend: memory, max_pins: {spec.max_pins}}}\n"
+    with tempfile.TemporaryDirectory(prefix="kvroute-soak-") as tmp:
+        work_dir = spec.log_dir or Path(tmp)
+        with start_fleet(engines, log_dir=work_dir / "engines") as fleet, \
+                start_router(router_spec, fleet.replicas, work_dir=work_dir, model=spec.model,
+                             seed=spec.seed, kvroute_extra=extra) as router:
+            assert router.pid is not None
+            began = time.monotonic()
+            engine_pids = [e.pid for e in fleet.replicas if e.pid is not None]
+            run, samples = asyncio.run(_soak(router.targets, requests, spec, router.pid,
+                                             engine_pids, router.targets[0] + "/metrics",
+                                             on_sample))
+            elapsed = time.monotonic() - began
+    return {
+        "windows": soak_windows(run, samples),
+        "samples": samples,
+        "summary": _summary(run, samples, spec),
+        "config": {"seconds": spec.seconds, "rate": spec.rate, "engines": spec.engines,
+                   "sample_s": spec.sample_s, "max_pins": spec.max_pins,
+                   "num_gpu_blocks": spec.num_gpu_blocks, "seed": spec.seed,
+                   "policy": spec.policy, "tokenizer": spec.tokenizer,
+                   "mix": {"shared": 0.5, "session": 0.3, "unique": 0.2},
+                   "elapsed_s": round(elapsed, 1), "date": time.strftime("%Y-%m-%d")},
+    }

@@ -1,0 +1,71 @@
+"""``kvroute bench soak``: the router over a long steady run, watched window by window (its
+own module so this command's options stay apart from the other benchmarks')."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvroute.commands.tables import rows_table, wide_console
+from kvroute.core.errors import RouterError
+
+HELP = ("A long steady run of kvroute in front of simulated engines, with sessions, shared "
+        "and unique prompts: the router's memory, CPU, index and latency, window by window.")
+
+_HEADS = ["t s", "finished", "req/s", "p50 ms", "p99 ms", "max ms", "own p99 ms", "errors",
+          "RSS MB", "CPU ms/decision", "engines' cores", "index entries", "piece-cache tokens",
+          "full GC ms", "GCs > 50 ms", "KV gaps", "KV resets"]
+_KEYS = ["t_s", "finished", "rps", "p50_ms", "p99_ms", "max_ms", "own_p99_ms", "errors",
+         "rss_mb", "cpu_ms_per_decision", "engines_cores", "index_entries", "piece_cache_tokens",
+         "gc_full_ms", "gc_over_50ms", "kv_gaps", "kv_resets"]
+
+
+def bench_soak(
+    minutes: Annotated[float, typer.Option(help="Length of the run.")] = 5.0,
+    rate: Annotated[float, typer.Option(help="Requests a second (open loop).")] = 200.0,
+    engines: Annotated[int, typer.Option(help="Simulated engines (zero timing profile).")] = 4,
+    sample_seconds: Annotated[float, typer.Option(help="Seconds per window.")] = 10.0,
+    max_pins: Annotated[int, typer.Option(
+        help="The router's state.max_pins: low, so the session maps reach their bound "
+             "within the run.")] = 2000,
+    num_gpu_blocks: Annotated[int, typer.Option(
+        help="KV blocks per engine: small, so the engines evict (and the index with them) "
+             "within the run.")] = 4096,
+    seed: Annotated[int, typer.Option(help="Workload and policy seed.")] = 0,
+    policy: Annotated[str, typer.Option(help="The router's policy (kvroute, round_robin, ...).")] = "kvroute",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="Keep configs and logs here.")] = None,
+) -> None:
+    """A long steady run (see ``kvroute.bench.soak``)."""
+    from kvroute.bench.soak import SoakSpec, run_soak
+
+    console = Console(stderr=True)
+
+    def on_sample(row: Any) -> None:
+        console.print(f"t={row['t_s']:>7} s  RSS {row['rss_mb']} MB  index "
+                      f"{row.get('index_entries')}  decisions {row.get('decisions')}")
+
+    try:
+        spec = SoakSpec(seconds=minutes * 60.0, rate=rate, engines=engines,
+                        sample_s=sample_seconds, max_pins=max_pins,
+                        num_gpu_blocks=num_gpu_blocks, seed=seed, log_dir=log_dir,
+                        policy=policy)
+        report = run_soak(spec, on_sample=on_sample)
+    except RouterError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    rows = [[("-" if w.get(k) is None else str(w[k])) for k in _KEYS]
+            for w in report["windows"]]
+    wide_console(200).print(rows_table(
+        f"soak: {rate:g} req/s for {minutes:g} min, {engines} engines, policy {policy}", [_HEADS, *rows]))
+    console.print(json.dumps(report["summary"]))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+    sys.stdout.flush()

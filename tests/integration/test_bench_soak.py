@@ -1,0 +1,31 @@
+"""``kvroute bench soak`` end to end, short: real engines and router processes on loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvroute.bench.soak import SoakSpec, run_soak
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_short_soak_reports_every_window_with_the_routers_state() -> None:
+    spec = SoakSpec(seconds=6.0, rate=40.0, engines=2, sample_s=2.0, max_pins=10,
+                    num_gpu_blocks=1024)
+    samples: list[dict[str, object]] = []
+    report = run_soak(spec, on_sample=lambda row: samples.append(dict(row)))
+    summary = report["summary"]
+    assert summary["requests"] == 240 and summary["completed"] == 240, summary
+    assert summary["errors"] == {}
+    assert samples == report["samples"] and len(samples) >= 4
+    windows = report["windows"]
+    assert len(windows) == len(samples) - 1
+    assert sum(w["finished"] for w in windows) == 240
+    for w in windows[:-1]:  # the last one may be a short tail
+        assert w["finished"] > 0 and w["p99_ms"] is not None
+        assert w["rss_mb"] > 20 and w["cpu_ms_per_decision"] > 0
+    # The router learned from the engines' events and tokenized in process.
+    assert windows[-1]["index_entries"] > 0
+    assert windows[-1]["piece_cache_tokens"] > 0
+    assert summary["rss_last_mb"] >= summary["rss_first_mb"] > 20
+    assert report["config"]["max_pins"] == 10
