@@ -287,6 +287,8 @@ PRE_FIRST_BYTE = {
     "timeout": ({"stall_first_byte_s": 3.0, "stall_next": 1}, "requests_stalled", True),
 }
 QUICK_FIRST_BYTE = {"connect_s": 1.0, "first_byte_s": 0.5, "total_s": 10.0}
+# Health probes too slow to matter: the router learns of a failure from the request itself.
+SLOW_PROBES = {"health_interval_s": 30, "metrics_interval_s": 30}
 
 
 def decision_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -302,7 +304,7 @@ def test_a_failure_before_the_first_byte_is_retried_on_another_replica(
     rng = random.Random(44)
     prefix = words(rng, 200)
     config = config_for(fleet, timeouts=QUICK_FIRST_BYTE,
-                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+                        discovery=SLOW_PROBES)
 
     async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
         status, headers, _ = await post_json(session, rt.url + "/v1/chat/completions",
@@ -353,7 +355,7 @@ def test_retries_stop_at_max_retries_and_the_client_is_told_why(
     fleet = make_fleet(3, fault_injection=True)
     rng = random.Random(45)
     config = config_for(fleet, timeouts=QUICK_FIRST_BYTE, retries={"max_retries": 1},
-                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+                        discovery=SLOW_PROBES)
 
     async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
         for engine in fleet.replicas:  # every engine would fail once
@@ -399,7 +401,7 @@ def test_a_whole_answer_past_its_deadline_is_not_sent_again(
     fleet = make_fleet(2, fault_injection=True)
     rng = random.Random(46)
     config = config_for(fleet, timeouts={"connect_s": 1.0, "first_byte_s": 0.5, "total_s": 0.5},
-                        discovery={"health_interval_s": 30, "metrics_interval_s": 30})
+                        discovery=SLOW_PROBES)
 
     async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
         for engine in fleet.replicas:

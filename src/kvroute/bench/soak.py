@@ -227,7 +227,7 @@ async def _soak(targets: Sequence[str], requests: Sequence[LiveRequest], spec: S
     own_before: list[Buckets] = []
 
     async def sample(http: aiohttp.ClientSession) -> None:
-        row: dict[str, Any] = {"t_s": round(loop.time() - started, 2),
+        row: dict[str, Any] = {"t_s": loop.time() - started,
                                "rss_mb": read_rss_mb(pid), "cpu_s": process_tree_cpu_s(pid),
                                "engines_cpu_s": sum(process_tree_cpu_s(p) for p in engine_pids)}
         gauges, own = await _scrape(http, metrics_url)
@@ -279,9 +279,13 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
         if r.lag_s is not None:
             lags.append((r.start_s, r.lag_s))
     rows = []
-    for before, now in itertools.pairwise(samples):
+    last = len(samples) - 2
+    for i, (before, now) in enumerate(itertools.pairwise(samples)):
         lo, hi = float(before["t_s"]), float(now["t_s"])
-        inside = [(e2e, err) for end, e2e, err in ends if lo <= end < hi]
+        # The last sample is taken once the client is done: whatever ended after the one
+        # before belongs to the last window, whichever clock's rounding put it past the end.
+        inside = [(e2e, err) for end, e2e, err in ends
+                  if lo <= end and (end < hi or i == last)]
         e2e = [v for v, _ in inside if v is not None]
         errors = sum(1 for _, err in inside if err is not None)
         late = [lag for start, lag in lags if lo <= start < hi]
@@ -290,7 +294,7 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
         cpu = (now["cpu_s"] - before["cpu_s"]
                if now.get("cpu_s") is not None and before.get("cpu_s") is not None else None)
         rows.append({
-            "t_s": hi, "finished": len(inside),
+            "t_s": round(hi, 2), "finished": len(inside),
             "rps": round(len(inside) / (hi - lo), 1) if hi > lo else None,
             "p50_ms": _ms(percentile(e2e, 50)), "p99_ms": _ms(percentile(e2e, 99)),
             "max_ms": _ms(max(e2e)) if e2e else None, "own_p99_ms": now.get("own_p99_ms"),

@@ -47,7 +47,7 @@ def bench_soak(
     console = Console(stderr=True)
 
     def on_sample(row: Any) -> None:
-        console.print(f"t={row['t_s']:>7} s  RSS {row['rss_mb']} MB  index "
+        console.print(f"t={row['t_s']:>7.2f} s  RSS {row['rss_mb']} MB  index "
                       f"{row.get('index_entries')}  decisions {row.get('decisions')}")
 
     try:

@@ -132,6 +132,7 @@ ROUTER_TIME_STAGES: Final = ("before_engine", "after_engine", "total")
 """``router_time_seconds``'s stages (``RouterMetrics.router_time``)."""
 
 _ROUTER_TIME_BOUNDS: Final[tuple[float, ...]] = (*ROUTER_TIME_BUCKETS, float("inf"))
+_GC_PAUSE_BOUNDS: Final[tuple[float, ...]] = (*GC_PAUSE_BUCKETS, float("inf"))
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
 TOKENIZER_CHECKS: Final = ("pending", "verified", "mismatch", "unverifiable", "no_local")
@@ -357,7 +358,8 @@ class RouterMetrics:
             "the router keeps).",
             ["generation"], namespace=ns, registry=r, buckets=GC_PAUSE_BUCKETS,
         )
-        self._gc_pause = tuple(gc_pause.labels(str(g)) for g in range(3))
+        self._gc_pause = tuple(_LatencyTally(gc_pause.labels(str(g)), _GC_PAUSE_BOUNDS)
+                               for g in range(3))
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
@@ -463,6 +465,8 @@ class RouterMetrics:
             latency.flush()
         for stage in self._router_time:
             stage.flush()
+        for generation in self._gc_pause:
+            generation.flush()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -502,8 +506,9 @@ class RouterMetrics:
         return tally
 
     def gc_pause(self, generation: int, seconds: float) -> None:
-        """One garbage collection (``heap.watch_gc_pauses``; called inside the collector, so
-        one observation and nothing else)."""
+        """One garbage collection (``heap.watch_gc_pauses``). Called inside the collector, from
+        whichever thread collects: a tally (two list updates, no lock to wait on, nothing
+        tracked allocated), moved into the histogram when it is read, as the latencies are."""
         self._gc_pause[generation].observe(seconds)
 
     def router_time(self, before_engine_s: float, after_engine_s: float) -> None:

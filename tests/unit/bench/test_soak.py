@@ -45,8 +45,10 @@ def test_windows_count_what_finished_in_each_and_the_cost_per_decision() -> None
     def done(start: float, e2e: float, error: str | None = None) -> RequestResult:
         return RequestResult("r", start_s=start, e2e_s=e2e, error=error)
 
+    # The last request ends at 4.01 s, past the last sample's 4.0 s (two clocks, one
+    # rounding): it still counts, in the last window.
     run = ClientRun([done(0.5, 0.01), done(1.2, 0.02), done(1.5, 0.6, "http_503"),
-                     done(2.5, 0.04)], wall_s=3.0, tcp_nodelay=True)
+                     done(2.5, 0.04), done(3.99, 0.02)], wall_s=4.0, tcp_nodelay=True)
     samples = [{"t_s": 0.0, "rss_mb": 80.0, "cpu_s": 1.0, "decisions": 0.0,
                 "engines_cpu_s": 5.0},
                {"t_s": 2.0, "rss_mb": 82.5, "cpu_s": 1.3, "decisions": 3.0,
@@ -60,8 +62,9 @@ def test_windows_count_what_finished_in_each_and_the_cost_per_decision() -> None
     assert first["engines_cores"] == 0.5 and first["own_p99_ms"] == 1.5
     assert first["max_ms"] == 20.0
     # The failed request finished at 2.1 s: counted in the second window, not in its latency.
-    assert (second["finished"], second["errors"]) == (2, 1)
-    assert second["p50_ms"] == 40.0 and second["cpu_ms_per_decision"] == 100.0
+    assert (second["finished"], second["errors"]) == (3, 1)
+    assert second["p50_ms"] == 20.0 and second["max_ms"] == 40.0
+    assert second["cpu_ms_per_decision"] == 100.0
     assert second["engines_cores"] == 1.5
 
 
