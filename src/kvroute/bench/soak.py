@@ -22,10 +22,12 @@ plateau can be told from slow growth:
 The engines run with ``num_gpu_blocks`` small enough that they evict within seconds, so the
 index, which follows their events, has a steady size too.
 
-Report: ``windows`` (one per ``sample_s``: requests finished in it, their p50/p99 and errors,
-and the router's RSS, CPU per request, index entries and piece-cache tokens at its end) and
-``summary`` (the same at the first, middle and last sample, RSS growth over the second half,
-p99 of the first and last quarter of the run). Nothing is judged here: the figures are
+Report: ``windows`` (one per ``sample_s``: requests finished in it, their p50/p99/max, errors
+and the client's sending lag; the router's own p99 over them, its RSS, CPU per request, index
+entries, piece-cache tokens, KV-event gaps, replays and resets, and garbage collections; the
+engines' cores; ``soak_windows``) and
+``summary`` (requests, completions and errors; the RSS at the first, middle and last sample
+and its growth over the second half; the p99 of the first and last quarter of the run). Nothing is judged here: the figures are
 recorded in ``docs/benchmarks.md``.
 
 Bounds: ``rate * seconds`` requests, open loop, at most 512 in flight, each at most
