@@ -51,7 +51,7 @@ from typing import Any
 
 import aiohttp
 
-from kvroute.bench.live_client import ClientRun, LiveRequest, percentile, run_client
+from kvroute.bench.live_client import ClientRun, LiveRequest, percentile, run_client, summarize
 from kvroute.bench.live_routers import RouterSpec, process_tree_cpu_s, start_router
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
@@ -270,7 +270,8 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
     the router's own p99 over those answers (its code: no network hop, no engine time) and
     the cores the engines used meanwhile (they share the machine with the router), how late
     the client sent its requests (a stalled load generator shows there), and the router's
-    garbage collections: ms spent in full ones, and how many of any kind took over 50 ms."""
+    garbage collections and KV-event gaps, replays and resets since the sample before (full
+    collections in ms, and how many collections of any kind took over 50 ms)."""
     ends: list[tuple[float, float | None, str | None]] = []
     lags: list[tuple[float, float]] = []
     for r in run.results:
@@ -291,10 +292,9 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
         e2e = [v for v, _ in inside if v is not None]
         errors = sum(1 for _, err in inside if err is not None)
         late = [lag for start, lag in lags if lo <= start < hi]
-        decided = float(now.get("decisions", 0.0)) - float(before.get("decisions", 0.0))
-        engines = float(now["engines_cpu_s"]) - float(before["engines_cpu_s"])
-        cpu = (now["cpu_s"] - before["cpu_s"]
-               if now.get("cpu_s") is not None and before.get("cpu_s") is not None else None)
+        decided = _delta(before, now, "decisions")
+        engines = _delta(before, now, "engines_cpu_s")
+        cpu = _delta(before, now, "cpu_s")
         rows.append({
             "t_s": round(hi, 2), "finished": len(inside),
             "rps": round(len(inside) / (hi - lo), 1) if hi > lo else None,
@@ -303,12 +303,13 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
             "start_lag_max_ms": _ms(max(late)) if late else None,
             "errors": errors, "rss_mb": _round(now.get("rss_mb"), 1),
             "cpu_ms_per_decision": (round(1e3 * cpu / decided, 3)
-                                    if cpu is not None and decided > 0 else None),
-            "engines_cores": round(engines / (hi - lo), 2) if hi > lo else None,
+                                    if cpu is not None and decided else None),
+            "engines_cores": (round(engines / (hi - lo), 2)
+                              if engines is not None and hi > lo else None),
             "gc_full_ms": _delta_ms(before, now, "gc_full_s"),
             "gc_over_50ms": _delta(before, now, "gc_over_50ms"),
             "index_entries": now.get("index_entries"),
-            **{key: now.get(key) for key in _EVENT_COUNTERS.values()},
+            **{key: _delta(before, now, key) for key in _EVENT_COUNTERS.values()},
             "piece_cache_tokens": now.get("piece_cache_tokens"),
         })
     return rows
@@ -336,23 +337,20 @@ def _round(value: Any, digits: int) -> float | None:
 
 def _summary(run: ClientRun, samples: Sequence[Mapping[str, Any]],
              spec: SoakSpec) -> dict[str, Any]:
-    ok = [r for r in run.results if r.ok and r.start_s is not None and r.e2e_s is not None]
-    errors: dict[str, int] = {}
-    for r in run.results:
-        if r.error is not None:
-            errors[r.error] = errors.get(r.error, 0) + 1
+    counts = summarize(run)
+    timed = [(r.start_s, r.e2e_s) for r in run.results
+             if r.ok and r.start_s is not None and r.e2e_s is not None]
     quarter = spec.seconds / 4
 
     def p99_between(lo: float, hi: float) -> float | None:
-        return _ms(percentile([r.e2e_s for r in ok
-                               if r.start_s is not None and r.e2e_s is not None
-                               and lo <= r.start_s < hi], 99))
+        return _ms(percentile([e2e for start, e2e in timed if lo <= start < hi], 99))
 
     rss = [float(s["rss_mb"]) for s in samples if s.get("rss_mb") is not None]
     mid = rss[len(rss) // 2] if rss else None
     last = rss[-1] if rss else None
     return {
-        "requests": len(run.results), "completed": len(ok), "errors": errors,
+        "requests": counts["requests"], "completed": counts["completed"],
+        "errors": counts["errors"],
         "wall_s": round(run.wall_s, 1),
         "p99_first_quarter_ms": p99_between(0.0, quarter),
         "p99_last_quarter_ms": p99_between(spec.seconds - quarter, spec.seconds),
