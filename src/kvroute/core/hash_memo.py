@@ -14,20 +14,21 @@ span is memoised once all its blocks are known. A long shared prefix (a system p
 blocks) then costs about a dozen dict probes instead of ninety, the per-block Python loop
 being most of what a memo hit costs.
 
-Why: hashing is the router's largest per-token cost (sha256 of a pickled block, ~1.4 µs for
-16 tokens, ~7 µs for 128), and most of a prompt's blocks (system prompt, earlier turns) were
-hashed for an earlier request. A memo lookup costs a slice and a dict probe.
+Why: hashing is the router's largest per-token cost (sha256 of a pickled block), and most of a
+prompt's blocks (system prompt, earlier turns) were hashed for an earlier request, while a memo
+lookup costs a slice and a dict probe (figures:
+``docs/benchmarks.md#block-hashing-through-a-memo``).
 
 Two key forms: an ``array('I')`` (what the local tokenizer's piece cache returns) is keyed by
 slices of its raw bytes (``tobytes()``, one memcpy; a block is ``itemsize * block_size``
 bytes), any other sequence by tuples of its ints. A bytes slice hashes and compares in C over
 contiguous memory, where a tuple key needs an int object per token and hashes them one by one
-(building the prompt's tuple and hashing its slices were most of a warm walk: ~30 µs for a
-1,500-token prompt as a list, ~10-17 µs as bytes). The forms never meet: a bytes key never
-equals a tuple key, so the same tokens as a list and as an array are memoised apart, each
-exactly. Only type code ``'I'`` takes the bytes form: with one item size, a block key and a
-span key always differ in length; another type code could make one array's span the bytes
-of another's block. The hasher itself always reads the ids as ints.
+(building the prompt's tuple and hashing its slices were most of a warm walk: same section
+of ``docs/benchmarks.md``). The forms never meet: a bytes key never equals a tuple key, so the
+same tokens as a list and as an array are memoised apart, each exactly. Only type code ``'I'``
+takes the bytes form: with one item size, a block key and a span key always differ in length;
+another type code could make one array's span the bytes of another's block. The hasher itself
+always reads the ids as ints.
 
 Inputs are token ids the caller has already validated as ints (the tokenizer's ids, or a
 completion's checked ``prompt``): a tuple key made of equal-comparing non-ints (``1.0``) could
@@ -39,12 +40,11 @@ prefix stays while cold ones age out.
 
 Why segments and not one ordered dict: under varied traffic the memo is full within minutes
 (``kvroute bench soak``) and every miss evicts, and a dict that keeps deleting its oldest keys
-while adding new ones rebuilds its whole table every few hundred thousand writes: at the
-default bound one call in a few thousand then held the loop for up to 30 ms
-(``benchmarks/micro/bench_memo_churn.py``: an ``OrderedDict`` of 262,144 entries; 1.6 ms at
-most with segments). A dict that only grows and then empties by ``popitem`` never rebuilds;
-the newest segment's growth copies at most one eighth of the memo, once. Plain dicts also
-hold less than an ordered one's linked entries.
+while adding new ones rebuilds its whole table every few hundred thousand writes, holding the
+event loop for as long (``benchmarks/micro/bench_memo_churn.py``;
+``docs/benchmarks.md#the-block-hash-memo-under-churn``). A dict that only grows and then
+empties by ``popitem`` never rebuilds; the newest segment's growth copies at most one eighth
+of the memo, once. Plain dicts also hold less than an ordered one's linked entries.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ __all__ = ["DEFAULT_MEMO_BLOCKS", "BlockHashMemo"]
 DEFAULT_MEMO_BLOCKS: Final = 262_144
 """About 4 M tokens of prefixes at block size 16, which a router under varied traffic fills
 within minutes (``kvroute bench soak``). Each entry holds its key tuple and token bytes and its
-digest and wire-hash tuples: ~500 bytes, so ~130 MB at this bound
-(``benchmarks/micro/bench_cache_memory.py``, ``docs/benchmarks.md``)."""
+digest and wire-hash tuples; what that costs at this bound is measured by
+``benchmarks/micro/bench_cache_memory.py`` (``docs/benchmarks.md#long-run-memory-and-p99``)."""
 
 SPAN_BLOCKS: Final = 8
 """Blocks per memoised span (128 tokens at block size 16)."""

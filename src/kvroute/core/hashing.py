@@ -25,12 +25,12 @@ operator's to fix. Errors in the arguments of one call (negative or non-integer 
 salt vLLM would reject, unsorted multimodal items, ``start_block > 0`` without ``parent``...)
 raise :class:`ValueError`: they are the caller's (usually the client request's) to fix.
 
-Performance. ``pickle.dumps`` is used directly: about 1.1-1.4 µs per 16-token block with
-SHA-256 on one core, of which about 0.1-0.3 µs is validating the token ids (C-level
-``array('Q')`` plus conversion to exact ``int``, see :func:`_validated_tokens`). A hand-built
-pickle byte string was measured and was *slower* (joining per-token opcodes in Python costs
-more than the C pickler), so there is no second serialiser to keep in sync. Figures:
-``benchmarks/micro/bench_hashing.py``.
+Performance. ``pickle.dumps`` is used directly, and the token ids are validated in C
+(``array('Q')`` plus conversion to exact ``int``, see :func:`_validated_tokens`). A hand-built
+pickle byte string was *slower* (joining per-token opcodes in Python costs more than the C
+pickler), so there is no second serialiser to keep in sync. Figures:
+``benchmarks/micro/bench_hashing.py``,
+``docs/benchmarks.md#micro-benchmarks-hashing-index-handler``.
 
 Pickle memo caveat (contract §1.4). Pickle writes the second occurrence of the *same* object in
 one payload as a memo reference, so identity changes the bytes. vLLM's normal inputs never

@@ -54,14 +54,10 @@ prompt share one replica, while a hot system prompt with short suffixes spreads 
 Why ``waiting_cost_s`` exists and is 0 by default: it charges only the requests still
 waiting for their first token, so a burst of short suffixes spreads just as with the
 in-flight term, while replicas serving many *decoding* streams are not pushed away from
-(the decode slowdown already prices them). With ``inflight_cost_s=0``, ``waiting_cost_s=
-0.003`` and ``work_weight=1.0``, the Mooncake conversation trace at rate ×2.75 with
-jittered arrivals gets 0.3 point more token hits and a 3% lower mean TTFT than the defaults
-(three seeds), and hot-prefix bursts keep least-loaded's p99; but on the trace's own
-arrivals it is worse on both (0.129 vs 0.130, 0.733 s vs 0.698 s), and inter-token p99 on
-unique prompts rises from least-loaded's 6 ms to 23 ms: nothing keeps new prefills off
-replicas whose streams are decoding. So it is an option, not the default (the Mooncake
-section of ``docs/benchmarks.md``).
+(the decode slowdown already prices them). It is an option, not the default, because in
+place of the in-flight term nothing keeps new prefills off replicas whose streams are
+decoding: on the Mooncake trace it won on some arrival orders and lost on others, and it
+raised inter-token latency on unique prompts (``docs/benchmarks.md#cost-model-variants``).
 
 Why the ``work_weight`` term: when the time to first token ties (sibling requests sent in one
 burst: waiting behind the first sibling's prefill on A costs as much as computing it anew on

@@ -26,7 +26,8 @@ Guards, checked in this order (each is a :class:`WarmSkipReason`):
 
 Growth stages (re-warming a growing session): one warm-up at 0.6 of the window caches only
 what the session held then; when it escalates at 1.0, about 40% of the prompt is still cold,
-and the escalated turn pays ~0.4 of a cold prefill (measured with ``kvroute bench tiers``).
+and the escalated turn pays that share of a cold prefill (``kvroute bench tiers``:
+``docs/benchmarks.md#tiers-reactive-proactive-warm-ahead``).
 So the cooldown is kept per *stage*: stage ``k`` covers estimates in
 ``[fraction + k·rewarm_fraction, fraction + (k+1)·rewarm_fraction)`` of the window. A
 session is warmed at most once per stage per cooldown: with the defaults (0.6, 0.1) that is
