@@ -4,12 +4,13 @@ Owns the router's connections to its engines for forwarded requests (``shell/pro
 ``Upstream`` sends through it). Discovery, ``/tokenize``, health checks and admin calls keep
 aiohttp's ``ClientSession``: they are not on the per-request path.
 
-Why not aiohttp's client here: at saturation it cost about 250 µs of CPU per POST on the
-benchmark machine (request and response objects, header multidicts, payload wrappers, timer
-contexts, the connector's bookkeeping), more than everything kvroute decides per request,
-while a protocol that writes the request in one buffer and hands the bytes to llhttp (the C
-parser behind Node.js and uvicorn, through ``httptools``) costs about a third of that. The
-router only ever sends a POST with a JSON body and reads one answer, so that is all this does.
+Why not aiohttp's client here: its CPU per POST (request and response objects, header
+multidicts, payload wrappers, timer contexts, the connector's bookkeeping) was more than
+everything kvroute decides per request, while a protocol that writes the request in one
+buffer and hands the bytes to llhttp (the C parser behind Node.js and uvicorn, through
+``httptools``) costs a fraction of it
+(``docs/benchmarks.md#the-routers-own-http-server-and-engine-client``). The router only ever
+sends a POST with a JSON body and reads one answer, so that is all this does.
 
 Theory of operation
 -------------------

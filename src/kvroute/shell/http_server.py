@@ -5,13 +5,13 @@ parser behind Node.js, through ``httptools``), hands each complete request to th
 registered for its path and method, and writes the handler's answer, whole or streamed. What
 a request *means* is the handlers' business (``shell/app.py``); this module knows HTTP only.
 
-Why not aiohttp's server: at saturation aiohttp's server side cost about a fifth of the
-router's CPU per request (request objects with multidicts and URL objects, a payload stream
-per request, the router and middleware chain, response header multidicts, a writer object),
-the largest single item left once the engine client had been made lean
-(``shell/engine_client.py``). The router serves a handful of JSON endpoints on keep-alive
-connections; parsing with llhttp, one dict of headers and one ``write`` per whole answer does
-that for a fraction of the cost.
+Why not aiohttp's server: at saturation its server side (request objects with multidicts and
+URL objects, a payload stream per request, the router and middleware chain, response header
+multidicts, a writer object) was the largest single item of the router's CPU per request once
+the engine client had been made lean (``shell/engine_client.py``;
+``docs/benchmarks.md#the-routers-own-http-server-and-engine-client``). The router serves a
+handful of JSON endpoints on keep-alive connections; parsing with llhttp, one dict of headers
+and one ``write`` per whole answer does that for a fraction of the cost.
 
 Theory of operation
 -------------------

@@ -14,9 +14,10 @@ Counts are deferred: the methods called per request or per KV-event batch (``dec
 kept per label tuple, and those pending amounts are moved into the prometheus_client series
 when something reads the registry. The reason: prometheus_client pays for thread safety and
 generality on every update (``inc`` takes a lock, ``Histogram.observe`` walks the buckets
-under locks, ``labels()`` validates and locks), which at saturation was about 2% of the
-router's CPU; a dict update costs a fraction of that, and the move costs one ``inc`` per
-label tuple that changed since the last read (one per bucket for the histogram).
+under locks, ``labels()`` validates and locks), which showed in the router's CPU per request
+at saturation; a dict update costs a fraction of that
+(``docs/benchmarks.md#deferred-metric-counting``), and the move costs one ``inc`` per label
+tuple that changed since the last read (one per bucket for the histogram).
 
 Invariants:
 

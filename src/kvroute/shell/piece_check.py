@@ -1,13 +1,13 @@
 """The piece cache's serving checks, run on a worker thread so that no request waits for one.
 
 ``token_segments.SegmentEncoder`` re-encodes one prompt in ``verify_every`` whole and
-compares the ids with its cached pieces'. Whole, a long chat prompt costs ~2 ms, which inline
-is a stall of the router's event loop: every request in flight then waits for it, and at
-400 requests/s it came back every 2.6 s (``docs/benchmarks.md``). ``PieceCheckThread`` takes
-the due check off the loop instead: the whole encoding runs on one worker thread through
-``HFTokenizer.encode_plain_unlocked`` (which releases the GIL, so the loop keeps running),
-and the comparison, with the cache switch-off it may cause, runs back on the loop thread
-(the cache is only ever touched there).
+compares the ids with its cached pieces'. Whole, a long chat prompt costs what the cache
+saves, which inline is a stall of the router's event loop that every request in flight waits
+out (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
+``PieceCheckThread`` takes the due check off the loop instead: the whole encoding runs on one
+worker thread through ``HFTokenizer.encode_plain_unlocked`` (which releases the GIL, so the
+loop keeps running), and the comparison, with the cache switch-off it may cause, runs back on
+the loop thread (the cache is only ever touched there).
 
 Owns ``PieceCheckThread``. Invariants: at most one check runs at a time (one due while
 another runs is dropped and counted: the next comes ``verify_every`` calls later); a failed

@@ -30,7 +30,7 @@ tail is normally empty and nothing is delayed.
 
 TCP_NODELAY: the engine client sets it on its sockets, and asyncio on every socket the
 router's HTTP server accepts (``shell/http_server.py``): a relay with Nagle on
-adds ~40 ms to each small SSE write (see the overhead anchors: sglang-router's +43 ms TTFC).
+adds ~40 ms to each small SSE write (``docs/benchmarks.md#tcp_nodelay-on-every-socket``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
   start-up. Chat prompts are encoded piecewise from a cache of already-seen pieces
   (``kvroute.token_segments`` inside ``HFTokenizer``: the system prompt and earlier turns
   cost a lookup, only new text is encoded), on the event loop's thread: ``tokenizers``
-  holds the GIL while it encodes (a spinning thread beside ``encode`` got ~5% of its pace),
-  so a worker thread bought no concurrency, only a hand-off.
+  holds the GIL while it encodes, so a worker thread bought no concurrency, only a hand-off
+  (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
 * ``auto``: the engines' ``/tokenize`` until the engines' own model directory is found on
   this host and gives the same ids; then local (``shell/tokenizer_check.py``). A ``local``
   directory is checked against the engines the same way, and a mismatch falls back to them.
