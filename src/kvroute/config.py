@@ -316,8 +316,9 @@ class WarmAheadConfig:
     exact token ids are known into growing prefixes that each compute at most that many
     tokens (whole blocks), so an escalated request waits behind at most one chunk, not a
     whole first warm-up (``core/warm.py``, ``chunk_bounds``); 0 sends one request. The
-    default, 512, is measured (``shell/warm.py``, guard 4): the wait it bounds is about
-    ``512 × the engine's prefill time per token``.
+    default, 512, kept the worst escalated turn lowest on the live tiers bench
+    (``shell/warm.py``, guard 4; ``docs/benchmarks.md#warm-up-chunk-size``): the wait it
+    bounds is about ``512 × the engine's prefill time per token``.
     """
 
     enabled: bool = True

@@ -21,11 +21,11 @@ def freeze_startup_heap() -> None:
 
     Why: a full collection walks every tracked object and stops the event loop meanwhile;
     after start-up most tracked objects are the ones loading created and will never be
-    garbage. Measured on the 2-core benchmark machine at 400 req/s: full collections while
-    serving walked ~81,000 objects and paused the router's loop for ~40-58 ms each (every
-    request in flight waits that long); a simulated engine's took ~100 ms. Frozen objects
-    are still freed normally by reference counting; only cycles among them would stay, and
-    start-up makes none worth collecting.
+    garbage, yet every full collection while serving walks them again, and every request in
+    flight waits meanwhile (the pauses with and without the freeze:
+    ``docs/benchmarks.md#garbage-collection-pauses``).
+    Frozen objects are still freed normally by reference counting; only cycles among them
+    would stay, and start-up makes none worth collecting.
     """
     gc.collect()
     gc.freeze()

@@ -23,9 +23,9 @@ for good (logged as an error, counted in ``mismatches``), so a tokenizer whose r
 argument costs one wrong routing decision at most, never a silent drift.
 
 Where the serving check runs: inline by default (the call that is checked returns the whole
-encoding). Encoding a whole prompt costs what the cache saves, ~2 ms for a long chat prompt,
-so inline it is a stall of the caller once every ``verify_every`` calls; on a router's event
-loop that is every request then waiting (at 400 requests/s, one such stall every 2.6 s).
+encoding). Encoding a whole prompt costs what the cache saves, so inline it is a stall of the
+caller once every ``verify_every`` calls; on a router's event loop every request then in
+flight waits it out (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
 ``defer_checks(submit)`` hands the due call's ``(text, ids)`` to ``submit`` instead, which
 encodes the whole prompt elsewhere (``shell/piece_check.py``: a worker thread) and reports
 back through ``check``. The checked call then returns the cached ids unverified, which the
@@ -56,8 +56,8 @@ __all__ = ["DEFAULT_MAX_CACHED_TOKENS", "DEFAULT_VERIFY_EVERY", "CheckSubmit", "
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CACHED_TOKENS: Final = 4_000_000
-"""Hundreds of long system prompts and conversations: 16 MB of ids, ~21 MB with the pieces'
-text and the ordered dict (``tracemalloc``, pieces of ~1,000 tokens, 2026-11-30)."""
+"""Hundreds of long system prompts and conversations: 4 bytes an id, plus the pieces' text and
+the ordered dict (the size at this bound: ``docs/benchmarks.md#long-run-memory-and-p99``)."""
 
 DEFAULT_VERIFY_EVERY: Final = 1024
 """One call in this many is also encoded whole and compared (0: never)."""

@@ -6,12 +6,9 @@ status 2), starts ``shell.runtime.RouterRuntime``, prints one JSON line
 and runs until SIGINT or SIGTERM, then shuts down in order.
 
 The event loop is asyncio's own by default. ``--loop uvloop`` (or ``auto``: uvloop when it is
-installed) is there to measure, not recommended. With aiohttp on both sides it cost more
-router CPU per request than asyncio (2-core benchmark machine, 8 simulated engines, 150
-streamed req/s: 2.02-2.07 against 1.65-1.66 CPU-ms). Since the router serves and forwards
-through its own protocols (``shell/http_server.py``, ``shell/engine_client.py``) the two are
-level: at saturation 1.14 / 1.42 CPU-ms on uvloop against 1.19 / 1.42 on asyncio (two
-interleaved pairs, 2026-11-29), within the machine's drift.
+installed) is there to measure, not recommended: since the router serves and forwards through
+its own protocols (``shell/http_server.py``, ``shell/engine_client.py``) the two cost the same
+router CPU per request (``docs/benchmarks.md#the-event-loop-asyncio-not-uvloop``).
 """
 
 from __future__ import annotations
