@@ -1,6 +1,6 @@
 """kvroute: a KV-cache-aware router for LLM inference fleets.
 
-The package has three rings (see DESIGN.md in the repository's docs):
+The package has three rings (see ``docs/architecture.md``):
 
 * ``kvroute.core``  pure decisions: no sockets, asyncio, environment, wall clock or global RNG;
 * ``kvroute.wire``  pure codecs between bytes and core values;
