@@ -59,7 +59,8 @@ escalation waits behind at most one chunk: it enters the engine's queue between 
 What this module does not decide: whether a warm-up it fired may be *sent now*. That depends
 on the warm-ups in flight (at most one per session, at most
 ``warm_ahead.max_in_flight_per_replica`` per target replica, later stages coalesced), which
-is the state of tasks, so ``shell/warm.py`` (``WarmSlots``) owns it.
+is the state of tasks: ``core/warm_slots.py`` (``WarmSlots``) keeps that bookkeeping and
+``shell/warm.py`` drives it.
 """
 
 from __future__ import annotations

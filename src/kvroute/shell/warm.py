@@ -1,11 +1,11 @@
 """The background sender of warm-ahead requests (``core/warm.py`` decides, this sends).
 
-Owns the warm-up tasks and their in-flight bookkeeping (:class:`WarmSlots`): claim the
-session's shared cooldown (``SessionState.try_start_warm``, Redis ``SET NX PX`` with several
-routers), route the warm-up through ``RouterCore.route`` in the target pool (same tenant
-scope, same ``cache_salt``, so the engine computes exactly the blocks the escalated request
-will look up), POST the ``max_tokens: 1`` body, and count what happened. It must not import
-``shell/app.py`` (the app builds the route request for it).
+Owns the warm-up tasks, which drive their in-flight guards (``core.warm_slots.WarmSlots``,
+pure bookkeeping): claim the session's shared cooldown (``SessionState.try_start_warm``,
+Redis ``SET NX PX`` with several routers), route the warm-up through ``RouterCore.route`` in
+the target pool (same tenant scope, same ``cache_salt``, so the engine computes exactly the
+blocks the escalated request will look up), POST the ``max_tokens: 1`` body, and count what
+happened. It must not import ``shell/app.py`` (the app builds the route request for it).
 
 Never on the request's critical path: ``fire`` only records a job and maybe creates a task.
 A warm-up that fails, times out (``warm_ahead.timeout_s`` after it was sent) or finds no
@@ -73,24 +73,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import uuid
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvroute.config import RouterConfig
-from kvroute.core.errors import ConfigError, NoEligibleReplica
+from kvroute.core.errors import NoEligibleReplica
 from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.types import PoolName, ReplicaId, RequestId
 from kvroute.core.warm import WarmFire, chunk_bounds
+from kvroute.core.warm_slots import Offer, WarmSlots
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.shell.state import SessionState
 from kvroute.wire.openai import warm_chunk_body
 
-__all__ = ["Offer", "WarmJob", "WarmSender", "WarmSlots"]
+__all__ = ["WarmJob", "WarmSender"]
 
 log = logging.getLogger("kvroute.warm")
 
@@ -115,126 +114,10 @@ class WarmJob:
     claim_key: str
     build: RouteRequestFactory
 
-
-class Offer(enum.Enum):
-    """What ``WarmSlots.offer`` did with a job."""
-
-    START = "start"
-    """The session had no warm-up: start a task for it."""
-    REPLACED = "replaced"
-    """The session's warm-up was not committed yet (waiting for a replica slot): it now
-    carries this job instead."""
-    QUEUED = "queued"
-    """The session's warm-up is being sent: this job runs after it."""
-
-
-@dataclass(slots=True)
-class _SessionWarms:
-    job: WarmJob
-    committed: bool = False
-    next: WarmJob | None = None
-
-
-class WarmSlots:
-    """Warm-ups in flight per session and per replica: bookkeeping only, no I/O, no tasks.
-
-    Invariants: a session has at most one current job (committed once its sending begins)
-    and at most one job waiting behind it; ``in_flight(r) <= per_replica`` for every
-    replica (``acquire`` refuses beyond it, ``release`` gives a slot back).
-
-    Args:
-        per_replica: ``warm_ahead.max_in_flight_per_replica``.
-
-    Raises:
-        ConfigError: ``per_replica`` below 1.
-    """
-
-    __slots__ = ("_in_flight", "_per_replica", "_sessions")
-
-    def __init__(self, per_replica: int) -> None:
-        if per_replica < 1:
-            raise ConfigError(
-                f"warm_ahead.max_in_flight_per_replica must be >= 1, got {per_replica}; to "
-                "stop warm-ups set warm_ahead.enabled: false")
-        self._per_replica = per_replica
-        self._sessions: dict[str, _SessionWarms] = {}
-        self._in_flight: Counter[ReplicaId] = Counter()
-
-    def __len__(self) -> int:
-        """Sessions with a current job."""
-        return len(self._sessions)
-
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._sessions
-
-    # -- per session ---------------------------------------------------------------------
-
-    def offer(self, job: WarmJob) -> tuple[Offer, WarmJob | None]:
-        """Record ``job`` for its session; returns what happened and the job it superseded.
-
-        The superseded job (an older stage, never sent) is dropped by the caller with a
-        ``superseded`` count.
-        """
-        session = job.fire.session_id
-        entry = self._sessions.get(session)
-        if entry is None:
-            self._sessions[session] = _SessionWarms(job)
-            return Offer.START, None
-        if not entry.committed:
-            old, entry.job = entry.job, job
-            return Offer.REPLACED, old
-        old_next, entry.next = entry.next, job
-        return Offer.QUEUED, old_next
-
-    def current(self, session_id: str) -> WarmJob:
-        """The session's current job (``KeyError`` when it has none)."""
-        return self._sessions[session_id].job
-
-    def commit(self, session_id: str) -> WarmJob:
-        """Fix the session's current job (it is about to be sent); later offers queue."""
-        entry = self._sessions[session_id]
-        entry.committed = True
-        return entry.job
-
-    def advance(self, session_id: str) -> WarmJob | None:
-        """The current job is done: make the waiting one current (uncommitted) and return
-        it, or forget the session and return None."""
-        entry = self._sessions[session_id]
-        if entry.next is None:
-            del self._sessions[session_id]
-            return None
-        entry.job, entry.next, entry.committed = entry.next, None, False
-        return entry.job
-
-    def drop(self, session_id: str) -> None:
-        """Forget the session's jobs (its task ended without ``advance``: cancelled)."""
-        self._sessions.pop(session_id, None)
-
-    # -- per replica ---------------------------------------------------------------------
-
-    def in_flight(self, replica: ReplicaId) -> int:
-        return self._in_flight[replica]
-
-    def has_room(self, replicas: Iterable[ReplicaId]) -> bool:
-        """True when some replica of ``replicas`` is below the bound (False when empty)."""
-        return any(self._in_flight[r] < self._per_replica for r in replicas)
-
-    def acquire(self, replica: ReplicaId) -> bool:
-        """Take a slot on ``replica``; False (nothing taken) when it is at the bound."""
-        if self._in_flight[replica] >= self._per_replica:
-            return False
-        self._in_flight[replica] += 1
-        return True
-
-    def release(self, replica: ReplicaId) -> None:
-        """Give back a slot ``acquire`` took."""
-        left = self._in_flight[replica] - 1
-        if left < 0:
-            raise AssertionError(f"warm-up slot of {replica} released more often than taken")
-        if left:
-            self._in_flight[replica] = left
-        else:
-            del self._in_flight[replica]
+    @property
+    def session_id(self) -> str:
+        """The session it warms (what ``WarmSlots`` keys its guards on)."""
+        return self.fire.session_id
 
 
 class WarmSender:
@@ -265,7 +148,7 @@ class WarmSender:
         self._on_replica_failure = on_replica_failure
         self.timeout_s = config.warm_ahead.timeout_s
         self.max_in_flight = config.warm_ahead.max_in_flight
-        self.slots = WarmSlots(config.warm_ahead.max_in_flight_per_replica)
+        self.slots: WarmSlots[WarmJob] = WarmSlots(config.warm_ahead.max_in_flight_per_replica)
         self.tasks: set[asyncio.Task[None]] = set()
         self._freed: asyncio.Event | None = None
 

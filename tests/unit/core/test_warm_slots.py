@@ -2,35 +2,31 @@
 
 One warm-up per session in flight (a later stage replaces a job not yet sent, or waits behind
 the one being sent, coalesced to the latest stage), and at most ``per_replica`` warm-ups per
-target replica.
+target replica. The guards are generic over the job: these tests use a plain record.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from kvroute.core.errors import ConfigError
-from kvroute.core.router import RouteRequest
-from kvroute.core.types import ReplicaId, RequestId
-from kvroute.core.warm import WarmFire
-from kvroute.shell.warm import Offer, WarmJob, WarmSlots
+from kvroute.core.types import ReplicaId
+from kvroute.core.warm_slots import Offer, WarmSlots
 
 R0, R1 = ReplicaId("l0"), ReplicaId("l1")
 
 
-async def _never_built(request_id: RequestId) -> RouteRequest:
-    raise AssertionError("WarmSlots never builds a route request")
-
-
-def job(session: str, stage: int) -> WarmJob:
-    fire = WarmFire(session, 1, "large", "m", f"warm {session} stage {stage}", stage)
-    return WarmJob(fire, f"{session}/{stage}".encode(), "/v1/chat/completions",
-                   fire.claim_key, _never_built)
+@dataclass(frozen=True, slots=True)
+class Job:
+    session_id: str
+    stage: int
 
 
 def test_a_sessions_first_job_starts_and_its_last_forgets_the_session() -> None:
-    slots = WarmSlots(1)
-    first = job("a", 0)
+    slots = WarmSlots[Job](1)
+    first = Job("a", 0)
     assert slots.offer(first) == (Offer.START, None)
     assert "a" in slots and len(slots) == 1
     assert slots.current("a") is first
@@ -40,8 +36,8 @@ def test_a_sessions_first_job_starts_and_its_last_forgets_the_session() -> None:
 
 
 def test_a_later_stage_replaces_a_job_not_yet_sent() -> None:
-    slots = WarmSlots(1)
-    stage0, stage1 = job("a", 0), job("a", 1)
+    slots = WarmSlots[Job](1)
+    stage0, stage1 = Job("a", 0), Job("a", 1)
     slots.offer(stage0)
     assert slots.offer(stage1) == (Offer.REPLACED, stage0)
     assert slots.commit("a") is stage1
@@ -49,8 +45,8 @@ def test_a_later_stage_replaces_a_job_not_yet_sent() -> None:
 
 
 def test_a_later_stage_waits_behind_the_one_being_sent_coalesced_to_the_latest() -> None:
-    slots = WarmSlots(1)
-    stage0, stage1, stage2 = job("a", 0), job("a", 1), job("a", 2)
+    slots = WarmSlots[Job](1)
+    stage0, stage1, stage2 = Job("a", 0), Job("a", 1), Job("a", 2)
     slots.offer(stage0)
     slots.commit("a")
     assert slots.offer(stage1) == (Offer.QUEUED, None)
@@ -58,26 +54,26 @@ def test_a_later_stage_waits_behind_the_one_being_sent_coalesced_to_the_latest()
     assert slots.current("a") is stage0  # never two of one session in flight
     assert slots.advance("a") is stage2
     # The waiting job became current and is not committed: a newer stage replaces it.
-    stage3 = job("a", 3)
+    stage3 = Job("a", 3)
     assert slots.offer(stage3) == (Offer.REPLACED, stage2)
     assert slots.commit("a") is stage3
     assert slots.advance("a") is None
 
 
 def test_sessions_are_independent() -> None:
-    slots = WarmSlots(1)
-    a, b = job("a", 0), job("b", 0)
+    slots = WarmSlots[Job](1)
+    a, b = Job("a", 0), Job("b", 0)
     assert slots.offer(a)[0] is Offer.START
     slots.commit("a")
     assert slots.offer(b)[0] is Offer.START
     assert (slots.current("a"), slots.current("b")) == (a, b)
 
 
-def test_drop_forgets_a_session_with_its_waiting_job() -> None:
-    slots = WarmSlots(1)
-    slots.offer(job("a", 0))
+def test_drop_forgets_a_session_with_its_waiting_Job() -> None:
+    slots = WarmSlots[Job](1)
+    slots.offer(Job("a", 0))
     slots.commit("a")
-    slots.offer(job("a", 1))
+    slots.offer(Job("a", 1))
     slots.drop("a")
     assert "a" not in slots
     slots.drop("a")  # idempotent: a cancelled task may drop twice
@@ -87,7 +83,7 @@ def test_drop_forgets_a_session_with_its_waiting_job() -> None:
 
 @pytest.mark.parametrize("bound", [1, 2, 3])
 def test_at_most_per_replica_warm_ups_per_replica(bound: int) -> None:
-    slots = WarmSlots(bound)
+    slots = WarmSlots[Job](bound)
     for i in range(bound):
         assert slots.has_room([R0])
         assert slots.acquire(R0), i
@@ -102,11 +98,11 @@ def test_at_most_per_replica_warm_ups_per_replica(bound: int) -> None:
 
 
 def test_no_replica_means_no_room() -> None:
-    assert not WarmSlots(1).has_room([])
+    assert not WarmSlots[Job](1).has_room([])
 
 
 def test_releasing_more_than_taken_is_a_bug_said_loudly() -> None:
-    slots = WarmSlots(1)
+    slots = WarmSlots[Job](1)
     slots.acquire(R0)
     slots.release(R0)
     assert slots.in_flight(R0) == 0
@@ -117,4 +113,22 @@ def test_releasing_more_than_taken_is_a_bug_said_loudly() -> None:
 def test_a_bound_below_one_names_the_key_and_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"max_in_flight_per_replica must be >= 1, got 0; .*"
                                           r"warm_ahead.enabled: false"):
-        WarmSlots(0)
+        WarmSlots[Job](0)
+
+
+def test_a_dropped_session_starts_afresh_on_its_next_offer() -> None:
+    slots = WarmSlots[Job](1)
+    slots.offer(Job("a", 0))
+    slots.commit("a")
+    slots.drop("a")
+    later = Job("a", 1)
+    assert slots.offer(later) == (Offer.START, None)
+    assert slots.current("a") is later
+
+
+def test_releasing_a_replica_never_taken_is_a_bug_said_loudly() -> None:
+    slots = WarmSlots[Job](2)
+    slots.acquire(R0)
+    with pytest.raises(AssertionError, match="slot of l1 released more often than taken"):
+        slots.release(R1)
+    assert slots.in_flight(R0) == 1  # the other replica's count is untouched
