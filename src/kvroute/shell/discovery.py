@@ -20,9 +20,10 @@ Theory of operation
 
 One task runs rounds. A round probes every replica that is due, concurrently; each probe is
 bounded by ``discovery.timeout_s``. The start-up round probes them all; after it their
-schedules are staggered over the interval (``_stagger``) and the task ticks as often as that
-needs, so a round usually handles one replica and never stalls the event loop on the whole
-fleet's answers at once. Per replica, in order:
+schedules are staggered over the interval (``core.polling.stagger``) and the task ticks as often
+as that needs, so a round usually handles one replica and never stalls the event loop on the
+whole fleet's answers at once. When each probe is due is ``core.polling.ProbeSchedule``'s
+decision. Per replica, in order:
 
 1. ``GET /health`` when due (every ``health_interval_s``); on failure the round stops here
    for that replica;
@@ -31,21 +32,24 @@ fleet's answers at once. Per replica, in order:
 3. ``GET /metrics`` when due (every ``metrics_interval_s``), read for the pool's model.
 
 After the probes, pools are settled from the records (single writer: only the round task
-touches ``RouterCore``):
+touches ``RouterCore``). The decisions are pure and live in ``core/``; this module probes,
+feeds them the results, applies what they decide to ``RouterCore``, and logs and counts it:
 
-* Health is a small state machine per replica. A replica never seen healthy is out at its
-  first failure (nothing says it ever worked); a replica that was in goes out after
-  ``unhealthy_after`` consecutive failures (default 2: one lost probe is not an outage) and
-  comes back after ``healthy_after`` consecutive successes (default 1).
-* A pool's hashing is never assumed. Until both values are known (config overrides, else the
-  engines' report) the pool routes in the declared approximate mode, and says so in the log
-  and in ``kvroute_pool_approximate``. The first values read are adopted; when several
-  replicas report in the same round, the most common pair wins (ties: config order).
+* Health is a small state machine per replica (``core.health.ReplicaHealth``). A replica
+  never seen healthy is out at its first failure (nothing says it ever worked); a replica
+  that was in goes out after ``unhealthy_after`` consecutive failures (default 2: one lost
+  probe is not an outage) and comes back after ``healthy_after`` consecutive successes
+  (default 1).
+* A pool's hashing is never assumed (``core.pool_hashing.PoolHashing``). Until both values
+  are known (config overrides, else the engines' report) the pool routes in the declared
+  approximate mode, and says so in the log and in ``kvroute_pool_approximate``. The first
+  values read are adopted; when several replicas report in the same round, the most common
+  pair wins (ties: config order).
 * A replica whose hashing differs from its pool's, or that does not serve the pool's model,
   is kept out of routing (its entries would poison the pool's index, or its requests would
   404), with an error in the log and a ``discovery_total`` count, until it reports correctly.
 * A window is trusted for ``window_ttl_s`` after the last successful ``/v1/models``; after
-  that it is dropped (None) rather than trusted forever.
+  that it is dropped (None) rather than trusted forever (``core.polling.is_fresh``).
 
 ``replica_info`` and ``pool_window`` read the records and never block.
 
@@ -62,11 +66,11 @@ none of the above applies to it. Discovery keeps two things about it instead:
   engines' windows: a provider's catalog changes too). A failed read is retried
   after ``models_interval_s``; an expired catalog is *unknown*, so requests stay local and
   the log says so, rather than escalating on a list nobody has confirmed for a long time.
-  ``external_catalog`` hands it to the tier logic;
+  ``external_catalog`` hands it to the tier logic (``core.polling.CatalogSchedule``);
 * its **endpoints' health**: in routing from the start (a provider is judged by its
   answers, not by probes); a refused connection reported by the proxy takes the endpoint out
   (``report_failure``), and an authenticated ``GET /v1/models`` every ``health_interval_s``
-  brings it back.
+  brings it back (``core.health.EndpointHealth``).
 """
 
 from __future__ import annotations
@@ -75,7 +79,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -86,6 +89,22 @@ import msgspec
 from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig, resolve_provider_keys
 from kvroute.core.clock import Clock
 from kvroute.core.errors import HashConfigError
+from kvroute.core.health import (
+    DEFAULT_HEALTHY_AFTER,
+    EndpointHealth,
+    HealthTransition,
+    ReplicaHealth,
+)
+from kvroute.core.polling import CatalogSchedule, PollIntervals, ProbeSchedule, is_fresh, stagger
+from kvroute.core.pool_hashing import (
+    Hashing,
+    HashingSource,
+    Mismatch,
+    MismatchChange,
+    PoolHashing,
+    approximate_reason,
+    reported_hashing,
+)
 from kvroute.core.router import RouterCore
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.metrics import RouterMetrics
@@ -96,12 +115,7 @@ __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ExternalCatalog", "ReplicaInfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HEALTHY_AFTER: Final = 1
-"""Consecutive good probes that bring a replica back (``discovery.healthy_after``)."""
-
 _LOOP_BACKOFF_S: Final = 1.0
-_MIN_TICK_S: Final = 0.05
-"""The discovery loop never wakes more often than this (unless told to: ``report_failure``)."""
 _JSON: Final = msgspec.json.Decoder()
 
 
@@ -146,14 +160,13 @@ class ReplicaInfo:
 class _Replica:
     config: ReplicaConfig
     pool: PoolConfig
+    health: ReplicaHealth
+    schedule: ProbeSchedule
+    # NOTE: info's health counts, last_ok_s and models_fetched_at_s are not kept here but
+    # read from health and schedule by replica_info: one owner for each fact.
     info: ReplicaInfo = dataclasses.field(default_factory=ReplicaInfo)
-    up: bool | None = None  # health state machine; None = never probed
     core_healthy: bool | None = None  # what RouterCore was last told
-    next_health_s: float = float("-inf")
-    next_metrics_s: float = float("-inf")
-    models_due: bool = True
     window_read_s: float | None = None
-    hashing_problem: str | None = None
     model_problem: str | None = None
     warned_partial: bool = False
 
@@ -178,8 +191,8 @@ class ExternalCatalog:
 class _External:
     pool: PoolConfig
     key: str | None
+    schedule: CatalogSchedule
     catalog: ExternalCatalog | None = None
-    next_fetch_s: float = float("-inf")
     last_error: str | None = None
 
 
@@ -187,8 +200,7 @@ class _External:
 class _Endpoint:
     config: ReplicaConfig
     pool: PoolName
-    healthy: bool = True
-    next_probe_s: float = float("inf")
+    health: EndpointHealth
     last_error: str | None = None
 
 
@@ -234,12 +246,11 @@ class Discovery:
         self._metrics = metrics
         self._clock: Clock = clock or MonotonicClock()
         d = config.discovery
-        self._health_interval_s = d.health_interval_s
-        self._metrics_interval_s = d.metrics_interval_s
-        self._models_interval_s = d.models_interval_s
-        self._window_ttl_s = d.window_ttl_s
-        self._unhealthy_after = d.unhealthy_after
-        self._healthy_after = int(getattr(d, "healthy_after", DEFAULT_HEALTHY_AFTER))
+        self._intervals = PollIntervals(
+            health_s=d.health_interval_s, metrics_s=d.metrics_interval_s,
+            models_s=d.models_interval_s, window_ttl_s=d.window_ttl_s,
+        )
+        healthy_after = int(getattr(d, "healthy_after", DEFAULT_HEALTHY_AFTER))
         self._timeout = aiohttp.ClientTimeout(total=d.timeout_s)
         self._replicas: dict[ReplicaId, _Replica] = {}
         self._pools: dict[PoolName, PoolConfig] = {
@@ -247,7 +258,12 @@ class Discovery:
         }
         for pool in self._pools.values():
             for rep in pool.replicas:
-                self._replicas[rep.name] = _Replica(config=rep, pool=pool)
+                self._replicas[rep.name] = _Replica(
+                    config=rep, pool=pool,
+                    health=ReplicaHealth(unhealthy_after=d.unhealthy_after,
+                                         healthy_after=healthy_after),
+                    schedule=ProbeSchedule(self._intervals),
+                )
         keys: Mapping[PoolName, str] | None = provider_keys
         if keys is None and any(p.external is not None for p in config.pools.values()):
             keys = resolve_provider_keys(config)
@@ -256,13 +272,13 @@ class Discovery:
         for pool in config.pools.values():
             if pool.external is None:
                 continue
-            self._externals[pool.name] = _External(pool, (keys or {}).get(pool.name))
+            self._externals[pool.name] = _External(
+                pool, (keys or {}).get(pool.name), CatalogSchedule(self._intervals))
             for rep in pool.replicas:
-                self._endpoints[rep.name] = _Endpoint(rep, pool.name)
-        # The pool's adopted (block_size, hash_algo); None = not known yet (approximate).
-        self._hashing: dict[PoolName, tuple[int, str] | None] = {}
-        self._hashing_source: dict[PoolName, str] = {}
-        self._hash_errors: set[PoolName] = set()
+                self._endpoints[rep.name] = _Endpoint(
+                    rep, pool.name, EndpointHealth(self._intervals.health_s))
+        # Each engine pool's adopted (block_size, hash_algo) and the replicas that disagree.
+        self._hashing: dict[PoolName, PoolHashing] = {name: PoolHashing() for name in self._pools}
         self._approximate: dict[PoolName, bool] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -280,22 +296,9 @@ class Discovery:
         """
         self._init_pools()
         await self._round(force=True)
-        self._stagger()
-
-    def _stagger(self) -> None:
-        """Spread the replicas' next probes over the interval, replica ``k`` of ``n`` by
-        ``k / n`` of it.
-
-        A forced round probes every replica at once, and without this they would stay in
-        step: every ``metrics_interval_s`` all answers would arrive together and be parsed
-        back to back, one stall of the event loop that every request then in flight waits
-        out (the router's p99). Staggered, each round handles about one replica; the loop
-        ticks ``n`` times as often (``_tick_s``), so no probe is later than before.
-        """
-        count = len(self._replicas)
-        for k, rep in enumerate(self._replicas.values()):
-            rep.next_health_s += self._health_interval_s * k / count
-            rep.next_metrics_s += self._metrics_interval_s * k / count
+        # A forced round probes every replica at once: spread their next probes over the
+        # interval so later rounds each parse about one replica's answers (core.polling).
+        stagger([rep.schedule for rep in self._replicas.values()])
 
     async def start(self) -> None:
         """Start the polling task (runs ``refresh_now`` first if it never ran)."""
@@ -323,9 +326,15 @@ class Discovery:
         """
         endpoint = self._endpoints.get(ReplicaId(replica))
         if endpoint is not None:
-            return ReplicaInfo(healthy=endpoint.healthy, last_error=endpoint.last_error)
+            return ReplicaInfo(healthy=endpoint.health.healthy, last_error=endpoint.last_error)
         rep = self._replicas[ReplicaId(replica)]
-        info = dataclasses.replace(rep.info)
+        health = rep.health
+        info = dataclasses.replace(
+            rep.info, last_ok_s=health.last_ok_s,
+            consecutive_failures=health.consecutive_failures,
+            consecutive_successes=health.consecutive_successes,
+            models_fetched_at_s=rep.schedule.models_read_s,
+        )
         if not self._window_valid(rep):
             info.max_model_len = None
         return info
@@ -340,7 +349,7 @@ class Discovery:
         """The pool's replicas currently in routing, in config order."""
         if pool in self._externals:
             return [e.config.name for e in self._endpoints.values()
-                    if e.pool == pool and e.healthy]
+                    if e.pool == pool and e.health.healthy]
         return [
             rep.config.name for rep in self._replicas.values()
             if rep.pool.name == pool and rep.info.healthy
@@ -365,13 +374,14 @@ class Discovery:
         ext = self._externals.get(PoolName(pool))
         if ext is None or ext.catalog is None:
             return None
-        if self._clock.now() - ext.catalog.fetched_at_s >= self._window_ttl_s:
+        if not ext.schedule.is_fresh(ext.catalog.fetched_at_s, self._clock.now()):
             return None
         return ext.catalog
 
     def pool_hashing(self, pool: str) -> tuple[int, str] | None:
         """The pool's adopted ``(block_size, hash_algo)``, or None while still unknown."""
-        return self._hashing.get(PoolName(pool))
+        hashing = self._hashing.get(PoolName(pool))
+        return None if hashing is None else hashing.adopted
 
     def pool_approximate(self, pool: str) -> bool:
         """True while ``pool`` routes approximately (hashing unknown, or no tokenizer)."""
@@ -385,7 +395,7 @@ class Discovery:
         """
         for rep in self._replicas.values():
             if rep.pool.name == pool:
-                rep.models_due = True
+                rep.schedule.invalidate_models()
         self._wake.set()
 
     def report_failure(self, replica: str, reason: str) -> None:
@@ -407,10 +417,9 @@ class Discovery:
         endpoint = self._endpoints.get(ReplicaId(replica))
         if endpoint is not None:
             endpoint.last_error = f"connect_error: {reason}"
-            endpoint.next_probe_s = self._clock.now() + self._health_interval_s
+            was_in = endpoint.health.on_refused(self._clock.now())
             self._metrics.discovery(replica, "connect_error")
-            if endpoint.healthy:
-                endpoint.healthy = False
+            if was_in:
                 self._core.set_healthy(endpoint.config.name, False)
                 self._metrics.set_replica_healthy(replica, False)
                 log.error("external endpoint %s (%s) refused a connection (%s); taken out of "
@@ -421,11 +430,10 @@ class Discovery:
         rep = self._replicas.get(ReplicaId(replica))
         if rep is None:
             return
-        was_up = rep.up is not False
-        self._on_health(rep, ok=False, error=f"connect_error: {reason}")
-        rep.up = False  # _on_health keeps a replica up for one failure; a refusal is enough
-        rep.next_health_s = self._clock.now()
-        if was_up:
+        refusal = rep.health.on_refused()
+        self._health_failed(rep, refusal.counted, f"connect_error: {reason}")
+        rep.schedule.health_due_now(self._clock.now())
+        if refusal.took_out:
             log.error("replica %s refused a connection (%s); taken out of routing until its "
                       "/health answers again", replica, reason)
         self._settle_replica(rep)
@@ -435,11 +443,8 @@ class Discovery:
 
     @property
     def _tick_s(self) -> float:
-        """How often the loop looks for due probes: the shortest interval divided among the
-        replicas (``_stagger``), not under ``_MIN_TICK_S``."""
-        shortest = min(self._health_interval_s, self._metrics_interval_s,
-                       self._models_interval_s)
-        return max(shortest / max(1, len(self._replicas)), min(shortest, _MIN_TICK_S))
+        """How often the loop looks for due probes (``core.polling.PollIntervals.tick_s``)."""
+        return self._intervals.tick_s(len(self._replicas))
 
     async def _run(self) -> None:
         tick = self._tick_s
@@ -465,14 +470,14 @@ class Discovery:
         self._started = True
         for pool in self._pools.values():
             if pool.block_size is not None and pool.hash_algo is not None:
-                self._adopt(pool, pool.block_size, pool.hash_algo, source="config")
+                self._adopt(pool, (pool.block_size, pool.hash_algo), source=HashingSource.CONFIG)
             else:
+                # Nothing adopted (PoolHashing starts unknown): the core hashes approximately.
                 spec = self._core.pool(pool.name)
                 self._core.set_pool_hashing(
                     pool.name, block_size=spec.block_size, hash_algo=spec.hash_algo,
                     hash_seed=spec.hash_seed, approximate=True,
                 )
-                self._hashing[pool.name] = None
             self._set_approximate(pool)
 
     async def _round(self, *, force: bool) -> None:
@@ -487,25 +492,21 @@ class Discovery:
 
     async def _probe(self, rep: _Replica, force: bool) -> None:
         now = self._clock.now()
+        schedule = rep.schedule
         answered = False
-        if force or now >= rep.next_health_s:
-            rep.next_health_s = now + self._health_interval_s
+        if schedule.claim_health(now, force=force):
             try:
                 await self._get(rep, "/health", "health")
             except _ProbeError as exc:
-                self._on_health(rep, ok=False, error=str(exc))
+                self._health_failed(rep, rep.health.on_failure(), str(exc))
                 return
-            self._on_health(rep, ok=True, error=None)
+            self._health_ok(rep)
             answered = True
-        if not answered and rep.up is not True:
+        if not answered and rep.health.up is not True:
             return  # down, and its next health probe is not due yet
-        if force or rep.models_due or (
-            rep.info.models_fetched_at_s is not None
-            and now - rep.info.models_fetched_at_s >= self._models_interval_s
-        ):
+        if schedule.wants_models(now, force=force):
             await self._probe_models(rep)
-        if force or now >= rep.next_metrics_s:
-            rep.next_metrics_s = now + self._metrics_interval_s
+        if schedule.claim_metrics(now, force=force):
             await self._probe_metrics(rep)
 
     async def _get(self, rep: _Replica, path: str, what: str) -> bytes:
@@ -527,36 +528,32 @@ class Discovery:
                 f"{what}_error", f"GET {url} failed: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _on_health(self, rep: _Replica, *, ok: bool, error: str | None) -> None:
+    def _health_ok(self, rep: _Replica) -> None:
+        """``/health`` answered: count it, and say so when it brings the replica back."""
+        name = rep.config.name
+        transition = rep.health.on_success(self._clock.now())
+        self._metrics.discovery(name, "health_ok")
+        if transition is HealthTransition.CAME_BACK:
+            log.warning("replica %s is healthy again after %d good probe(s)",
+                        name, rep.health.consecutive_successes)
+
+    def _health_failed(self, rep: _Replica, transition: HealthTransition, error: str) -> None:
+        """Record, count and log a failure ``rep.health`` has already counted as
+        ``transition`` (a failed probe, or a refused connection)."""
         info = rep.info
         name = rep.config.name
-        if ok:
-            info.consecutive_failures = 0
-            info.consecutive_successes += 1
-            info.last_ok_s = self._clock.now()
-            self._metrics.discovery(name, "health_ok")
-            if rep.up is None or (not rep.up and info.consecutive_successes >= self._healthy_after):
-                if rep.up is False:
-                    log.warning("replica %s is healthy again after %d good probe(s)",
-                                name, info.consecutive_successes)
-                rep.up = True
-            return
-        info.consecutive_successes = 0
-        info.consecutive_failures += 1
         info.last_error = error
         outcome = error.split(":", 1)[0] if error else "health_error"
         self._metrics.discovery(name, outcome)
-        if rep.up is None:
+        if transition is HealthTransition.FIRST_DOWN:
             log.error("replica %s is unreachable at start-up (%s); kept out of routing", name,
                       error)
-            rep.up = False
-        elif rep.up and info.consecutive_failures >= self._unhealthy_after:
+        elif transition is HealthTransition.WENT_DOWN:
             log.error("replica %s failed %d health probes in a row (%s); taking it out of "
-                      "routing", name, info.consecutive_failures, error)
-            rep.up = False
+                      "routing", name, rep.health.consecutive_failures, error)
         else:
             log.warning("replica %s health probe failed (%s; %d in a row)", name, error,
-                        info.consecutive_failures)
+                        rep.health.consecutive_failures)
 
     async def _probe_models(self, rep: _Replica) -> None:
         name = rep.config.name
@@ -568,9 +565,8 @@ class Discovery:
             self._metrics.discovery(name, exc.outcome)
             log.warning("replica %s: %s", name, exc)
             return
-        rep.models_due = False
         now = self._clock.now()
-        rep.info.models_fetched_at_s = now
+        rep.schedule.on_models_read(now)
         wanted = rep.pool.model
         card = cards.get(wanted)
         if card is None:
@@ -629,28 +625,27 @@ class Discovery:
         now = self._clock.now()
         endpoints = [e for e in self._endpoints.values() if e.pool == ext.pool.name]
         for endpoint in endpoints:
-            if endpoint.healthy or now < endpoint.next_probe_s:
+            if not endpoint.health.claim_probe(now):
                 continue
-            endpoint.next_probe_s = now + self._health_interval_s
             try:
                 await self._get_external(endpoint.config.url + "/v1/models", ext.key)
             except _ProbeError as exc:
                 endpoint.last_error = str(exc)
                 self._metrics.discovery(endpoint.config.name, exc.outcome)
                 continue
-            endpoint.healthy = True
+            endpoint.health.on_probe_ok()
             endpoint.last_error = None
             self._core.set_healthy(endpoint.config.name, True)
             self._metrics.set_replica_healthy(endpoint.config.name, True)
             log.warning("external endpoint %s answers again; back in routing",
                         endpoint.config.name)
         assert ext.pool.external is not None, "an _External always wraps an external pool"
-        if not ext.pool.external.catalog_from_models or (not force and now < ext.next_fetch_s):
+        if not ext.pool.external.catalog_from_models or not ext.schedule.is_due(now, force=force):
             return
-        source = next((e for e in endpoints if e.healthy), None)
+        source = next((e for e in endpoints if e.health.healthy), None)
         if source is None:
             return
-        ext.next_fetch_s = now + self._models_interval_s  # retry interval after a failure
+        ext.schedule.on_attempt(now)
         try:
             cards = _model_cards(
                 await self._get_external(source.config.url + "/v1/models", ext.key))
@@ -668,8 +663,7 @@ class Discovery:
                      ", ".join(sorted(catalog.models)) or "(empty)")
         ext.catalog = catalog
         ext.last_error = None
-        ext.next_fetch_s = now + max(self._window_ttl_s - self._models_interval_s,
-                                     self._window_ttl_s / 2)
+        ext.schedule.on_read(now)
         self._metrics.discovery(source.config.name, "catalog_ok")
 
     async def _probe_metrics(self, rep: _Replica) -> None:
@@ -704,75 +698,68 @@ class Discovery:
 
     # -- settling -------------------------------------------------------------------------
 
-    def _reported(self, rep: _Replica) -> tuple[int, str] | None:
+    def _reported(self, rep: _Replica) -> Hashing | None:
         """The replica's hashing as this pool would use it (config overrides win)."""
         pool = rep.pool
-        block_size = pool.block_size if pool.block_size is not None else rep.info.block_size
-        algo = pool.hash_algo if pool.hash_algo is not None else rep.info.hash_algo
-        if block_size is None or algo is None:
-            if (rep.info.block_size is not None or rep.info.hash_algo is not None) and (
-                not rep.warned_partial
-            ):
-                rep.warned_partial = True
-                log.warning(
-                    "replica %s reports block_size=%s prefix_caching_hash_algo=%s; both are "
-                    "needed for exact routing: set pools.%s.block_size/hash_algo if the engine "
-                    "cannot report them", rep.config.name, rep.info.block_size,
-                    rep.info.hash_algo, pool.name,
-                )
-            return None
-        return block_size, algo
+        report = reported_hashing(
+            configured_block_size=pool.block_size, configured_hash_algo=pool.hash_algo,
+            block_size=rep.info.block_size, hash_algo=rep.info.hash_algo,
+        )
+        if report is None and (rep.info.block_size is not None
+                               or rep.info.hash_algo is not None) and not rep.warned_partial:
+            rep.warned_partial = True
+            log.warning(
+                "replica %s reports block_size=%s prefix_caching_hash_algo=%s; both are "
+                "needed for exact routing: set pools.%s.block_size/hash_algo if the engine "
+                "cannot report them", rep.config.name, rep.info.block_size,
+                rep.info.hash_algo, pool.name,
+            )
+        return report
 
     def _settle_pool(self, pool: PoolConfig) -> None:
+        pool_hashing = self._hashing[pool.name]
         members = [rep for rep in self._replicas.values() if rep.pool.name == pool.name]
-        reports = {rep.config.name: self._reported(rep) for rep in members if rep.up}
-        seen = [r for r in (reports.get(rep.config.name) for rep in members) if r is not None]
-        expected = self._hashing.get(pool.name)
-        if seen and (expected is None or (
-            self._hashing_source.get(pool.name) == "engines" and expected not in seen
-        )):
+        reports = {rep.config.name: self._reported(rep) if rep.health.up else None
+                   for rep in members}
+        best = pool_hashing.choose([r for r in reports.values() if r is not None])
+        if best is not None:
             # Not known yet, or every engine that reports now reports something else (the
             # fleet was restarted with new settings): adopt what the engines say.
-            counts = Counter(seen)
-            best = max(seen, key=lambda r: counts[r])  # first in config order on ties
-            if expected is not None:
+            if pool_hashing.adopted is not None:
                 log.warning("pool %s: its engines now report block_size=%d hash_algo=%s "
-                            "(was %s); re-adopting", pool.name, best[0], best[1], expected)
-            self._adopt(pool, best[0], best[1], source="engines")
-        expected = self._hashing.get(pool.name)
-        for rep in members:
-            report = reports.get(rep.config.name)
-            if expected is None or report is None or report == expected:
-                if rep.hashing_problem is not None and report == expected:
-                    log.warning("replica %s now reports the pool's hashing %s", rep.config.name,
-                                expected)
-                    rep.hashing_problem = None
+                            "(was %s); re-adopting", pool.name, best[0], best[1],
+                            pool_hashing.adopted)
+            self._adopt(pool, best, source=HashingSource.ENGINES)
+        for replica, change in pool_hashing.check(reports):
+            if change is MismatchChange.CLEARED:
+                log.warning("replica %s now reports the pool's hashing %s", replica,
+                            pool_hashing.adopted)
                 continue
-            problem = (
-                f"reports block_size={report[0]} hash_algo={report[1]} but pool "
-                f"{pool.name!r} hashes with block_size={expected[0]} hash_algo={expected[1]}; "
-                "run every engine of a pool with the same --block-size and "
-                "--prefix-caching-hash-algo"
-            )
-            if rep.hashing_problem != problem:
-                log.error("replica %s %s; kept out of routing", rep.config.name, problem)
-                self._metrics.discovery(rep.config.name, "hashing_mismatch")
-            rep.hashing_problem = problem
+            log.error("replica %s %s; kept out of routing", replica,
+                      self._hashing_problem(pool, replica))
+            self._metrics.discovery(replica, "hashing_mismatch")
         for rep in members:
             self._settle_replica(rep)
         window = self.pool_window(pool.name)
         self._metrics.set_pool_window(pool.name, window)
 
+    def _hashing_problem(self, pool: PoolConfig, replica: ReplicaId) -> str | None:
+        """Why ``replica``'s hashing keeps it out of routing, or None when it does not."""
+        mismatch = self._hashing[pool.name].mismatch(replica)
+        return None if mismatch is None else _mismatch_text(pool.name, mismatch)
+
     def _settle_replica(self, rep: _Replica) -> None:
         info = rep.info
-        info.excluded_reason = rep.hashing_problem or rep.model_problem
-        info.healthy = bool(rep.up) and info.excluded_reason is None
+        info.excluded_reason = (self._hashing_problem(rep.pool, rep.config.name)
+                                or rep.model_problem)
+        info.healthy = bool(rep.health.up) and info.excluded_reason is None
         if rep.core_healthy is not info.healthy:
             rep.core_healthy = info.healthy
             self._core.set_healthy(rep.config.name, info.healthy)
             self._metrics.set_replica_healthy(rep.config.name, info.healthy)
 
-    def _adopt(self, pool: PoolConfig, block_size: int, algo: str, *, source: str) -> None:
+    def _adopt(self, pool: PoolConfig, hashing: Hashing, *, source: HashingSource) -> None:
+        block_size, algo = hashing
         approximate = pool.tokenizer.mode == "none"
         try:
             self._core.set_pool_hashing(
@@ -780,28 +767,21 @@ class Discovery:
                 approximate=approximate,
             )
         except HashConfigError as exc:
-            if pool.name not in self._hash_errors:
-                self._hash_errors.add(pool.name)
+            if self._hashing[pool.name].unusable():
                 log.error("pool %s: cannot hash like its engines (block_size=%s hash_algo=%s, "
                           "from %s): %s; routing stays approximate", pool.name, block_size, algo,
                           source, exc)
                 self._metrics.discovery("*", "hashing_unusable")
-            self._hashing[pool.name] = None
             self._set_approximate(pool)
             return
-        self._hashing[pool.name] = (block_size, algo)
-        self._hashing_source[pool.name] = source
-        self._hash_errors.discard(pool.name)
+        self._hashing[pool.name].adopt(hashing, source)
         log.info("pool %s: block_size=%d hash_algo=%s (from %s)", pool.name, block_size, algo,
                  source)
         self._set_approximate(pool)
 
     def _set_approximate(self, pool: PoolConfig) -> None:
-        reason: str | None = None
-        if pool.tokenizer.mode == "none":
-            reason = "tokenizer: none (no exact prompt tokens)"
-        elif self._hashing.get(pool.name) is None:
-            reason = "block size and hash algorithm not yet read from its engines"
+        reason = approximate_reason(exact_tokens=pool.tokenizer.mode != "none",
+                                    hashing=self._hashing[pool.name].adopted)
         on = reason is not None
         if self._approximate.get(pool.name) is on:
             return
@@ -813,9 +793,18 @@ class Discovery:
             log.info("pool %s routes on exact block hashes", pool.name)
 
     def _window_valid(self, rep: _Replica) -> bool:
-        if rep.window_read_s is None:
-            return False
-        return self._clock.now() - rep.window_read_s < self._window_ttl_s
+        return is_fresh(rep.window_read_s, self._clock.now(), self._intervals.window_ttl_s)
+
+
+def _mismatch_text(pool: PoolName, mismatch: Mismatch) -> str:
+    """The replica's ``excluded_reason`` and log line for a hashing mismatch, with the fix."""
+    reported, expected = mismatch.reported, mismatch.expected
+    return (
+        f"reports block_size={reported[0]} hash_algo={reported[1]} but pool "
+        f"{pool!r} hashes with block_size={expected[0]} hash_algo={expected[1]}; "
+        "run every engine of a pool with the same --block-size and "
+        "--prefix-caching-hash-algo"
+    )
 
 
 def _as_int(value: float | None) -> int | None:
