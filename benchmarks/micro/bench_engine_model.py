@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from kvroute.core.engine_model import EngineModel, EngineRequest
+from kvroute.engine.model import EngineModel, EngineRequest
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.types import BlockHash
 from kvroute.sim.profiles import get_profile

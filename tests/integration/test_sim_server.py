@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from kvroute.bench.workloads import to_text
-from kvroute.core.engine_model import StepTiming
+from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import AllBlocksCleared, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher

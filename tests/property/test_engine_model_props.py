@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.core.engine_model import (
+from kvroute.engine.model import (
     Accepted,
     EngineConfig,
     EngineModel,

@@ -66,7 +66,7 @@ def _violations(path: Path, ring: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("ring", ["core", "wire"])
+@pytest.mark.parametrize("ring", ["core", "wire", "engine"])
 def test_pure_rings_do_no_io(ring: str) -> None:
     modules = _modules(ring)
     assert modules, f"no modules found under {ring}/"

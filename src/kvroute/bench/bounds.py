@@ -30,7 +30,7 @@ least what the hit saves).
 
 **TTFT floor.** A request with ``n`` prompt tokens of which ``h`` are cache hits computes
 ``u = n - h`` tokens in chunks of at most ``max_num_batched_tokens`` (``C``) per engine step.
-Each step costs at least ``fixed + a·chunk + c·context_after`` (``core.engine_model.
+Each step costs at least ``fixed + a·chunk + c·context_after`` (``engine.model.
 StepTiming``; other requests in the step only add to it), so its TTFT is at least
 
     k = ⌈u / C⌉ steps:   k·fixed + a·u + c·Σ_{j<k} (n − j·C)
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from kvroute.bench.traces import BlockTokens
 from kvroute.bench.workloads import WorkloadRequest
-from kvroute.core.engine_model import StepTiming
+from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.sim.profiles import TimingProfile
 

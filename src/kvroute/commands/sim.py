@@ -31,7 +31,7 @@ from typing import Annotated
 import aiohttp
 import typer
 
-from kvroute.core.engine_model import StepTiming
+from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.calibrate import CalibrationPlan, calibrate
 from kvroute.sim.launcher import ReplicaSpec, start_fleet

@@ -1,2 +1,2 @@
-"""Engines without GPUs: the network server around ``core.engine_model`` and the virtual-time
+"""Engines without GPUs: the network server around ``engine.model`` and the virtual-time
 fleet simulation used by the benchmarks."""

@@ -2,7 +2,7 @@
 
 Owns the measurement plan (a bounded sweep over loopback), the least-squares fit and its
 quality report; ``kvroute sim calibrate`` prints the result. The fitted constants feed
-``StepTiming`` (``core.engine_model``) and can be pasted into ``sim/profiles.py``.
+``StepTiming`` (``engine.model``) and can be pasted into ``sim/profiles.py``.
 
 Model. A step costs ``fixed + a·prefill_tokens + b·decode_seqs + c·context_tokens``. Two
 kinds of observation expose it:
@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from kvroute.core.engine_model import StepTiming
+from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.wire.prom import parse_exposition
 

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvroute.core.engine_model import (
+from kvroute.engine.model import (
     Accepted,
     EngineModel,
     EngineRequest,

@@ -1,7 +1,7 @@
 """Virtual-time fleet simulation: N engine models behind one ``RouterCore``.
 
 The simulation runs the production decision code (``core.router.RouterCore`` with any policy
-of ``core.policy``/``core.peer_policies``) against ``core.engine_model.EngineModel`` engines on
+of ``core.policy``/``core.peer_policies``) against ``engine.model.EngineModel`` engines on
 a virtual clock, with no sleeps and no asyncio, so a benchmark of the simulator measures the
 code that routes production traffic.
 
@@ -71,7 +71,7 @@ from typing import Any, cast
 
 from kvroute.bench.workloads import WorkloadRequest
 from kvroute.core.clock import ManualClock
-from kvroute.core.engine_model import (
+from kvroute.engine.model import (
     EngineConfig,
     EngineModel,
     EngineRequest,

@@ -2,7 +2,7 @@
 
 Owns the table of profiles and nothing else; the step-time model itself
 (``fixed + a·prefill_tokens + b·decode_seqs + c·context_tokens``) lives in
-``kvroute.core.engine_model.StepTiming`` so that ``core`` never depends on ``sim``.
+``kvroute.engine.model.StepTiming`` so that ``engine`` never depends on ``sim``.
 
 Every profile says where its constants come from. No GPU was available to measure them, so the
 GPU profiles are *derived* from published hardware figures with stated efficiency factors,
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvroute.core.engine_model import EngineConfig, StepTiming
+from kvroute.engine.model import EngineConfig, StepTiming
 from kvroute.core.errors import ConfigError
 
 __all__ = ["PROFILES", "TimingProfile", "get_profile", "profile_names"]

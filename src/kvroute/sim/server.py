@@ -74,7 +74,7 @@ from typing import Any, Final, Literal, Self
 
 import msgspec
 
-from kvroute.core.engine_model import (
+from kvroute.engine.model import (
     EngineConfig,
     EngineModel,
     EngineRequest,

@@ -18,7 +18,7 @@ from kvroute.bench.bounds import (
 from kvroute.bench.traces import mooncake_tokens
 from kvroute.bench.workloads import WorkloadRequest, mooncake
 from kvroute.cli import app
-from kvroute.core.engine_model import EngineModel, EngineRequest, StepTiming
+from kvroute.engine.model import EngineModel, EngineRequest, StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.sim.profiles import get_profile

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from kvroute.bench import workloads as W
-from kvroute.core.engine_model import Rejection, RejectionKind
+from kvroute.engine.model import Rejection, RejectionKind
 from kvroute.core.errors import ConfigError
 from kvroute.core.tiers import OverflowPart
 from kvroute.sim.fleet import (

@@ -1,7 +1,7 @@
 """A model of one vLLM v1 engine that behaves like vLLM in everything a router can observe.
 
 Owns the scheduler state of one simulated engine: the waiting queue, the running batch,
-each request's tokens, block hashes and blocks (through ``engine_blocks.BlockPool``), the
+each request's tokens, block hashes and blocks (through ``blocks.BlockPool``), the
 step-time model and the engine's Prometheus-style counters. The virtual-time fleet simulation
 and the real-time simulated server both drive it through the same four calls:
 ``add_request``, ``abort_request``, ``step`` and ``reset_prefix_cache``.
@@ -61,7 +61,7 @@ from typing import Literal
 
 import msgspec
 
-from kvroute.core.engine_blocks import BlockPool
+from kvroute.engine.blocks import BlockPool
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.core.events import KVEvent
 from kvroute.core.hashing import BlockHasher, LoraKey, validate_cache_salt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.core.engine_blocks import BlockPool
+from kvroute.engine.blocks import BlockPool
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash

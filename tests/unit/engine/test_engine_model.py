@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.core.engine_model import (
+from kvroute.engine.model import (
     Accepted,
     EngineConfig,
     EngineInputError,
