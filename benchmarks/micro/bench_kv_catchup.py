@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python benchmarks/micro/bench_kv_catchup.py [--batches N] [--replicas K]
         [--no-turns] [--repeats R] [--json OUT]
 
-``K`` child processes each run an engine's publisher (``shell/kv_publisher.KVEventPublisher``,
+``K`` child processes each run an engine's publisher (``sim/kv_publisher.KVEventPublisher``,
 the one ``kvroute sim serve`` runs) and publish ``N`` batches before anyone listens, so they
 sit in its replay buffer (vLLM keeps 10,000). Each batch is one ``BlockStored`` of 8 blocks
 with their 128 token ids: a request's new blocks. This process then starts one
@@ -40,7 +40,7 @@ from typing import IO, Any
 _CHILD = """
 import sys
 from kvroute.core.events import BlockStored
-from kvroute.shell.kv_publisher import KVEventPublisher
+from kvroute.sim.kv_publisher import KVEventPublisher
 
 count = int(sys.argv[1])
 with KVEventPublisher(buffer_steps=count + 10) as pub:

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.types import ReplicaId, WireHash
-from kvroute.shell.kv_publisher import KVEventPublisher
+from kvroute.sim.kv_publisher import KVEventPublisher
 from kvroute.shell.zmq_events import _REPLAY_PER_TURN, _TAKE_PER_TURN, EventSubscriber
 from kvroute.wire.vllm_events import (
     ReplayBatch,
@@ -691,7 +691,7 @@ def test_subscriber_binds_for_an_engine_that_connects() -> None:
 async def _bind_mode() -> None:
     import socket as _socket
 
-    from kvroute.shell.kv_publisher import KVEventPublisher, vllm_pub_binds
+    from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
 
     assert vllm_pub_binds("tcp://*:5557") and vllm_pub_binds("ipc:///tmp/x")
     assert not vllm_pub_binds("tcp://127.0.0.1:5601")

@@ -3,7 +3,7 @@
 Owns the HTTP surface of one simulated engine: request parsing and validation, tokenization,
 context-overflow answers, response and SSE framing, and the admin/observability routes. The
 engine itself is stepped by ``sim.engine_driver.EngineDriver``; KV events leave through
-``shell.kv_publisher.KVEventPublisher`` (vLLM's PUB + replay ROUTER framing).
+``sim.kv_publisher.KVEventPublisher`` (vLLM's PUB + replay ROUTER framing).
 
 Routes (what a router or gateway can observe of vLLM 0.32):
 
@@ -87,7 +87,7 @@ from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher
 from kvroute.heap import freeze_startup_heap
 from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
-from kvroute.shell.kv_publisher import KVEventPublisher, vllm_pub_binds
+from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.tokenizer import BuiltinTokenizer, ChatTemplateError, Tokenizer, load_tokenizer

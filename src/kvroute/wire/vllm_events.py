@@ -2,7 +2,7 @@
 
 Owns the byte format of vLLM's KV-event stream (``vllm/distributed/kv_events.py``) and
 nothing else: no sockets, no clocks, no logging. ``shell/zmq_events.py`` moves the frames,
-``shell/kv_publisher.py`` publishes them; both call this module.
+``sim/kv_publisher.py`` publishes them; both call this module.
 
 Theory of operation
 -------------------
