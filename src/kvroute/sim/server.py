@@ -87,8 +87,9 @@ from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher
 from kvroute.heap import freeze_startup_heap
 from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
-from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
+from kvroute.sim import openai_answers as answers
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
+from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.tokenizer import BuiltinTokenizer, ChatTemplateError, Tokenizer, load_tokenizer
 from kvroute.wire import openai as oa
@@ -786,7 +787,8 @@ class SimServer:
 
     @staticmethod
     def _json(obj: Any, status: int = 200) -> Response:
-        return Response(status=status, body=oa.encode_json(obj), content_type="application/json")
+        return Response(status=status, body=answers.encode_json(obj),
+                        content_type="application/json")
 
     @staticmethod
     def _body(request: Request) -> bytes:
@@ -903,7 +905,7 @@ class SimServer:
             if kill is not None and not stream.done and sum(len(t) for t in tokens) >= kill:
                 self._kill(request)
         created = int(time.time())
-        usage = oa.usage(
+        usage = answers.usage(
             len(prep.prompt_ids),
             sum(len(t) for t in tokens),
             cached_tokens=cached if self.config.enable_prompt_tokens_details else None,
@@ -912,12 +914,12 @@ class SimServer:
         for i in range(n):
             text = _TextDecoder(self.tokenizer).push(tokens[i]) if tokens[i] else ""
             if parsed.endpoint == "chat":
-                one = oa.chat_completion_response(
+                one = answers.chat_completion_response(
                     id=rid, created=created, model=parsed.model, content=text,
                     finish_reason=reasons[i], usage_info=usage,
                 )
             else:
-                one = oa.completion_response(
+                one = answers.completion_response(
                     id=rid, created=created, model=parsed.model, text=text,
                     finish_reason=reasons[i], usage_info=usage,
                 )
@@ -944,8 +946,8 @@ class SimServer:
         pending = b""
         if chat:
             pending = b"".join(
-                encode_data(oa.chat_chunk(id=rid, created=created, model=model, role="assistant",
-                                          content="", index=i))
+                encode_data(answers.chat_chunk(id=rid, created=created, model=model,
+                                               role="assistant", content="", index=i))
                 for i in range(n)
             )
         if kill == 0:
@@ -966,25 +968,25 @@ class SimServer:
                     cached = out.num_cached_tokens
                 text = decoders[index].push(out.new_token_ids)
                 if chat:
-                    chunk = oa.chat_chunk(
+                    chunk = answers.chat_chunk(
                         id=rid, created=created, model=model, content=text, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
                         final=out.finished,
                     )
                 else:
-                    chunk = oa.completion_chunk(
+                    chunk = answers.completion_chunk(
                         id=rid, created=created, model=model, text=text, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
                     )
                 parts.append(encode_data(chunk))
             if stream.done:
                 if parsed.include_usage:
-                    usage = oa.usage(
+                    usage = answers.usage(
                         len(prep.prompt_ids), completion_tokens,
                         cached_tokens=cached if self.config.enable_prompt_tokens_details else None,
                         full=False,
                     )
-                    parts.append(encode_data(oa.chat_usage_chunk(
+                    parts.append(encode_data(answers.chat_usage_chunk(
                         id=rid, created=created, model=model, usage_info=usage, chat=chat)))
                 parts.append(DONE)
             await resp.write(b"".join(parts))
@@ -1050,7 +1052,7 @@ class SimServer:
         except _BadRequest as exc:
             return self._answer(exc)
         strs = self.tokenizer.token_strs(ids) if body.get("return_token_strs") else None
-        return self._json(oa.tokenize_response(
+        return self._json(answers.tokenize_response(
             ids, max_model_len=self.engine_config.max_model_len, token_strs=strs))
 
     async def _detokenize(self, request: Request) -> Response:
@@ -1067,7 +1069,7 @@ class SimServer:
                              param="tokens")
         except _BadRequest as exc:
             return self._answer(exc)
-        return self._json(oa.detokenize_response(self.tokenizer.decode(tokens)))
+        return self._json(answers.detokenize_response(self.tokenizer.decode(tokens)))
 
     # ------------------------------------------------------------------ small GETs
 

@@ -11,9 +11,10 @@ Owns:
 * ``RequestError`` and ``error_body``: one error type for bad input, and OpenAI's error body
   ``{"error": {"message", "type", "param", "code"}}`` with vLLM's types and integer codes;
 * ``session_from_request``: the session id, from headers in LiteLLM's order, then the body;
-* response builders for the simulated engine (``chat.completion``, ``chat.completion.chunk``,
-  ``text_completion``, ``/v1/models``, ``/tokenize``, ``/detokenize``) with vLLM's field names
-  and order (``tests/data/vllm-vectors-0.32.json``, ``http_examples_v0_32``).
+* ``model_card`` / ``models_response``: the ``/v1/models`` body with vLLM's field names and
+  order (``tests/data/vllm-vectors-0.32.json``, ``http_examples_v0_32``), for the router's own
+  list and the simulated engine's. The other bodies an engine answers with are built in
+  ``sim/openai_answers.py``: the router relays them and never builds one.
 
 Pure: no I/O, no clock, no randomness. Ids and ``created`` are passed in by the caller.
 
@@ -43,13 +44,6 @@ __all__ = [
     "ParsedRequest",
     "RequestError",
     "SessionRef",
-    "chat_chunk",
-    "chat_completion_response",
-    "chat_usage_chunk",
-    "completion_chunk",
-    "completion_response",
-    "detokenize_response",
-    "encode_json",
     "encode_request",
     "error_body",
     "error_type_for_status",
@@ -57,8 +51,6 @@ __all__ = [
     "models_response",
     "parse_request",
     "session_from_request",
-    "tokenize_response",
-    "usage",
     "validate_cache_salt",
     "warm_chunk_body",
     "warm_request_body",
@@ -756,209 +748,8 @@ def session_from_request(
 
 
 # --------------------------------------------------------------------------------------------
-# Responses (for the simulated engine)
+# /v1/models (the router's own, and the simulated engine's)
 # --------------------------------------------------------------------------------------------
-
-
-def encode_json(obj: Any) -> bytes:
-    """Compact JSON, key order preserved (what every builder below is meant to go through)."""
-    return _JSON_ENCODER.encode(obj)
-
-
-def usage(
-    prompt_tokens: int,
-    completion_tokens: int,
-    *,
-    cached_tokens: int | None = None,
-    full: bool = True,
-) -> dict[str, Any]:
-    """vLLM's ``UsageInfo``.
-
-    Args:
-        prompt_tokens: prompt length in tokens.
-        completion_tokens: generated tokens.
-        cached_tokens: prefix-cache hits; when given, ``prompt_tokens_details`` is
-            ``{"cached_tokens": n}`` (vLLM with ``--enable-prompt-tokens-details``).
-        full: the non-streamed form (``model_dump``: every field, nulls included, as in the
-            0.32 vectors). False gives the streamed usage chunk's form (``exclude_unset``:
-            only the fields vLLM sets).
-    """
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
-    details = {"cached_tokens": cached_tokens} if cached_tokens is not None else None
-    if full:
-        out["prompt_tokens_details"] = details
-        out["completion_tokens_details"] = None
-    elif details is not None:
-        out["prompt_tokens_details"] = details
-    return out
-
-
-def chat_completion_response(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    content: str,
-    finish_reason: str | None,
-    usage_info: Mapping[str, Any],
-    stop_reason: int | str | None = None,
-    prompt_token_ids: list[int] | None = None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    """A non-streamed ``chat.completion`` object with one choice, in vLLM's field order."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": content,
-        "refusal": None,
-        "annotations": None,
-        "audio": None,
-        "function_call": None,
-        "tool_calls": [],
-        "reasoning": None,
-    }
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-        "token_ids": token_ids,
-    }
-    return {
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": dict(usage_info),
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids,
-        "kv_transfer_params": None,
-    }
-
-
-def chat_chunk(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    content: str | None = None,
-    role: str | None = None,
-    finish_reason: str | None = None,
-    stop_reason: int | str | None = None,
-    final: bool = False,
-    index: int = 0,
-) -> dict[str, Any]:
-    """One ``chat.completion.chunk``, with the fields vLLM sets (it dumps ``exclude_unset``).
-
-    The first chunk carries ``role="assistant", content=""``; content chunks carry
-    ``content``; the last chunk (``final=True``) carries ``finish_reason`` and
-    ``stop_reason``.
-    """
-    delta: dict[str, Any] = {}
-    if role is not None:
-        delta["role"] = role
-    if content is not None:
-        delta["content"] = content
-    choice: dict[str, Any] = {
-        "index": index,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if final:
-        choice["stop_reason"] = stop_reason
-    return {
-        "id": id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def chat_usage_chunk(
-    *, id: str, created: int, model: str, usage_info: Mapping[str, Any], chat: bool = True
-) -> dict[str, Any]:
-    """The last chunk sent when ``stream_options.include_usage`` is true: no choices."""
-    return {
-        "id": id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": dict(usage_info),
-    }
-
-
-def completion_response(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    usage_info: Mapping[str, Any],
-    stop_reason: int | str | None = None,
-    prompt_token_ids: list[int] | None = None,
-    token_ids: list[int] | None = None,
-) -> dict[str, Any]:
-    """A non-streamed ``text_completion`` object with one choice, in vLLM's field order."""
-    choice = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-        "token_ids": token_ids,
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids,
-    }
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": dict(usage_info),
-        "kv_transfer_params": None,
-    }
-
-
-def completion_chunk(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: str | None = None,
-    stop_reason: int | str | None = None,
-    index: int = 0,
-) -> dict[str, Any]:
-    """One streamed ``text_completion`` chunk (vLLM sets all four choice fields)."""
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-        ],
-    }
 
 
 def model_card(
@@ -1001,20 +792,3 @@ def model_card(
 def models_response(cards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The ``/v1/models`` body: ``{"object": "list", "data": [...]}``."""
     return {"object": "list", "data": [dict(c) for c in cards]}
-
-
-def tokenize_response(
-    tokens: Sequence[int], *, max_model_len: int, token_strs: Sequence[str] | None = None
-) -> dict[str, Any]:
-    """The ``/tokenize`` body (no length check: counts above ``max_model_len`` are fine)."""
-    return {
-        "count": len(tokens),
-        "max_model_len": max_model_len,
-        "tokens": list(tokens),
-        "token_strs": list(token_strs) if token_strs is not None else None,
-    }
-
-
-def detokenize_response(prompt: str) -> dict[str, Any]:
-    """The ``/detokenize`` body."""
-    return {"prompt": prompt}

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvroute.sim import openai_answers as answers
 from kvroute.wire import openai as oa
 from kvroute.wire.sse import (
     DONE,
@@ -191,9 +192,10 @@ def test_error_event_shape() -> None:
 
 def test_round_trip_of_a_simulated_stream() -> None:
     chunks = [
-        oa.chat_chunk(id="c", created=1, model="m", role="assistant", content=""),
-        oa.chat_chunk(id="c", created=1, model="m", content="a\nb"),
-        oa.chat_chunk(id="c", created=1, model="m", content="", finish_reason="stop", final=True),
+        answers.chat_chunk(id="c", created=1, model="m", role="assistant", content=""),
+        answers.chat_chunk(id="c", created=1, model="m", content="a\nb"),
+        answers.chat_chunk(id="c", created=1, model="m", content="", finish_reason="stop",
+                           final=True),
     ]
     raw = b"".join(encode_data(c) for c in chunks) + DONE
     events = both(raw)
