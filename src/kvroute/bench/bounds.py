@@ -57,10 +57,10 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvroute.bench.traces import BlockTokens
-from kvroute.bench.workloads import WorkloadRequest
 from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.sim.profiles import TimingProfile
+from kvroute.sim.workload import WorkloadRequest
 
 __all__ = [
     "BoundRow",

@@ -58,10 +58,11 @@ from kvroute.bench.live_routers import (
     find_peer_routers,
     start_router,
 )
-from kvroute.bench.workloads import WORKLOADS, WorkloadRequest
+from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
 from kvroute.sim.profiles import get_profile
+from kvroute.sim.workload import WorkloadRequest
 from kvroute.wire.prom import parse_exposition
 
 __all__ = [

@@ -59,7 +59,7 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from kvroute.bench.workloads import WorkloadRequest, to_text
+from kvroute.bench.workloads import to_text
 from kvroute.core.errors import ConfigError
 from kvroute.shell.engine_client import (
     ConnectFailed,
@@ -67,6 +67,7 @@ from kvroute.shell.engine_client import (
     EngineClientError,
     EngineResponse,
 )
+from kvroute.sim.workload import WorkloadRequest
 from kvroute.wire.sse import SSEDecoder
 
 __all__ = [

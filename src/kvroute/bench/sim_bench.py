@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.bench.bounds import BoundsReport, compute_bounds
-from kvroute.bench.workloads import WORKLOADS, WorkloadRequest, mooncake
+from kvroute.bench.workloads import WORKLOADS, mooncake
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.peer_policies import POLICY_NAMES
 from kvroute.sim.fleet import DigestCache, FleetConfig, FleetResult, FleetSimulation
 from kvroute.sim.profiles import get_profile
+from kvroute.sim.workload import WorkloadRequest
 
 HEADLINE_METRICS = (
     "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_mean_s", "itl_p50_s",

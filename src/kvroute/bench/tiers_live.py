@@ -74,10 +74,11 @@ import aiohttp
 
 from kvroute.bench.live_client import read_stream
 from kvroute.bench.tiers_bench import MODES, SMALL_P99_TOLERANCE, targets
-from kvroute.bench.workloads import WorkloadRequest, growing_sessions
+from kvroute.bench.workloads import growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
 from kvroute.sim.profiles import get_profile
+from kvroute.sim.workload import WorkloadRequest
 
 __all__ = [
     "LiveTurn",

@@ -19,6 +19,9 @@ think_time_s`` (:func:`release_time` computes it) and ignores ``arrival_s``, whi
 requests only holds the lower bound ``arrival(previous) + think_time_s`` (zero service time)
 so that list order and open-loop drivers still see a sensible schedule. Requests without
 ``depends_on`` are released at ``arrival_s``.
+
+The record itself lives in :mod:`kvroute.sim.workload`: the fleet simulation consumes it, and
+``sim`` must not import ``bench``.
 """
 
 from __future__ import annotations
@@ -27,18 +30,17 @@ import functools
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from kvroute.bench.traces import load_trace
 from kvroute.core.errors import ConfigError
+from kvroute.sim.workload import Message, WorkloadRequest
 
 __all__ = [
     "VOCAB_MAX",
     "VOCAB_MIN",
     "WORKLOADS",
-    "WorkloadRequest",
     "from_text",
     "generated_shared_prefix",
     "growing_sessions",
@@ -59,36 +61,6 @@ _VOCAB: Final[list[int]] = list(range(VOCAB_MIN, VOCAB_MAX))
 # Drawing from a list (not a range) makes every generated token a reference to one of these
 # 31,900 int objects: 8 bytes per token instead of 36.
 _VOCAB_SIZE: Final = VOCAB_MAX - VOCAB_MIN
-
-Message = dict[str, str]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadRequest:
-    """One request of a workload, whatever produced it.
-
-    ``prompt_token_ids`` is a tuple for generated workloads and a lazy
-    :class:`~kvroute.bench.traces.BlockTokens` for trace replays (both ``Sequence[int]``).
-    ``group`` names requests that share a prefix by construction (a GSP group, a hot prefix, a
-    fan-out); ``turn`` counts from 0 within a session. ``depends_on``/``think_time_s`` describe
-    closed-loop turns (see the module docstring); both are ``None`` for open-loop requests.
-    """
-
-    arrival_s: float
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    output_tokens: int
-    session_id: str | None = None
-    tenant: str | None = None
-    group: str | None = None
-    turn: int | None = None
-    messages: list[Message] | None = None
-    think_time_s: float | None = None
-    depends_on: str | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
 
 def release_time(request: WorkloadRequest, finished_s: Mapping[str, float]) -> float | None:

@@ -44,9 +44,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvroute.bench.workloads import WorkloadRequest, mooncake
+from kvroute.bench.workloads import mooncake
 from kvroute.commands.tables import rows_table
 from kvroute.core.errors import ConfigError, RouterError
+from kvroute.sim.workload import WorkloadRequest
 
 __all__ = [
     "DEMO_POLICIES",

@@ -69,7 +69,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kvroute.bench.workloads import WorkloadRequest
 from kvroute.core.clock import ManualClock
 from kvroute.engine.model import (
     EngineConfig,
@@ -110,6 +109,7 @@ from kvroute.core.warm import (
     WarmPlanner,
 )
 from kvroute.sim.profiles import TimingProfile
+from kvroute.sim.workload import WorkloadRequest
 from kvroute.wire.overflow import parse_overflow
 from kvroute.wire.overflow_styles import check_overflow
 

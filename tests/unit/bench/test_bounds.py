@@ -16,12 +16,13 @@ from kvroute.bench.bounds import (
     unbounded_hits,
 )
 from kvroute.bench.traces import mooncake_tokens
-from kvroute.bench.workloads import WorkloadRequest, mooncake
+from kvroute.bench.workloads import mooncake
 from kvroute.cli import app
 from kvroute.engine.model import EngineModel, EngineRequest, StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.sim.profiles import get_profile
+from kvroute.sim.workload import WorkloadRequest
 
 H100 = get_profile("llama-3.1-8b-h100")
 
