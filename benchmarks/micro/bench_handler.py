@@ -7,7 +7,7 @@ Usage::
 
 What ``kvroute bench overhead``'s ``kvroute-local`` router does per request, minus the sockets:
 ``Router.handle`` (``shell/app.py``) of the real application (``build_app``) is called with
-a request as the router's HTTP server hands it over (``shell/http_server.Request``, body
+a request as the router's HTTP server hands it over (``http/server.Request``, body
 read), and its upstream is a canned engine answer
 (a whole chat completion with ``usage``), so every step of the router runs as served: body
 read, parse, admission, session, tier plan, local tokenization with the bundled Hugging Face
@@ -59,7 +59,7 @@ from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.types import ReplicaId
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.shell.app import build_app
-from kvroute.shell.http_server import Request
+from kvroute.http.server import Request
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import UpstreamReply
 from kvroute.shell.runtime import build_core

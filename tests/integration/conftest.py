@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvroute.config import RouterConfig, parse_config
-from kvroute.shell import http_server
+from kvroute.http import server as http_server
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
 
 MODEL = "sim-model"

@@ -20,7 +20,7 @@ from typing import Any, Self
 
 import pytest
 
-from kvroute.shell.engine_client import (
+from kvroute.http.client import (
     ConnectFailed,
     Disconnected,
     EngineClient,

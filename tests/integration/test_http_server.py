@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
+from kvroute.http.server import Handler, HttpServer, Request, Response, StreamResponse
 
 pytestmark = pytest.mark.integration
 
@@ -545,7 +545,7 @@ def test_server_and_engine_client_run_on_uvloop() -> None:
     through the engine client, on one uvloop loop)."""
     import uvloop
 
-    from kvroute.shell.engine_client import EngineClient
+    from kvroute.http.client import EngineClient
 
     async def stream(request: Request) -> StreamResponse:
         out = StreamResponse(200, headers={"Content-Type": "text/event-stream"})

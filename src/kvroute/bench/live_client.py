@@ -5,7 +5,7 @@ Owns turning workload requests into OpenAI chat bodies, sending them to a router
 time to first token, inter-token gaps, whole-response latency, errors. It knows nothing about
 which router is behind the URL, nor about processes; ``bench/live.py`` does that.
 
-Why the router's own lean HTTP client (``shell.engine_client``) and not aiohttp's: the load
+Why the router's own lean HTTP client (``kvroute.http.client``) and not aiohttp's: the load
 generator shares the benchmark machine with the routers and engines it measures, so every
 CPU-ms it spends is taken from them, and every wake-up it is late for is added to what it
 records. Side by side against 8 simulated engines at 150 streamed req/s it spends about half
@@ -61,7 +61,7 @@ import msgspec
 
 from kvroute.bench.workloads import to_text
 from kvroute.core.errors import ConfigError
-from kvroute.shell.engine_client import (
+from kvroute.http.client import (
     ConnectFailed,
     EngineClient,
     EngineClientError,

@@ -7,7 +7,7 @@ and runs until SIGINT or SIGTERM, then shuts down in order.
 
 The event loop is asyncio's own by default. ``--loop uvloop`` (or ``auto``: uvloop when it is
 installed) is there to measure, not recommended: since the router serves and forwards through
-its own protocols (``shell/http_server.py``, ``shell/engine_client.py``) the two cost the same
+its own protocols (``http/server.py``, ``http/client.py``) the two cost the same
 router CPU per request (``docs/benchmarks.md#the-event-loop-asyncio-not-uvloop``).
 """
 

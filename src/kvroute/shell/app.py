@@ -71,8 +71,8 @@ from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.tiers import GiveUp, Retry
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.shell.admission import Admission, AdmissionRejected
-from kvroute.shell.engine_client import ConnectTimeout
-from kvroute.shell.http_server import (
+from kvroute.http.client import ConnectTimeout
+from kvroute.http.server import (
     Answer,
     Handler,
     HttpServer,
@@ -1046,7 +1046,7 @@ def build_app(
     clock: Clock | None = None,
 ) -> RouterApp:
     """The composition root of the HTTP layer: wire the collaborators into the handlers and
-    their HTTP server (``shell/http_server.py``).
+    their HTTP server (``http/server.py``).
 
     Nothing is created behind the caller's back except what has no I/O (admission, metrics,
     the admin capability). ``shell/runtime.py`` builds the rest (client session, discovery,

@@ -1,7 +1,7 @@
 """The upstream side: forwarding through the engine client, timeouts, and the streaming relay.
 
 Owns the rules for what counts as "before the first byte" (retryable elsewhere) and "after"
-(the stream is ended with a well-formed error event), over ``shell/engine_client.py``'s pooled
+(the stream is ended with a well-formed error event), over ``http/client.py``'s pooled
 connections; and ``make_client_session``, the aiohttp session the rest of the shell uses for
 calls off the request path (discovery: models, metrics, health). It does not choose replicas: ``shell/app.py`` asks the core
 and hands a URL here (choosing is separate from sending).
@@ -29,7 +29,7 @@ back, so if the engine dies mid-stream the client gets every complete event, the
 tail is normally empty and nothing is delayed.
 
 TCP_NODELAY: the engine client sets it on its sockets, and asyncio on every socket the
-router's HTTP server accepts (``shell/http_server.py``): a relay with Nagle on
+router's HTTP server accepts (``http/server.py``): a relay with Nagle on
 adds ~40 ms to each small SSE write (``docs/benchmarks.md#tcp_nodelay-on-every-socket``).
 """
 
@@ -45,14 +45,14 @@ import aiohttp
 
 from kvroute.config import TimeoutsConfig
 from kvroute.core.errors import RouterError
-from kvroute.shell.engine_client import (
+from kvroute.http.client import (
     ConnectFailed,
     ConnectTimeout,
     EngineClient,
     EngineClientError,
     EngineResponse,
 )
-from kvroute.shell.http_server import Request, StreamResponse
+from kvroute.http.server import Request, StreamResponse
 from kvroute.wire.sse import DONE, error_event
 
 __all__ = [

@@ -9,7 +9,7 @@ Start-up order (each step needs the previous one):
 1. ``RouterCore`` from the config (pools start in approximate mode until discovery has read
    block size and hash algorithm from the engines, unless the config fixes both);
 2. one ``aiohttp.ClientSession`` (keep-alive pool, TCP_NODELAY) for discovery, and one
-   ``EngineClient`` (``shell/engine_client.py``) for what every request sends: forwarded
+   ``EngineClient`` (``http/client.py``) for what every request sends: forwarded
    requests, warm-ups and engine ``/tokenize`` calls;
 3. ``Discovery.refresh_now()`` — health, windows, hashing — before the first request;
 4. one ``EventSubscriber`` per replica with ``kv_events``; their callbacks call
@@ -17,7 +17,7 @@ Start-up order (each step needs the previous one):
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
    core needs no locks;
 5. session state, tokenizers (with the background checks of ``local`` and ``auto`` ones,
-   ``shell/tokenizer_check.py``), then the HTTP server (``shell/http_server.py``; a client that
+   ``shell/tokenizer_check.py``), then the HTTP server (``http/server.py``; a client that
    disconnects cancels its handler and so its upstream request). A refused connection seen
    by the proxy or a warm-up goes to ``Discovery.report_failure``, which takes that replica out of routing at
    once; the tier logic (``shell/tiering.py``) reads windows and served models from the same
@@ -49,7 +49,7 @@ from kvroute.core.types import PoolName, ReplicaId
 from kvroute.heap import watch_gc_pauses
 from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.discovery import Discovery
-from kvroute.shell.engine_client import EngineClient
+from kvroute.http.client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state

@@ -45,7 +45,7 @@ import msgspec
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError
 from kvroute.shell.discovery import Discovery
-from kvroute.shell.engine_client import EngineClient
+from kvroute.http.client import EngineClient
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.tokenizer import (
     LocalTokenizer,

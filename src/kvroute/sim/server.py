@@ -36,7 +36,7 @@ Anything else is a 404 (sglang-router's ``/server_info``-style probes are answer
 it tolerates; a stray HTTP/2 preface gets a 400 and the server carries on). A body over
 ``wire.openai.DEFAULT_MAX_BODY_BYTES`` gets a 413.
 
-HTTP is the router's own lean server (``shell/http_server.py``, llhttp through ``httptools``),
+HTTP is the router's own lean server (``http/server.py``, llhttp through ``httptools``),
 not aiohttp's: benchmarks of router overhead run eight of these engines on the same two cores
 as the router and the load generator, so every CPU-ms an engine spends on HTTP is taken from
 what is measured. Its framing is what vLLM's uvicorn sends: a streamed answer's head goes out
@@ -86,7 +86,7 @@ from kvroute.core.errors import ConfigError
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher
 from kvroute.heap import freeze_startup_heap
-from kvroute.shell.http_server import Handler, HttpServer, Request, Response, StreamResponse
+from kvroute.http.server import Handler, HttpServer, Request, Response, StreamResponse
 from kvroute.sim import openai_answers as answers
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds

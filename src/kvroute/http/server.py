@@ -8,7 +8,7 @@ a request *means* is the handlers' business (``shell/app.py``); this module know
 Why not aiohttp's server: at saturation its server side (request objects with multidicts and
 URL objects, a payload stream per request, the router and middleware chain, response header
 multidicts, a writer object) was the largest single item of the router's CPU per request once
-the engine client had been made lean (``shell/engine_client.py``;
+the engine client had been made lean (``http/client.py``;
 ``docs/benchmarks.md#the-routers-own-http-server-and-engine-client``). The router serves a
 handful of JSON endpoints on keep-alive connections; parsing with llhttp, one dict of headers
 and one ``write`` per whole answer does that for a fraction of the cost.
