@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from kvroute.engine.model import EngineModel, EngineRequest
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.types import BlockHash
+from kvroute.engine.model import EngineModel, EngineRequest
 from kvroute.sim.profiles import get_profile
 
 VOCAB = 32_000

@@ -58,8 +58,8 @@ from kvroute.config import Secrets, parse_config
 from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.types import ReplicaId
 from kvroute.hf_tokenizer import bundled_tokenizer_dir
-from kvroute.shell.app import build_app
 from kvroute.http.server import Request
+from kvroute.shell.app import build_app
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import UpstreamReply
 from kvroute.shell.runtime import build_core

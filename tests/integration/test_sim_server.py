@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 
 from kvroute.bench.workloads import to_text
-from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import AllBlocksCleared, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
+from kvroute.engine.model import StepTiming
 from kvroute.sim.server import SimServer, SimServerConfig
 from kvroute.sim.tokenizer import BuiltinTokenizer
 from kvroute.wire import openai as oa

@@ -35,8 +35,8 @@ from kvroute.core.clock import ManualClock
 from kvroute.core.errors import ConfigError
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
-from kvroute.shell.discovery import Discovery
 from kvroute.http.client import EngineClient
+from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import TOKENIZER_CHECKS, TOKENIZER_MODES, RouterMetrics
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.shell.tokenizer import (

@@ -20,8 +20,8 @@ import zmq.asyncio
 
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.types import ReplicaId, WireHash
-from kvroute.sim.kv_publisher import KVEventPublisher
 from kvroute.shell.zmq_events import _REPLAY_PER_TURN, _TAKE_PER_TURN, EventSubscriber
+from kvroute.sim.kv_publisher import KVEventPublisher
 from kvroute.wire.vllm_events import (
     ReplayBatch,
     decode_replay_reply,

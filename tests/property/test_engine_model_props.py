@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvroute.core.hashing import BlockHasher
+from kvroute.core.types import to_wire_hash
 from kvroute.engine.model import (
     Accepted,
     EngineConfig,
@@ -25,9 +28,6 @@ from kvroute.engine.model import (
     EngineRequest,
     StepResult,
 )
-from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvroute.core.hashing import BlockHasher
-from kvroute.core.types import to_wire_hash
 
 BS = 4
 HASHER = BlockHasher(block_size=BS)

@@ -57,8 +57,8 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvroute.bench.traces import BlockTokens
-from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
+from kvroute.engine.model import StepTiming
 from kvroute.sim.profiles import TimingProfile
 from kvroute.sim.workload import WorkloadRequest
 

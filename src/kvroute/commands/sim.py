@@ -31,8 +31,8 @@ from typing import Annotated
 import aiohttp
 import typer
 
-from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError, RouterError
+from kvroute.engine.model import StepTiming
 from kvroute.sim.calibrate import CalibrationPlan, calibrate
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
 from kvroute.sim.profiles import profile_names

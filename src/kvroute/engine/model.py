@@ -61,11 +61,11 @@ from typing import Literal
 
 import msgspec
 
-from kvroute.engine.blocks import BlockPool
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.core.events import KVEvent
 from kvroute.core.hashing import BlockHasher, LoraKey, validate_cache_salt
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash
+from kvroute.engine.blocks import BlockPool
 
 __all__ = [
     "ZERO_TIMING",

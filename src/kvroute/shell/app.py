@@ -70,7 +70,6 @@ from kvroute.core.peer_policies import POLICY_FACTORIES
 from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.tiers import GiveUp, Retry
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
-from kvroute.shell.admission import Admission, AdmissionRejected
 from kvroute.http.client import ConnectTimeout
 from kvroute.http.server import (
     Answer,
@@ -80,6 +79,7 @@ from kvroute.http.server import (
     Response,
     StreamResponse,
 )
+from kvroute.shell.admission import Admission, AdmissionRejected
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import MonotonicClock, SessionState

@@ -46,8 +46,8 @@ import msgspec
 from kvroute.config import PoolConfig, RouterConfig
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
-from kvroute.shell.discovery import Discovery
 from kvroute.http.client import EngineClient, EngineClientError
+from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.piece_check import PieceCheckThread
 from kvroute.token_segments import SegmentEncoder

@@ -44,8 +44,8 @@ import msgspec
 
 from kvroute.core.errors import ConfigError
 from kvroute.hf_tokenizer import ChatTemplateError
-from kvroute.shell.discovery import Discovery
 from kvroute.http.client import EngineClient
+from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.tokenizer import (
     LocalTokenizer,

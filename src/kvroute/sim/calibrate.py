@@ -57,8 +57,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from kvroute.engine.model import StepTiming
 from kvroute.core.errors import ConfigError
+from kvroute.engine.model import StepTiming
 from kvroute.wire.prom import parse_exposition
 
 __all__ = [

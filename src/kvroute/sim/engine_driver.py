@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvroute.core.events import KVEvent
 from kvroute.engine.model import (
     Accepted,
     EngineModel,
@@ -40,7 +41,6 @@ from kvroute.engine.model import (
     Rejection,
     RequestOutput,
 )
-from kvroute.core.events import KVEvent
 from kvroute.wire.prom import EngineStats
 
 __all__ = ["EngineDriver", "RequestStream", "Submitted"]

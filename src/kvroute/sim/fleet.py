@@ -70,13 +70,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvroute.core.clock import ManualClock
-from kvroute.engine.model import (
-    EngineConfig,
-    EngineModel,
-    EngineRequest,
-    Rejection,
-    StepResult,
-)
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import EventBatch
 from kvroute.core.hashing import BlockHasher
@@ -107,6 +100,13 @@ from kvroute.core.warm import (
     DEFAULT_REWARM_FRACTION,
     WarmFire,
     WarmPlanner,
+)
+from kvroute.engine.model import (
+    EngineConfig,
+    EngineModel,
+    EngineRequest,
+    Rejection,
+    StepResult,
 )
 from kvroute.sim.profiles import TimingProfile
 from kvroute.sim.workload import WorkloadRequest

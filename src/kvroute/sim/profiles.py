@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvroute.engine.model import EngineConfig, StepTiming
 from kvroute.core.errors import ConfigError
+from kvroute.engine.model import EngineConfig, StepTiming
 
 __all__ = ["PROFILES", "TimingProfile", "get_profile", "profile_names"]
 

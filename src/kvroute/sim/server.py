@@ -74,6 +74,9 @@ from typing import Any, Final, Literal, Self
 
 import msgspec
 
+from kvroute.core.errors import ConfigError
+from kvroute.core.hash_memo import BlockHashMemo
+from kvroute.core.hashing import BlockHasher
 from kvroute.engine.model import (
     EngineConfig,
     EngineModel,
@@ -82,9 +85,6 @@ from kvroute.engine.model import (
     RejectionKind,
     StepTiming,
 )
-from kvroute.core.errors import ConfigError
-from kvroute.core.hash_memo import BlockHashMemo
-from kvroute.core.hashing import BlockHasher
 from kvroute.heap import freeze_startup_heap
 from kvroute.http.server import Handler, HttpServer, Request, Response, StreamResponse
 from kvroute.sim import openai_answers as answers

@@ -18,9 +18,9 @@ from kvroute.bench.bounds import (
 from kvroute.bench.traces import mooncake_tokens
 from kvroute.bench.workloads import mooncake
 from kvroute.cli import app
-from kvroute.engine.model import EngineModel, EngineRequest, StepTiming
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
+from kvroute.engine.model import EngineModel, EngineRequest, StepTiming
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.workload import WorkloadRequest
 

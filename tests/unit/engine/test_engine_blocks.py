@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.engine.blocks import BlockPool
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash
+from kvroute.engine.blocks import BlockPool
 
 
 def _h(i: int) -> BlockHash:

@@ -11,6 +11,10 @@ from typing import Any
 
 import pytest
 
+from kvroute.core.errors import ConfigError
+from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.core.hashing import BlockHasher, LoraKey
+from kvroute.core.types import WireHash
 from kvroute.engine.model import (
     Accepted,
     EngineConfig,
@@ -23,10 +27,6 @@ from kvroute.engine.model import (
     StepTiming,
     output_token_id,
 )
-from kvroute.core.errors import ConfigError
-from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvroute.core.hashing import BlockHasher, LoraKey
-from kvroute.core.types import WireHash
 from kvroute.sim.profiles import PROFILES, get_profile, profile_names
 
 BS = 4

@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 
 from kvroute.bench import workloads as W
-from kvroute.engine.model import Rejection, RejectionKind
 from kvroute.core.errors import ConfigError
 from kvroute.core.tiers import OverflowPart
+from kvroute.engine.model import Rejection, RejectionKind
 from kvroute.sim.fleet import (
     FleetConfig,
     FleetResult,
