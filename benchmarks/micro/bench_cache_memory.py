@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python benchmarks/micro/bench_cache_memory.py [--piece-tokens N]
         [--memo-entries M] [--json OUT]
 
-Fills, in this process, the bundled tokenizer's piece cache (``token_segments``, bound
+Fills, in this process, the bundled tokenizer's piece cache (``tokenize.segments``, bound
 ``DEFAULT_MAX_CACHED_TOKENS`` tokens) with chat pieces of ~1,000 tokens nobody sent before,
 and a ``BlockHashMemo`` (``core/hash_memo``, bound ``DEFAULT_MEMO_BLOCKS`` entries) with
 1,500-token prompts of random ids, as a router under varied traffic does within minutes
@@ -27,8 +27,8 @@ from pathlib import Path
 
 from kvroute.core.hash_memo import DEFAULT_MEMO_BLOCKS, BlockHashMemo
 from kvroute.core.hashing import BlockHasher
-from kvroute.hf_tokenizer import HFTokenizer, bundled_tokenizer_dir
-from kvroute.token_segments import DEFAULT_MAX_CACHED_TOKENS
+from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
+from kvroute.tokenize.segments import DEFAULT_MAX_CACHED_TOKENS
 
 
 def main() -> int:

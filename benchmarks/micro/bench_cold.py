@@ -39,7 +39,7 @@ from typing import Any
 from kvroute.bench.live_client import build_live_requests
 from kvroute.bench.overhead import _WORKLOAD
 from kvroute.bench.workloads import WORKLOADS
-from kvroute.hf_tokenizer import HFTokenizer, bundled_tokenizer_dir
+from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
 
 IDLE_MODES = ("sleep", "spin")
 

@@ -57,7 +57,6 @@ from kvroute.bench.workloads import WORKLOADS
 from kvroute.config import Secrets, parse_config
 from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.types import ReplicaId
-from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.http.server import Request
 from kvroute.shell.app import build_app
 from kvroute.shell.metrics import RouterMetrics
@@ -65,6 +64,7 @@ from kvroute.shell.proxy import UpstreamReply
 from kvroute.shell.runtime import build_core
 from kvroute.shell.state import MonotonicClock
 from kvroute.shell.tokenizer import LocalTokenizer
+from kvroute.tokenize.hf import bundled_tokenizer_dir
 
 ANSWER = json.dumps({
     "id": "cmpl-bench", "object": "chat.completion", "created": 0, "model": "sim-model",

@@ -39,8 +39,8 @@ from kvroute.bench.overhead import (
 from kvroute.bench.passthrough import build_app
 from kvroute.bench.settle import caught_up, event_primers
 from kvroute.core.errors import ConfigError
-from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
+from kvroute.tokenize.hf import bundled_tokenizer_dir
 
 
 def test_phases_parse_and_bad_ones_say_what_is_expected() -> None:

@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 
 from kvroute.config import parse_config
-from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet
+from kvroute.tokenize.hf import bundled_tokenizer_dir
 
 pytestmark = pytest.mark.integration
 

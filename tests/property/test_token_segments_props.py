@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvroute.hf_tokenizer import HFTokenizer, bundled_tokenizer_dir
-from kvroute.token_segments import SegmentEncoder
+from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
+from kvroute.tokenize.segments import SegmentEncoder
 
 _MARKERS = ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 _WORDS = ["the", "cache", " prefix", "router", "  ", "\n", "\t", "é", "漢字", "🙂", ",", "a.b",

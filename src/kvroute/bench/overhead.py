@@ -7,7 +7,7 @@ against ``direct`` *of the same pass*.
 
 Set-up: ``engines`` ``kvroute sim serve`` processes with the ``zero`` timing profile (no
 engine time, so what remains is HTTP and routing) serving the bundled Hugging Face tokenizer
-(``hf_tokenizer.bundled_tokenizer_dir``), so kvroute can tokenize either way: ``kvroute``
+(``tokenize.hf.bundled_tokenizer_dir``), so kvroute can tokenize either way: ``kvroute``
 asks the engines' ``/tokenize``, ``kvroute-local`` uses the same tokenizer in-process, and
 ``kvroute-auto`` runs the default ``tokenizer: auto`` (it finds the engines' tokenizer
 directory from their model cards, checks it and adopts it during the warm-up).
@@ -92,9 +92,9 @@ from kvroute.bench.settle import settle_kvroute
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError
 from kvroute.core.peer_policies import POLICY_NAMES
-from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.shell.metrics import ROUTER_TIME_STAGES
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
+from kvroute.tokenize.hf import bundled_tokenizer_dir
 
 __all__ = [
     "DEFAULT_PHASES",

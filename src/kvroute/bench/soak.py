@@ -55,8 +55,8 @@ from kvroute.bench.live_client import ClientRun, LiveRequest, percentile, run_cl
 from kvroute.bench.live_routers import RouterSpec, process_tree_cpu_s, start_router
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
-from kvroute.hf_tokenizer import bundled_tokenizer_dir
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
+from kvroute.tokenize.hf import bundled_tokenizer_dir
 from kvroute.wire.prom import parse_exposition
 
 __all__ = ["SoakSpec", "read_rss_mb", "run_soak", "soak_requests", "soak_windows"]

@@ -585,7 +585,7 @@ class RouterMetrics:
     def set_token_piece_cache(self, pool: str, *, enabled: bool, hits: int, misses: int,
                               cached_tokens: int, mismatches: int, checks: int,
                               checks_dropped: int, checks_failed: int) -> None:
-        """Export a local tokenizer's piece-cache state (``token_segments.SegmentEncoder``;
+        """Export a local tokenizer's piece-cache state (``tokenize.segments.SegmentEncoder``;
         its checks: ``shell/piece_check.py``)."""
         for stat, value in (("enabled", 1 if enabled else 0), ("hits", hits),
                             ("misses", misses), ("cached_tokens", cached_tokens),

@@ -1,6 +1,6 @@
 """The piece cache's serving checks, run on a worker thread so that no request waits for one.
 
-``token_segments.SegmentEncoder`` re-encodes one prompt in ``verify_every`` whole and
+``tokenize.segments.SegmentEncoder`` re-encodes one prompt in ``verify_every`` whole and
 compares the ids with its cached pieces'. Whole, a long chat prompt costs what the cache
 saves, which inline is a stall of the router's event loop that every request in flight waits
 out (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
@@ -24,7 +24,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from kvroute.token_segments import SegmentEncoder
+from kvroute.tokenize.segments import SegmentEncoder
 
 __all__ = ["PieceCheckThread"]
 

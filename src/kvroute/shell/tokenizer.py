@@ -11,7 +11,7 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
 * ``local``: a Hugging Face tokenizer directory (``tokenizer.json`` through ``tokenizers``,
   the chat template of ``tokenizer_config.json`` through sandboxed ``jinja2``), loaded once at
   start-up. Chat prompts are encoded piecewise from a cache of already-seen pieces
-  (``kvroute.token_segments`` inside ``HFTokenizer``: the system prompt and earlier turns
+  (``kvroute.tokenize.segments`` inside ``HFTokenizer``: the system prompt and earlier turns
   cost a lookup, only new text is encoded), on the event loop's thread: ``tokenizers``
   holds the GIL while it encodes, so a worker thread bought no concurrency, only a hand-off
   (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
@@ -29,7 +29,7 @@ Visibility: each pool's mode is exported (``kvroute_tokenizer_mode``) and logged
 an ``engine`` tokenizer logs when ``/tokenize`` starts failing and when it recovers, so
 approximate routing is never silent.
 
-The local loader is ``kvroute.hf_tokenizer.HFTokenizer``, shared with the simulated engine so
+The local loader is ``kvroute.tokenize.hf.HFTokenizer``, shared with the simulated engine so
 both sides apply the same chat-template rules.
 """
 
@@ -45,12 +45,12 @@ import msgspec
 
 from kvroute.config import PoolConfig, RouterConfig
 from kvroute.core.errors import ConfigError
-from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer
 from kvroute.http.client import EngineClient, EngineClientError
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.piece_check import PieceCheckThread
-from kvroute.token_segments import SegmentEncoder
+from kvroute.tokenize.hf import ChatTemplateError, HFTokenizer
+from kvroute.tokenize.segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
 __all__ = [
@@ -349,7 +349,7 @@ class LocalTokenizer:
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``, then
     encoded with ``add_special_tokens`` (default False, as vLLM encodes chat prompts: the
     template writes BOS itself), which ``HFTokenizer`` serves from its piece cache
-    (``token_segments``) as an ``array('I')``. Completion strings: encoded with
+    (``tokenize.segments``) as an ``array('I')``. Completion strings: encoded with
     ``add_special_tokens`` (default True), as a list.
 
     The piece cache's serving checks (one prompt in ``verify_every`` encoded whole) run on a

@@ -43,7 +43,6 @@ from typing import Any, Final, Literal
 import msgspec
 
 from kvroute.core.errors import ConfigError
-from kvroute.hf_tokenizer import ChatTemplateError
 from kvroute.http.client import EngineClient
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
@@ -54,6 +53,7 @@ from kvroute.shell.tokenizer import (
     TokenizeFailure,
     post_tokenize,
 )
+from kvroute.tokenize.hf import ChatTemplateError
 
 __all__ = [
     "PROBES",

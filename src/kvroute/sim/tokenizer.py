@@ -26,7 +26,7 @@ form round-trips exactly:
   open (no ``<|im_end|>``). Because whitespace is not a token, the rendered text tokenizes to
   ``[1, id(role), *ids(content), 2, ...]``.
 
-The Hugging Face tokenizer (``HFTokenizer.from_dir``, in ``kvroute.hf_tokenizer`` because the
+The Hugging Face tokenizer (``HFTokenizer.from_dir``, in ``kvroute.tokenize.hf`` because the
 router's local tokenizer uses the very same code) loads ``tokenizer.json`` with the
 ``tokenizers`` package and renders the Jinja chat template of ``tokenizer_config.json`` with
 ``jinja2``, so its ids match the real model's; both packages are the ``hf`` extra.
@@ -43,7 +43,7 @@ from typing import Any, Final, Protocol
 
 from kvroute.bench.workloads import token_word
 from kvroute.core.errors import ConfigError
-from kvroute.hf_tokenizer import ChatTemplateError, HFTokenizer, content_text
+from kvroute.tokenize.hf import ChatTemplateError, HFTokenizer, content_text
 
 __all__ = [
     "BuiltinTokenizer",

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from kvroute.hf_tokenizer import HFTokenizer, bundled_tokenizer_dir
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.piece_check import PieceCheckThread
 from kvroute.shell.tokenizer import LocalTokenizer
-from kvroute.token_segments import SegmentEncoder
+from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
+from kvroute.tokenize.segments import SegmentEncoder
 
 
 def _in_loop(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

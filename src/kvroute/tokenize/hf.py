@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.core.errors import ConfigError
-from kvroute.token_segments import SegmentEncoder
+from kvroute.tokenize.segments import SegmentEncoder
 
 __all__ = ["ChatTemplateError", "HFTokenizer", "bundled_tokenizer_dir", "content_text"]
 
@@ -150,7 +150,7 @@ class HFTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> Sequence[int]:
         """The ids of ``text``. Without special tokens added (how vLLM encodes a rendered chat
-        prompt) they come from the piece cache (``token_segments``): the same ids, computed
+        prompt) they come from the piece cache (``tokenize.segments``): the same ids, computed
         only for text not seen before, as an ``array('I')``; with them, a list. Convert with
         ``list()`` where a list is required (a JSON body: an array is not JSON)."""
         if not add_special_tokens:
@@ -172,7 +172,7 @@ class HFTokenizer:
 
         ``tokenizers`` cuts its input at added tokens before anything else; these are the
         ones whose match neither normalizes nor eats surrounding whitespace, so text between
-        two of them is encoded independently of what lies beyond (``token_segments``).
+        two of them is encoded independently of what lies beyond (``tokenize.segments``).
         """
         out: dict[str, int] = {}
         for token_id, added in self._tok.get_added_tokens_decoder().items():
