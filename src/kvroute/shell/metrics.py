@@ -586,7 +586,7 @@ class RouterMetrics:
                               cached_tokens: int, mismatches: int, checks: int,
                               checks_dropped: int, checks_failed: int) -> None:
         """Export a local tokenizer's piece-cache state (``tokenize.segments.SegmentEncoder``;
-        its checks: ``shell/piece_check.py``)."""
+        its checks: ``tokenize/piece_check.py``)."""
         for stat, value in (("enabled", 1 if enabled else 0), ("hits", hits),
                             ("misses", misses), ("cached_tokens", cached_tokens),
                             ("mismatches", mismatches), ("checks", checks),

@@ -48,8 +48,8 @@ from kvroute.core.errors import ConfigError
 from kvroute.http.client import EngineClient, EngineClientError
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.shell.piece_check import PieceCheckThread
 from kvroute.tokenize.hf import ChatTemplateError, HFTokenizer
+from kvroute.tokenize.piece_check import PieceCheckThread
 from kvroute.tokenize.segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
@@ -353,7 +353,7 @@ class LocalTokenizer:
     ``add_special_tokens`` (default True), as a list.
 
     The piece cache's serving checks (one prompt in ``verify_every`` encoded whole) run on a
-    worker thread (``shell/piece_check.py``), not on the request's path.
+    worker thread (``tokenize/piece_check.py``), not on the request's path.
 
     Args:
         pool: the pool's name.

@@ -27,7 +27,7 @@ encoding). Encoding a whole prompt costs what the cache saves, so inline it is a
 caller once every ``verify_every`` calls; on a router's event loop every request then in
 flight waits it out (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
 ``defer_checks(submit)`` hands the due call's ``(text, ids)`` to ``submit`` instead, which
-encodes the whole prompt elsewhere (``shell/piece_check.py``: a worker thread) and reports
+encodes the whole prompt elsewhere (``tokenize/piece_check.py``: a worker thread) and reports
 back through ``check``. The checked call then returns the cached ids unverified, which the
 argument above already allows: one routing decision at most.
 
