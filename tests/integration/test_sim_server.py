@@ -18,13 +18,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvroute.bench.workloads import to_text
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import AllBlocksCleared, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.engine.model import StepTiming
 from kvroute.sim.server import SimServer, SimServerConfig
 from kvroute.sim.tokenizer import BuiltinTokenizer
+from kvroute.tokenize.words import to_text
 from kvroute.wire import openai as oa
 from kvroute.wire.overflow_styles import STYLES, check_overflow, style_rejects_overlong_total
 from kvroute.wire.prom import parse_vllm_metrics

@@ -59,7 +59,6 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from kvroute.bench.workloads import to_text
 from kvroute.core.errors import ConfigError
 from kvroute.http.client import (
     ConnectFailed,
@@ -68,6 +67,7 @@ from kvroute.http.client import (
     EngineResponse,
 )
 from kvroute.sim.workload import WorkloadRequest
+from kvroute.tokenize.words import to_text
 from kvroute.wire.sse import SSEDecoder
 
 __all__ = [
@@ -167,7 +167,7 @@ def build_live_requests(
 
     Requests with ``messages`` (generators called with ``with_messages=True``) send them as
     they are; others (trace replays) send their prompt as one user message of
-    :func:`~kvroute.bench.workloads.to_text` words, so the simulated engines' built-in
+    :func:`~kvroute.tokenize.words.to_text` words, so the simulated engines' built-in
     tokenizer sees the same ids. Closed-loop dependencies (``depends_on``) are ignored: the
     live replay is open loop on ``arrival_s``.
 

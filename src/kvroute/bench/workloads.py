@@ -6,9 +6,10 @@ global RNG is never touched), bounded by explicit counts, and returns a list sor
 
 Token ids of generated prompts are drawn from ``VOCAB_MIN..VOCAB_MAX-1`` (100..31999), clear of
 the special tokens real vocabularies put at the bottom. Trace replays (:func:`mooncake`) use
-Dynamo's ids instead (see :mod:`kvroute.bench.traces`). For live HTTP runs, :func:`to_text`
-turns ids into text, one deterministic lowercase word per id separated by single spaces, so a
-whitespace tokenizer sees exactly one token per id and :func:`from_text` inverts it exactly.
+Dynamo's ids instead (see :mod:`kvroute.bench.traces`). For live HTTP runs, ``to_text``
+(:mod:`kvroute.tokenize.words`) turns ids into text, one deterministic lowercase word per id
+separated by single spaces, so a whitespace tokenizer sees exactly one token per id and
+``from_text`` inverts it exactly.
 With ``with_messages=True``, generators also fill ``messages`` (OpenAI chat form) whose contents
 are :func:`to_text` of the prompt's segments (system prompt, user turns, assistant turns).
 
@@ -26,30 +27,27 @@ The record itself lives in :mod:`kvroute.sim.workload`: the fleet simulation con
 
 from __future__ import annotations
 
-import functools
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
 from kvroute.bench.traces import load_trace
 from kvroute.core.errors import ConfigError
 from kvroute.sim.workload import Message, WorkloadRequest
+from kvroute.tokenize.words import to_text
 
 __all__ = [
     "VOCAB_MAX",
     "VOCAB_MIN",
     "WORKLOADS",
-    "from_text",
     "generated_shared_prefix",
     "growing_sessions",
     "hot_prefix_bursts",
     "mooncake",
     "release_time",
     "sibling_fanout",
-    "to_text",
-    "token_word",
     "unique_prompts",
 ]
 
@@ -74,59 +72,6 @@ def release_time(request: WorkloadRequest, finished_s: Mapping[str, float]) -> f
     if done is None:
         return None
     return done + (request.think_time_s or 0.0)
-
-
-# --------------------------------------------------------------------------------------------
-# Text form
-
-_CONSONANTS: Final = "bdfghjklmnprstvz"
-_VOWELS: Final = "aeiou"
-_SYLLABLES: Final = tuple(c + v for c in _CONSONANTS for v in _VOWELS)
-_SYLLABLE_INDEX: Final = {s: i for i, s in enumerate(_SYLLABLES)}
-_BASE: Final = len(_SYLLABLES)  # 80
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def token_word(token_id: int) -> str:
-    """The word for one token id: its base-80 digits spelled as consonant-vowel syllables.
-
-    Injective (positional notation without leading zeros), lowercase ASCII letters only, so a
-    whitespace tokenizer reads one token and :func:`from_text` recovers the id.
-    """
-    if token_id < 0:
-        raise ConfigError(f"token ids must be >= 0, got {token_id}")
-    digits: list[str] = []
-    value = token_id
-    while True:
-        value, digit = divmod(value, _BASE)
-        digits.append(_SYLLABLES[digit])
-        if value == 0:
-            break
-    return "".join(reversed(digits))
-
-
-def to_text(token_ids: Iterable[int]) -> str:
-    """Deterministic text for token ids: one word per id, separated by single spaces."""
-    return " ".join([token_word(t) for t in token_ids])
-
-
-def from_text(text: str) -> tuple[int, ...]:
-    """The inverse of :func:`to_text` (splits on any whitespace).
-
-    Raises :class:`ConfigError` naming the first word that :func:`to_text` cannot produce.
-    """
-    ids: list[int] = []
-    for word in text.split():
-        if len(word) % 2 or (len(word) > 2 and word[:2] == _SYLLABLES[0]):
-            raise ConfigError(f"word {word!r} was not produced by to_text")
-        value = 0
-        for i in range(0, len(word), 2):
-            digit = _SYLLABLE_INDEX.get(word[i : i + 2])
-            if digit is None:
-                raise ConfigError(f"word {word!r} was not produced by to_text")
-            value = value * _BASE + digit
-        ids.append(value)
-    return tuple(ids)
 
 
 # --------------------------------------------------------------------------------------------

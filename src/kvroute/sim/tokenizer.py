@@ -9,7 +9,7 @@ form round-trips exactly:
 * **Special tokens** are the lowest ids: ``<|endoftext|>`` = 0, ``<|im_start|>`` = 1,
   ``<|im_end|>`` = 2. They are recognised anywhere in the text, even glued to a word.
 * **Words** are whitespace-separated runs of other characters (whitespace itself is not a
-  token). A word that ``kvroute.bench.workloads.to_text`` can produce (base-80 consonant-vowel
+  token). A word that ``kvroute.tokenize.words.to_text`` can produce (base-80 consonant-vowel
   syllables, no leading zero syllable) maps back to exactly its id, whatever its size, so
   ``encode(to_text(ids)) == ids`` for any ids, including trace ids above the vocabulary.
 * **Any other word** gets an id by a stable hash (BLAKE2b-64 of its UTF-8 bytes) into
@@ -41,9 +41,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from kvroute.bench.workloads import token_word
 from kvroute.core.errors import ConfigError
 from kvroute.tokenize.hf import ChatTemplateError, HFTokenizer, content_text
+from kvroute.tokenize.words import token_word
 
 __all__ = [
     "BuiltinTokenizer",
@@ -58,7 +58,7 @@ _VOWELS: Final = "aeiou"
 _SYLLABLE_VALUE: Final = {
     c + v: i for i, (c, v) in enumerate((c, v) for c in _CONSONANTS for v in _VOWELS)
 }
-_BASE: Final = len(_SYLLABLE_VALUE)  # 80, as in bench.workloads
+_BASE: Final = len(_SYLLABLE_VALUE)  # 80, as in tokenize.words
 
 SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 FIRST_WORD_ID: Final = 100

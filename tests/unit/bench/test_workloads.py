@@ -1,4 +1,4 @@
-"""Workload generators and the common request record (``kvroute.bench.workloads``)."""
+"""Workload generators (``kvroute.bench.workloads``) and their request record (``sim.workload``)."""
 
 from __future__ import annotations
 
@@ -8,27 +8,23 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvroute.bench.traces import BlockTokens, load_trace, mooncake_tokens
 from kvroute.bench.workloads import (
     VOCAB_MAX,
     VOCAB_MIN,
     WORKLOADS,
-    WorkloadRequest,
-    from_text,
     generated_shared_prefix,
     growing_sessions,
     hot_prefix_bursts,
     mooncake,
     release_time,
     sibling_fanout,
-    to_text,
-    token_word,
     unique_prompts,
 )
 from kvroute.core.errors import ConfigError
+from kvroute.sim.workload import WorkloadRequest
+from kvroute.tokenize.words import from_text
 
 # Small instances of every generator, for the properties all of them share.
 SMALL: dict[str, dict[str, Any]] = {
@@ -109,41 +105,6 @@ def test_request_record_defaults() -> None:
     assert (r.session_id, r.tenant, r.group, r.turn, r.messages) == (None,) * 5
     assert (r.think_time_s, r.depends_on, r.num_prompt_tokens) == (None, None, 2)
     assert release_time(r, {}) == 1.5
-
-
-# ---------------------------------------------------------------------------------------------
-# Text form
-
-
-def test_to_text_is_one_word_per_id_and_stable() -> None:
-    ids = [100, 101, 31999, 100]
-    text = to_text(ids)
-    assert len(text.split(" ")) == 4
-    assert text.split()[0] == text.split()[3] != text.split()[1]
-    assert text == to_text(tuple(ids))
-    assert all(word.isascii() and word.isalpha() and word.islower() for word in text.split())
-    assert token_word(0) == "ba" and token_word(80) == "beba"
-
-
-@given(st.lists(st.integers(0, 2**32 - 1), max_size=40))
-def test_from_text_inverts_to_text(ids: list[int]) -> None:
-    assert from_text(to_text(ids)) == tuple(ids)
-
-
-@given(st.integers(0, 2**40), st.integers(0, 2**40))
-def test_words_are_injective(a: int, b: int) -> None:
-    assert (token_word(a) == token_word(b)) == (a == b)
-
-
-@pytest.mark.parametrize("word", ["xyz", "bab", "baba", "bex", "Ba"])
-def test_from_text_rejects_foreign_words(word: str) -> None:
-    with pytest.raises(ConfigError, match="not produced by to_text"):
-        from_text(f"be {word}")
-
-
-def test_negative_ids_have_no_word() -> None:
-    with pytest.raises(ConfigError, match=">= 0"):
-        token_word(-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.bench.workloads import from_text, to_text, token_word
 from kvroute.core.errors import ConfigError
 from kvroute.sim.tokenizer import (
     FIRST_WORD_ID,
@@ -18,6 +17,7 @@ from kvroute.sim.tokenizer import (
     HFTokenizer,
     load_tokenizer,
 )
+from kvroute.tokenize.words import from_text, to_text, token_word
 
 TOK = BuiltinTokenizer(32000)
 
