@@ -65,8 +65,8 @@ from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.runtime import build_core
 from kvroute.shell.tiering import Tiering, session_key
 from kvroute.shell.tokenizer import LocalTokenizer, tokenize_request_body
-from kvroute.sim.tokenizer import BuiltinTokenizer
 from kvroute.tokenize.hf import bundled_tokenizer_dir
+from kvroute.tokenize.sim_vocab import BuiltinTokenizer
 from kvroute.wire.openai import encode_request, parse_request, session_from_request
 
 DEFAULT_HF_DIR = bundled_tokenizer_dir()  # the conformance tiny BPE, shipped with kvroute

@@ -23,7 +23,7 @@ from kvroute.core.events import AllBlocksCleared, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.engine.model import StepTiming
 from kvroute.sim.server import SimServer, SimServerConfig
-from kvroute.sim.tokenizer import BuiltinTokenizer
+from kvroute.tokenize.sim_vocab import BuiltinTokenizer
 from kvroute.tokenize.words import to_text
 from kvroute.wire import openai as oa
 from kvroute.wire.overflow_styles import STYLES, check_overflow, style_rejects_overlong_total

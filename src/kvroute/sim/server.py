@@ -91,7 +91,12 @@ from kvroute.sim import openai_answers as answers
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.profiles import get_profile
-from kvroute.sim.tokenizer import BuiltinTokenizer, ChatTemplateError, Tokenizer, load_tokenizer
+from kvroute.tokenize.sim_vocab import (
+    BuiltinTokenizer,
+    ChatTemplateError,
+    Tokenizer,
+    load_tokenizer,
+)
 from kvroute.wire import openai as oa
 from kvroute.wire.overflow_styles import (
     OverflowCase,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute.core.errors import ConfigError
-from kvroute.sim.tokenizer import (
+from kvroute.tokenize.sim_vocab import (
     FIRST_WORD_ID,
     BuiltinTokenizer,
     ChatTemplateError,
