@@ -63,8 +63,8 @@ from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import UpstreamReply
 from kvroute.shell.runtime import build_core
 from kvroute.shell.state import MonotonicClock
-from kvroute.shell.tokenizer import LocalTokenizer
 from kvroute.tokenize.hf import bundled_tokenizer_dir
+from kvroute.tokenize.prompt import LocalTokenizer
 
 ANSWER = json.dumps({
     "id": "cmpl-bench", "object": "chat.completion", "created": 0, "model": "sim-model",

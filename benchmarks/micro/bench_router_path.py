@@ -14,7 +14,7 @@ warm-up before each series):
 * ``session``: ``wire.openai.session_from_request`` (headers, then body);
 * ``tier_plan``: ``shell.tiering.Tiering.plan`` (estimate, one pool, no exact count asked);
 * ``tokenize_local_hf``: the local Hugging Face path (chat template + ``tokenizers`` encode of
-  ``shell.tokenizer.LocalTokenizer``) with ``--hf-dir`` (default: the bundled tiny BPE);
+  ``tokenize.prompt.LocalTokenizer``) with ``--hf-dir`` (default: the bundled tiny BPE);
 * ``tokenize_engine_rt``: one ``POST /tokenize`` to a ``kvroute sim serve`` engine on
   loopback through aiohttp, as ``EngineTokenizer`` sends it: wall µs per call, and the
   client-side CPU per call on the ``tokenize_engine_cpu`` row (that CPU is the router's);
@@ -64,8 +64,8 @@ from kvroute.shell.app import forward_body
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.runtime import build_core
 from kvroute.shell.tiering import Tiering, session_key
-from kvroute.shell.tokenizer import LocalTokenizer, tokenize_request_body
 from kvroute.tokenize.hf import bundled_tokenizer_dir
+from kvroute.tokenize.prompt import LocalTokenizer, tokenize_request_body
 from kvroute.tokenize.sim_vocab import BuiltinTokenizer
 from kvroute.wire.openai import encode_request, parse_request, session_from_request
 

@@ -39,7 +39,10 @@ from kvroute.http.client import EngineClient
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import TOKENIZER_CHECKS, TOKENIZER_MODES, RouterMetrics
 from kvroute.shell.runtime import RouterRuntime
-from kvroute.shell.tokenizer import (
+from kvroute.sim.launcher import Fleet, start_fleet
+from kvroute.sim.launcher import ReplicaSpec as SimReplica
+from kvroute.tokenize.check import PROBES, CheckResult, TokenizerCheck
+from kvroute.tokenize.prompt import (
     ApproximateTokenizer,
     EngineTokenizer,
     LocalTokenizer,
@@ -47,9 +50,6 @@ from kvroute.shell.tokenizer import (
     SwitchingTokenizer,
     build_tokenizers,
 )
-from kvroute.shell.tokenizer_check import PROBES, CheckResult, TokenizerCheck
-from kvroute.sim.launcher import Fleet, start_fleet
-from kvroute.sim.launcher import ReplicaSpec as SimReplica
 from kvroute.wire.openai import ParsedRequest, parse_request
 from kvroute.wire.prom import EngineStats, render_vllm_metrics
 
@@ -352,7 +352,7 @@ def test_failures_return_none_are_counted_and_logged_once(
             assert await tok.token_ids(chat(HELLO)) is not None
             assert not tok.failing
 
-    with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="kvroute.tokenize.prompt"):
         run(go)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len([m for m in warnings if "routed APPROXIMATELY" in m]) == 1
@@ -407,7 +407,7 @@ def test_approximate_mode_is_visible_in_metrics(caplog: pytest.LogCaptureFixture
             assert b'kvroute_pool_approximate{pool="approx"} 1.0' in body
             assert content_type.startswith("text/plain")
 
-    with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="kvroute.tokenize.prompt"):
         run(go)
     assert any("pool approx: tokenizer none" in r.getMessage() for r in caplog.records)
 
@@ -548,7 +548,7 @@ def test_local_mode_template_error_returns_none(hf_dir: Path, tmp_path: Path) ->
     assert metrics.value("kvroute_tokenize_total", {"pool": "p", "outcome": "ok"}) == 1
 
 
-# -- the check of local and auto tokenizers (shell/tokenizer_check.py) ------------------------
+# -- the check of local and auto tokenizers (tokenize/check.py) -------------------------------
 
 CONVERSATION = [
     {"role": "system", "content": "the quick brown fox"},
@@ -625,7 +625,7 @@ def test_a_local_tokenizer_that_differs_falls_back_to_the_engines(
             rig = Rig(make_config({"loc": sim_pool(sim_fleet, {"local": str(other_dir)})}), both)
             check, target = check_of(rig, "loc")
             await rig.discovery.refresh_now()
-            with caplog.at_level(logging.ERROR, logger="kvroute.shell.tokenizer_check"):
+            with caplog.at_level(logging.ERROR, logger="kvroute.tokenize.check"):
                 assert await check.check_once() == "mismatch"
             assert "first difference at position 0" in check.detail, check.detail
             assert target.mode == "engine" and target.local is None
@@ -682,7 +682,7 @@ def test_auto_stays_on_the_engines_when_their_directory_is_not_here_or_differs(
             }), both)
             (check_a, a), (check_b, b) = check_of(rig, "a"), check_of(rig, "b")
             await rig.discovery.refresh_now()
-            with caplog.at_level(logging.INFO, logger="kvroute.shell.tokenizer_check"):
+            with caplog.at_level(logging.INFO, logger="kvroute.tokenize.check"):
                 assert await check_a.check_once() == "no_local"
                 assert await check_b.check_once() == "mismatch"
             assert "'acme/tiny-model' is not a directory with tokenizer.json" in check_a.detail
@@ -705,7 +705,7 @@ def test_a_local_tokenizer_stays_unverified_when_the_engine_cannot_tokenize(
             rig = Rig(make_config({"loc": pool}), both)
             check, target = check_of(rig, "loc")
             await rig.discovery.refresh_now()
-            with caplog.at_level(logging.WARNING, logger="kvroute.shell.tokenizer_check"):
+            with caplog.at_level(logging.WARNING, logger="kvroute.tokenize.check"):
                 assert await check.check_once() == "unverifiable"
             assert "HTTP 404" in check.detail
             assert target.mode == "local" and mode_of(rig.metrics, "loc") == "local"
@@ -760,7 +760,7 @@ def test_later_rounds_ask_each_replica_in_turn_and_switch_both_ways(
             rig = Rig(make_config({"a": sim_pool(sim_fleet, "auto")}), both)
             check, target = check_of(rig, "a")
             await rig.discovery.refresh_now()
-            with caplog.at_level(logging.DEBUG, logger="kvroute.shell.tokenizer_check"):
+            with caplog.at_level(logging.DEBUG, logger="kvroute.tokenize.check"):
                 assert await check.check_once() == "verified"
                 asked = [check.detail.split()[-4]]  # "... matched URL id for id"
                 assert await check.check_once() == "verified"

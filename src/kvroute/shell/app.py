@@ -84,8 +84,8 @@ from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import MonotonicClock, SessionState
 from kvroute.shell.tiering import Tiering, TierRefused, TierView, TierWalk, session_key
-from kvroute.shell.tokenizer import PromptTokenizer
 from kvroute.shell.warm import WarmSender
+from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.openai import (
     Endpoint,
     ParsedRequest,

@@ -137,7 +137,7 @@ _GC_PAUSE_BOUNDS: Final[tuple[float, ...]] = (*GC_PAUSE_BUCKETS, float("inf"))
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
 TOKENIZER_CHECKS: Final = ("pending", "verified", "mismatch", "unverifiable", "no_local")
-"""Results of ``shell/tokenizer_check.py`` (its ``CheckResult``)."""
+"""Results of ``tokenize/check.py`` (its ``CheckResult``)."""
 
 _LATENCY_BOUNDS: Final[tuple[float, ...]] = (*ROUTING_LATENCY_BUCKETS, float("inf"))
 """The routing-latency histogram's upper bounds as prometheus_client stores them (+Inf last)."""

@@ -17,7 +17,7 @@ Start-up order (each step needs the previous one):
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
    core needs no locks;
 5. session state, tokenizers (with the background checks of ``local`` and ``auto`` ones,
-   ``shell/tokenizer_check.py``), then the HTTP server (``http/server.py``; a client that
+   ``tokenize/check.py``), then the HTTP server (``http/server.py``; a client that
    disconnects cancels its handler and so its upstream request). A refused connection seen
    by the proxy or a warm-up goes to ``Discovery.report_failure``, which takes that replica out of routing at
    once; the tier logic (``shell/tiering.py``) reads windows and served models from the same
@@ -53,14 +53,14 @@ from kvroute.shell.discovery import Discovery
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
-from kvroute.shell.tokenizer import (
+from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
+from kvroute.tokenize.check import TokenizerCheck
+from kvroute.tokenize.prompt import (
     LocalTokenizer,
     PromptTokenizer,
     SwitchingTokenizer,
     build_tokenizers,
 )
-from kvroute.shell.tokenizer_check import TokenizerCheck
-from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
 
 __all__ = ["RouterRuntime", "build_core"]
 

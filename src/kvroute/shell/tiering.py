@@ -87,7 +87,7 @@ from kvroute.core.tokens import MalformedBodyError, TokenEstimate, estimate_requ
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.core.warm import WarmFire, WarmPlanner, WarmSkip
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.shell.tokenizer import PromptTokenizer
+from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.openai import ParsedRequest, error_body
 from kvroute.wire.overflow import Overflow
 

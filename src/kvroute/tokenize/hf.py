@@ -4,7 +4,7 @@ router's local tokenizer mode.
 Owns reading a model directory (``tokenizer.json`` with the ``tokenizers`` package, the Jinja
 chat template of ``tokenizer_config.json`` with ``jinja2``) and turning a chat request into the
 token ids vLLM would compute for it. One implementation serves both sides on purpose: the
-simulated engine (``sim/server.py``) and the router (``shell/tokenizer.py``, ``tokenizer:
+simulated engine (``sim/server.py``) and the router (``tokenize/prompt.py``, ``tokenizer:
 {local: DIR}``) must apply identical template rules, or the router's block hashes would not
 be the engine's. Reads local files only; both packages are the optional ``hf`` extra.
 """

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.shell.tokenizer import LocalTokenizer
 from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
 from kvroute.tokenize.piece_check import PieceCheckThread
+from kvroute.tokenize.prompt import LocalTokenizer
 from kvroute.tokenize.segments import SegmentEncoder
 
 

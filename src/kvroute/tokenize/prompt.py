@@ -16,7 +16,7 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
   holds the GIL while it encodes, so a worker thread bought no concurrency, only a hand-off
   (``docs/benchmarks.md#tokenization-on-the-loop-piece-checks-on-a-thread``).
 * ``auto``: the engines' ``/tokenize`` until the engines' own model directory is found on
-  this host and gives the same ids; then local (``shell/tokenizer_check.py``). A ``local``
+  this host and gives the same ids; then local (``tokenize/check.py``). A ``local``
   directory is checked against the engines the same way, and a mismatch falls back to them.
 * ``none``: always None; the pool routes in the declared approximate mode.
 
@@ -46,10 +46,9 @@ import msgspec
 from kvroute.config import PoolConfig, RouterConfig
 from kvroute.core.errors import ConfigError
 from kvroute.http.client import EngineClient, EngineClientError
-from kvroute.shell.discovery import Discovery
-from kvroute.shell.metrics import RouterMetrics
 from kvroute.tokenize.hf import ChatTemplateError, HFTokenizer
 from kvroute.tokenize.piece_check import PieceCheckThread
+from kvroute.tokenize.ports import ReplicaDirectory, TokenizerMetrics
 from kvroute.tokenize.segments import SegmentEncoder
 from kvroute.wire.openai import ParsedRequest
 
@@ -206,9 +205,9 @@ class EngineTokenizer:
     def __init__(
         self,
         pool: PoolConfig,
-        discovery: Discovery,
+        discovery: ReplicaDirectory,
         client: EngineClient,
-        metrics: RouterMetrics,
+        metrics: TokenizerMetrics,
         *,
         timeout_s: float = DEFAULT_TOKENIZE_TIMEOUT_S,
     ) -> None:
@@ -363,7 +362,7 @@ class LocalTokenizer:
 
     mode: TokenizerMode = "local"
 
-    def __init__(self, pool: str, tokenizer: HFTokenizer, metrics: RouterMetrics) -> None:
+    def __init__(self, pool: str, tokenizer: HFTokenizer, metrics: TokenizerMetrics) -> None:
         self.pool = pool
         self._tok = tokenizer
         self._metrics = metrics
@@ -382,7 +381,7 @@ class LocalTokenizer:
         return self._tok.pieces
 
     @classmethod
-    def load(cls, pool: str, path: str, metrics: RouterMetrics) -> LocalTokenizer:
+    def load(cls, pool: str, path: str, metrics: TokenizerMetrics) -> LocalTokenizer:
         """Load ``path`` (blocking file I/O: call at start-up, before serving).
 
         Raises:
@@ -442,7 +441,7 @@ class LocalTokenizer:
 
 
 class SwitchingTokenizer:
-    """A pool's prompt tokenizer that ``shell/tokenizer_check.py`` switches as its checks say:
+    """A pool's prompt tokenizer that ``tokenize/check.py`` switches as its checks say:
     ``tokenizer: {local: DIR}`` (checked against the engines, which it falls back to on a
     mismatch) and ``tokenizer: auto`` (starts on the engines, adopts their model directory
     when it is on this host and matches).
@@ -486,14 +485,14 @@ class SwitchingTokenizer:
 
 def build_tokenizers(
     config: RouterConfig,
-    discovery: Discovery,
+    discovery: ReplicaDirectory,
     client: EngineClient,
-    metrics: RouterMetrics,
+    metrics: TokenizerMetrics,
 ) -> dict[str, PromptTokenizer]:
     """One tokenizer per pool, as ``pools.<name>.tokenizer`` asks; local ones load here.
 
     ``local`` and ``auto`` pools get a ``SwitchingTokenizer`` (starting on the local tokenizer
-    and on the engines' ``/tokenize`` respectively) for ``shell/tokenizer_check.py`` to check.
+    and on the engines' ``/tokenize`` respectively) for ``tokenize/check.py`` to check.
 
     Raises:
         ConfigError: a ``local`` tokenizer cannot be loaded (the message says why and how to

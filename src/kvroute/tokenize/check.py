@@ -28,7 +28,7 @@ exported as
 ``kvroute_tokenizer_mode``.
 
 Owns ``TokenizerCheck`` (the probes and the decision); the pool's tokenizer it switches is
-``shell/tokenizer.py``'s ``SwitchingTokenizer``.
+``tokenize/prompt.py``'s ``SwitchingTokenizer``.
 """
 
 from __future__ import annotations
@@ -44,16 +44,15 @@ import msgspec
 
 from kvroute.core.errors import ConfigError
 from kvroute.http.client import EngineClient
-from kvroute.shell.discovery import Discovery
-from kvroute.shell.metrics import RouterMetrics
-from kvroute.shell.tokenizer import (
+from kvroute.tokenize.hf import ChatTemplateError
+from kvroute.tokenize.ports import ReplicaDirectory, TokenizerMetrics
+from kvroute.tokenize.prompt import (
     LocalTokenizer,
     PromptTokenizer,
     SwitchingTokenizer,
     TokenizeFailure,
     post_tokenize,
 )
-from kvroute.tokenize.hf import ChatTemplateError
 
 __all__ = [
     "PROBES",
@@ -147,9 +146,9 @@ class TokenizerCheck:
         pool: str,
         model: str,
         target: SwitchingTokenizer,
-        discovery: Discovery,
+        discovery: ReplicaDirectory,
         client: EngineClient,
-        metrics: RouterMetrics,
+        metrics: TokenizerMetrics,
         load: Callable[[str], LocalTokenizer],
         timeout_s: float = 5.0,
         recheck_s: float = 60.0,
