@@ -27,7 +27,7 @@ import typer
 
 from kvroute.config import load_config
 from kvroute.core.errors import ConfigError
-from kvroute.heap import freeze_startup_heap
+from kvroute.shell.heap import freeze_startup_heap
 
 HELP = "Serve the OpenAI API in front of the engines of a kvroute.yaml, routing on KV cache."
 

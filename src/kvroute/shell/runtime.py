@@ -46,10 +46,10 @@ from kvroute.core.peer_policies import make_policy
 from kvroute.core.policy import Policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.types import PoolName, ReplicaId
-from kvroute.heap import watch_gc_pauses
 from kvroute.http.client import EngineClient
 from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.discovery import Discovery
+from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state

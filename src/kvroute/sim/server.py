@@ -85,8 +85,8 @@ from kvroute.engine.model import (
     RejectionKind,
     StepTiming,
 )
-from kvroute.heap import freeze_startup_heap
 from kvroute.http.server import Handler, HttpServer, Request, Response, StreamResponse
+from kvroute.shell.heap import freeze_startup_heap
 from kvroute.sim import openai_answers as answers
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds

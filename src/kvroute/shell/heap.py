@@ -3,6 +3,9 @@
 Owns ``freeze_startup_heap``, called by ``kvroute serve`` (the router) and ``kvroute sim
 serve`` (the simulated engine) once they listen, and ``watch_gc_pauses``, which the router's
 runtime uses to export how long the collector stops it (``kvroute_gc_pause_seconds``).
+
+It lives in ``shell``, the lowest ring that uses it (the simulated engine's server and the
+CLI sit above and import it from here); no pure ring may touch the collector.
 """
 
 from __future__ import annotations

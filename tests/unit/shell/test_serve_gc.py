@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from kvroute.heap import freeze_startup_heap, watch_gc_pauses
+from kvroute.shell.heap import freeze_startup_heap, watch_gc_pauses
 
 
 def test_the_startup_heap_is_moved_out_of_the_collectors_reach() -> None:
