@@ -40,7 +40,6 @@ from kvroute.bench.live_client import (
     LiveRequest,
     RequestResult,
     build_live_requests,
-    percentile,
     run_client,
     summarize,
 )
@@ -134,15 +133,6 @@ def test_build_live_requests_encodes_streaming_chat_with_capped_output() -> None
     assert reqs[0].prompt_tokens == 7 and reqs[0].max_tokens == 16
     with pytest.raises(ConfigError, match="empty"):
         build_live_requests([], model="m")
-
-
-def test_percentile_is_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == 50.0
-    assert percentile(values, 99) == 99.0
-    assert percentile(values, 100) == 100.0
-    assert percentile([3.0], 99) == 3.0
-    assert percentile([], 50) is None
 
 
 def test_summarize_counts_errors_and_uses_ok_requests_only() -> None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +59,7 @@ import aiohttp
 import msgspec
 
 from kvroute.core.errors import ConfigError
+from kvroute.core.stats import mean, percentile
 from kvroute.http.client import (
     ConnectFailed,
     EngineClient,
@@ -76,7 +76,6 @@ __all__ = [
     "LiveRequest",
     "RequestResult",
     "build_live_requests",
-    "percentile",
     "replay",
     "run_client",
     "summarize",
@@ -538,15 +537,6 @@ def replay(targets: Sequence[str], requests: Sequence[LiveRequest],
     return uvloop.run(run_client(targets, requests, **options))
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in 0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 3)
 
@@ -571,7 +561,7 @@ def summarize(run: ClientRun, *, control: bool | None = None) -> dict[str, Any]:
     lag = [r.lag_s for r in results if r.lag_s is not None]
     out: dict[str, Any] = {"requests": len(results), "completed": len(ok), "errors": errors}
     for name, values in (("ttft", ttft), ("e2e", e2e), ("itl", itl)):
-        out[f"{name}_mean_ms"] = _ms(sum(values) / len(values)) if values else None
+        out[f"{name}_mean_ms"] = _ms(mean(values))
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = _ms(percentile(values, q))
     out["start_lag_p99_ms"] = _ms(percentile(lag, 99))

@@ -51,10 +51,11 @@ from typing import Any
 
 import aiohttp
 
-from kvroute.bench.live_client import ClientRun, LiveRequest, percentile, run_client, summarize
+from kvroute.bench.live_client import ClientRun, LiveRequest, run_client, summarize
 from kvroute.bench.live_routers import RouterSpec, process_tree_cpu_s, start_router
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
+from kvroute.core.stats import percentile
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
 from kvroute.tokenize.hf import bundled_tokenizer_dir
 from kvroute.wire.prom import parse_exposition

@@ -36,6 +36,7 @@ from kvroute.bench.workloads import growing_sessions
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.core.stats import mean, percentile
 from kvroute.sim.fleet import (
     DigestCache,
     FleetConfig,
@@ -210,19 +211,19 @@ def mode_metrics(results: Sequence[FleetResult]) -> dict[str, Any]:
         "no_fit": counters["no_fit"],
         "exact_counts": counters["exact_counts"],
         "escalated_turns": len(escalated),
-        "escalated_ttft_mean_s": _mean([r.ttft_s for r in escalated]),  # type: ignore[misc]
+        "escalated_ttft_mean_s": mean([r.ttft_s for r in escalated], 0.0),  # type: ignore[misc]
         "escalated_ttft_max_s": max((r.ttft_s for r in escalated), default=0.0),  # type: ignore[type-var]
-        "cold_ttft_mean_s": _mean([r.cold_ttft_s for r in escalated]),  # type: ignore[misc]
-        "escalated_to_cold_mean": _mean(ratios),
+        "cold_ttft_mean_s": mean([r.cold_ttft_s for r in escalated], 0.0),  # type: ignore[misc]
+        "escalated_to_cold_mean": mean(ratios, 0.0),
         "escalated_to_cold_max": max(ratios, default=0.0),
-        "escalated_cached_fraction_mean": _mean(cached),
+        "escalated_cached_fraction_mean": mean(cached, 0.0),
         "escalated_cached_fraction_min": min(cached, default=0.0),
         "large_pool_hit_rate": hits / queries if queries else 0.0,
-        "small_ttft_p50_s": _pct(small, 50),
-        "small_ttft_p99_s": _pct(small, 99),
-        "large_ttft_p50_s": _pct(large, 50),
-        "large_ttft_p99_s": _pct(large, 99),
-        "ttft_p99_s": _pct(every, 99),
+        "small_ttft_p50_s": percentile(small, 50, 0.0),
+        "small_ttft_p99_s": percentile(small, 99, 0.0),
+        "large_ttft_p50_s": percentile(large, 50, 0.0),
+        "large_ttft_p99_s": percentile(large, 99, 0.0),
+        "ttft_p99_s": percentile(every, 99, 0.0),
         "requests_small": sum(1 for r in records if r.pool == SMALL),
         "requests_large": sum(1 for r in records if r.pool == LARGE),
         "warms_fired": counters["warms_fired"],
@@ -283,19 +284,7 @@ def format_table(report: dict[str, Any]) -> list[list[str]]:
 
 
 def _ttfts(records: Iterable[RequestRecord]) -> list[float]:
-    return sorted(t for t in (r.ttft_s for r in records) if t is not None)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _pct(sorted_values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (0.0 when empty), as ``sim.fleet``."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, -(-len(sorted_values) * pct // 100))
-    return float(sorted_values[int(rank) - 1])
+    return [t for t in (r.ttft_s for r in records) if t is not None]
 
 
 def _config_block(spec: TiersBenchSpec) -> dict[str, Any]:

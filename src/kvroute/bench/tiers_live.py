@@ -76,6 +76,7 @@ from kvroute.bench.live_client import read_stream
 from kvroute.bench.tiers_bench import MODES, SMALL_P99_TOLERANCE, targets
 from kvroute.bench.workloads import growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
+from kvroute.core.stats import mean, percentile
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.workload import WorkloadRequest
@@ -496,19 +497,6 @@ async def _reset_caches(urls: Sequence[str], tries: int = 20) -> None:
 # -- metrics --------------------------------------------------------------------------------------
 
 
-def _pct(values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile (0.0 when empty), as ``bench.tiers_bench``."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    rank = max(1, -(-len(ordered) * pct // 100))
-    return float(ordered[int(rank) - 1])
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
 def live_mode_metrics(turns: Sequence[LiveTurn], router: Mapping[str, float]) -> dict[str, Any]:
     """One mode's figures, with the keys ``tiers_bench.targets`` reads.
 
@@ -534,15 +522,15 @@ def live_mode_metrics(turns: Sequence[LiveTurn], router: Mapping[str, float]) ->
         "escalations_proactive": int(router.get("escalations_proactive", 0)),
         "escalations_reactive": int(router.get("escalations_reactive", 0)),
         "escalated_turns": len(escalated),
-        "escalated_ttft_mean_s": _mean(esc_ttfts),
+        "escalated_ttft_mean_s": mean(esc_ttfts, 0.0),
         "escalated_ttft_max_s": max(esc_ttfts, default=0.0),
-        "cold_ttft_mean_s": _mean(colds),
-        "escalated_to_cold_mean": _mean(ratios),
+        "cold_ttft_mean_s": mean(colds, 0.0),
+        "escalated_to_cold_mean": mean(ratios, 0.0),
         "escalated_to_cold_max": max(ratios, default=0.0),
-        "small_ttft_p50_s": _pct(small, 50),
-        "small_ttft_p99_s": _pct(small, 99),
-        "large_ttft_p50_s": _pct(large, 50),
-        "large_ttft_p99_s": _pct(large, 99),
+        "small_ttft_p50_s": percentile(small, 50, 0.0),
+        "small_ttft_p99_s": percentile(small, 99, 0.0),
+        "large_ttft_p50_s": percentile(large, 50, 0.0),
+        "large_ttft_p99_s": percentile(large, 99, 0.0),
         "requests_small": sum(1 for t in ok if t.pool == "small"),
         "requests_large": sum(1 for t in ok if t.pool == "large"),
         "warms_fired": int(router.get("warm_fired", 0)),
