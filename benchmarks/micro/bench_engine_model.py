@@ -26,7 +26,6 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from kvroute.bench.provenance import git_sha
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.types import BlockHash
 from kvroute.engine.model import EngineModel, EngineRequest
@@ -123,16 +123,6 @@ def _run(case: Case, requests: list[EngineRequest], hasher: BlockHasher) -> dict
     }
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="requests per case")
@@ -161,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "benchmark": "engine_model",
             "engine_hashes": args.engine_hashes,
-            "git_sha": _git_sha(),
+            "git_sha": git_sha(short=True, cwd=Path(__file__).parent,
+                               timeout_s=None) or "unknown",
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "msgspec": metadata.version("msgspec"),

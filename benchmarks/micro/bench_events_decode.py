@@ -24,7 +24,6 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from kvroute.bench.provenance import git_sha
 from kvroute.core.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.types import WireHash
 from kvroute.wire import vllm_events
@@ -132,16 +132,6 @@ def measure(
     }
 
 
-def git_sha() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=400)
@@ -181,7 +171,7 @@ def main() -> None:
         )
     if args.out is not None:
         meta = {
-            "git_sha": git_sha(),
+            "git_sha": git_sha(timeout_s=10) or "unknown",
             "python": platform.python_version(),
             "msgspec": msgspec.__version__,
             "machine": platform.machine(),

@@ -22,7 +22,6 @@ import pickle
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from functools import partial
 from importlib import metadata
 from pathlib import Path
 
+from kvroute.bench.provenance import git_sha
 from kvroute.core.hashing import HASH_ALGOS, BlockHasher, LoraKey
 
 BLOCK_SIZES = (16, 32, 128)
@@ -71,21 +71,6 @@ def _floor(tokens: list[int], block_size: int) -> Callable[[], object]:
     return run
 
 
-def _git_sha() -> str:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip()
-
-
 def run_benchmark(repeats: int, num_blocks: int, seed: int = 0) -> list[dict[str, object]]:
     rng = random.Random(seed)
     rows: list[dict[str, object]] = []
@@ -125,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         report = {
             "benchmark": "bench_hashing",
             "config": {"repeats": args.repeats, "blocks": args.blocks, "vocab": VOCAB},
-            "git_sha": _git_sha(),
+            "git_sha": git_sha(short=True, cwd=Path(__file__).resolve().parent,
+                               timeout_s=10) or "unknown",
             "python": sys.version.split()[0],
             "platform": platform.platform(),
             "libs": {name: metadata.version(name) for name in ("cbor2", "xxhash", "kvroute")},

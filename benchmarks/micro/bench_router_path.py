@@ -53,6 +53,7 @@ from typing import Any
 import aiohttp
 
 from kvroute.bench.live_client import build_live_requests
+from kvroute.bench.provenance import git_sha
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.config import parse_config
 from kvroute.core.clock import ManualClock
@@ -269,8 +270,8 @@ def main() -> None:
     if args.json:
         out = {"rows": rows, "requests": n, "repeats": repeats, "replicas": args.replicas,
                "python": sys.version.split()[0], "machine": platform.machine(),
-               "git_sha": _git_sha(), "versions": {p: _version(p) for p in
-                                                    ("aiohttp", "msgspec", "tokenizers")}}
+               "git_sha": git_sha(cwd=os.path.dirname(__file__), timeout_s=None),
+               "versions": {p: _version(p) for p in ("aiohttp", "msgspec", "tokenizers")}}
         Path(args.json).write_text(json.dumps(out, indent=2))
 
 
@@ -288,14 +289,6 @@ def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
-        return None
-
-
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
         return None
 
 

@@ -22,12 +22,12 @@ import gc
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import aiohttp
 
+from kvroute.bench.provenance import git_sha
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
 
 
@@ -115,8 +115,7 @@ def main() -> None:
     result["server_cpu_s"] = cpu
     result["server_cpu_ms_per_request"] = cpu / max(1, result["requests"]) * 1e3
     result["server_requests_per_cpu_s"] = result["requests"] / cpu if cpu else float("inf")
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, check=False).stdout.strip()
+    sha = git_sha(short=True, timeout_s=None) or ""
     meta = {"config": vars(args) | {"json": str(args.json)}, "git": sha,
             "python": platform.python_version()}
     print(f"{'metric':<28}{'value':>12}")

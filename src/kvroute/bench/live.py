@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +57,7 @@ from kvroute.bench.live_routers import (
     find_peer_routers,
     start_router,
 )
+from kvroute.bench.provenance import git_sha
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
@@ -373,14 +373,6 @@ def run_fidelity(
     return out
 
 
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, check=False).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def _config_block(spec: LiveBenchSpec, num_requests: int, peers: PeerRouters,
                   work_dir: Path) -> dict[str, Any]:
     return {
@@ -393,7 +385,7 @@ def _config_block(spec: LiveBenchSpec, num_requests: int, peers: PeerRouters,
         "duration_s": spec.duration_s, "model": spec.model,
         "prepared_requests": spec.requests is not None, "engine_args": list(spec.engine_args),
         "peer_versions": dict(PEER_VERSIONS) if peers.available else None,
-        "log_dir": str(work_dir), "git_sha": _git_sha(), "python": sys.version.split()[0],
+        "log_dir": str(work_dir), "git_sha": git_sha(), "python": sys.version.split()[0],
         "machine": platform.machine(),
     }
 

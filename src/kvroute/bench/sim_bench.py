@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.bench.bounds import BoundsReport, compute_bounds
+from kvroute.bench.provenance import git_sha
 from kvroute.bench.workloads import WORKLOADS, mooncake
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
@@ -203,11 +203,6 @@ def _aggregate(runs: Sequence[dict[str, Any]], scales: Sequence[float]) -> dict[
 
 
 def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, check=False).stdout.strip() or None
-    except OSError:
-        sha = None
     return {
         "workload": spec.workload, "trace": spec.trace if spec.workload == "trace" else None,
         "block_tokens": spec.block_tokens, "replicas": spec.replicas, "profile": spec.profile,
@@ -215,7 +210,7 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
         "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
         "ttft_slo_s": spec.ttft_slo_s, "workload_params": spec.workload_params,
         "jitter_s": spec.jitter_s,
-        "git_sha": sha, "python": sys.version.split()[0], "machine": platform.machine(),
+        "git_sha": git_sha(), "python": sys.version.split()[0], "machine": platform.machine(),
     }
 
 

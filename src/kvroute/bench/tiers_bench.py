@@ -24,7 +24,6 @@ whatever they are. JSON shape::
 from __future__ import annotations
 
 import platform
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -32,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
+from kvroute.bench.provenance import git_sha
 from kvroute.bench.workloads import growing_sessions
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
@@ -288,11 +288,6 @@ def _ttfts(records: Iterable[RequestRecord]) -> list[float]:
 
 
 def _config_block(spec: TiersBenchSpec) -> dict[str, Any]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5, check=False).stdout.strip() or None
-    except OSError:
-        sha = None
     config = asdict(spec)
     config.update(
         seeds=list(spec.seeds), modes=list(spec.modes),
@@ -300,6 +295,6 @@ def _config_block(spec: TiersBenchSpec) -> dict[str, Any]:
         large_profile_source=get_profile(spec.large_profile).source,
         tokenize_rtt_s=FleetConfig.__dataclass_fields__["tokenize_rtt_s"].default,
         overflow_rtt_s=FleetConfig.__dataclass_fields__["overflow_rtt_s"].default,
-        git_sha=sha, python=sys.version.split()[0], machine=platform.machine(),
+        git_sha=git_sha(), python=sys.version.split()[0], machine=platform.machine(),
     )
     return config

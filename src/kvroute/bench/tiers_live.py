@@ -73,6 +73,7 @@ from typing import Any, Final
 import aiohttp
 
 from kvroute.bench.live_client import read_stream
+from kvroute.bench.provenance import git_sha
 from kvroute.bench.tiers_bench import MODES, SMALL_P99_TOLERANCE, targets
 from kvroute.bench.workloads import growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
@@ -723,7 +724,7 @@ def run_tiers_live(
                   num_requests=len(workload), wall_s=wall,
                   small_profile_source=get_profile(spec.small_profile).source,
                   large_profile_source=get_profile(spec.large_profile).source,
-                  git_sha=_git_sha(), python=sys.version.split()[0],
+                  git_sha=git_sha(), python=sys.version.split()[0],
                   machine=platform.machine(), cpus=os.cpu_count())
     return {"modes": modes, "repeats": repeats, "paired": pairs,
             "targets": live_targets(modes, pairs, spec.repeats), "config": config,
@@ -766,11 +767,3 @@ def _sum_cpu(values: Sequence[Mapping[str, float | None]]) -> dict[str, float | 
         out[k] = None if any(p is None for p in parts) else round(
             sum(p for p in parts if p is not None), 3)
     return out
-
-
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, check=False).stdout.strip() or None
-    except OSError:
-        return None
