@@ -22,7 +22,7 @@ import pytest
 
 from kvroute.bench import overhead
 from kvroute.bench.live_client import LiveRequest
-from kvroute.bench.live_routers import pin_process_tree, start_router
+from kvroute.bench.live_routers import start_router
 from kvroute.bench.overhead import (
     OverheadSpec,
     Phase,
@@ -37,6 +37,7 @@ from kvroute.bench.overhead import (
     run_overhead_bench,
 )
 from kvroute.bench.passthrough import build_app
+from kvroute.bench.procfs import pin_process_tree
 from kvroute.bench.settle import caught_up, event_primers
 from kvroute.core.errors import ConfigError
 from kvroute.sim.launcher import ReplicaSpec, start_fleet

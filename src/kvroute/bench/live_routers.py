@@ -1,8 +1,9 @@
 """The routers under test in ``kvroute bench live``: launch one, wait until it routes, stop it.
 
-Owns the router processes of a live benchmark and nothing else: their command lines, free
-loopback ports, readiness probes, CPU accounting and shutdown. Which requests they get and
-what is measured on the client side is ``bench/live_client.py``; the run order is
+Owns the router processes of a live benchmark and nothing else: their command lines,
+readiness probes and lifetime. Free ports, log tails and stopping a process are
+``bench/processes.py``, CPU accounting ``bench/procfs.py``. Which requests they get and what
+is measured on the client side is ``bench/live_client.py``; the run order is
 ``bench/live.py``.
 
 Routers (``RouterSpec.kind``):
@@ -36,7 +37,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, Self
 
+from kvroute.bench.processes import free_port, kvroute_command, log_tail, stop_process
+from kvroute.bench.procfs import descendants, process_tree_cpu_s
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.core.peer_policies import POLICY_NAMES
 from kvroute.sim.launcher import ReplicaHandle
@@ -59,12 +61,9 @@ __all__ = [
     "RouterStartError",
     "RunningRouter",
     "find_peer_routers",
-    "free_port",
     "http_text",
     "kvroute_yaml",
     "parse_router_specs",
-    "pin_process_tree",
-    "process_tree_cpu_s",
     "start_router",
 ]
 
@@ -74,8 +73,6 @@ PEER_VERSIONS: Final = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
 """The pinned peer versions (``scripts/peer_routers/setup.sh`` installs exactly these)."""
 
 _STAMP: Final = " ".join(f"{name}=={version}" for name, version in PEER_VERSIONS.items())
-_KVROUTE_ENTRY: Final = "import sys; from kvroute.cli import main; sys.argv[0] = 'kvroute'; main()"
-_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
 
 class RouterStartError(RouterError):
@@ -192,13 +189,6 @@ def find_peer_routers(cache_dir: str | Path | None = None) -> PeerRouters:
     return PeerRouters(venv, True, "")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (bound once by the kernel's choice, then freed)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, model: str,
                  seed: int = 0, tokenizer: str = "engine", extra: str = "") -> str:
     """The ``kvroute serve`` config for one pool of ``engines`` with KV events wired.
@@ -234,72 +224,6 @@ def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, mo
         "log_level: warning",
     ]
     return "\n".join(lines) + "\n" + extra
-
-
-def _read_stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after its last ")".
-    return raw[raw.rfind(")") + 2:].split()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _read_stat(int(entry))
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
-def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) of ``pid`` and all its descendants.
-
-    Live descendants are read one by one; descendants already reaped are in the parents'
-    ``cutime``/``cstime``. Fields after the command name of ``/proc/<pid>/stat``: utime is
-    index 11, stime 12, cutime 13, cstime 14.
-    """
-    total = 0
-    for p in (pid, *_descendants(pid)):
-        fields = _read_stat(p)
-        if fields is not None:
-            total += sum(int(x) for x in fields[11:15])
-    return total / _CLK_TCK
-
-
-def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
-    """Bind every thread of ``pid`` and of its descendants to ``cpus``; returns how many.
-
-    Threads and processes started later inherit the binding of the thread that starts them.
-    A thread that ends while the tree is walked is skipped.
-
-    Raises:
-        OSError: ``cpus`` names no CPU this process may use (``EINVAL``).
-    """
-    pinned = 0
-    for p in (pid, *_descendants(pid)):
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except ProcessLookupError:
-                continue
-            pinned += 1
-    return pinned
 
 
 def http_text(url: str, timeout_s: float = 2.0) -> str:
@@ -340,27 +264,15 @@ class RunningRouter:
         return process_tree_cpu_s(self.process.pid) if self.process is not None else None
 
     def log_tail(self, limit: int = 2000) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return "(no log)"
+        return "" if self.log_path is None else log_tail(self.log_path, limit)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM, wait ``grace_s``, SIGKILL; descendants are killed by PID afterwards."""
         proc = self.process
         if proc is None:
             return
-        kids = _descendants(proc.pid) if proc.poll() is None else []
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        kids = descendants(proc.pid) if proc.poll() is None else []
+        stop_process(proc, grace_s)
         for kid in kids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(kid, signal.SIGKILL)
@@ -401,7 +313,7 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
             return spec.tokenizer == "engine" or not _TOKENIZER_PENDING.search(
                 http_text(base + "/metrics"))
 
-        return [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(cfg)], base, healthy
+        return kvroute_command("serve", "-c", str(cfg)), base, healthy
     if spec.kind == "passthrough":
         def relay_up() -> bool:
             body = _http_json(base + "/health")

@@ -83,10 +83,9 @@ from kvroute.bench.live_routers import (
     RouterSpec,
     find_peer_routers,
     http_text,
-    pin_process_tree,
-    process_tree_cpu_s,
     start_router,
 )
+from kvroute.bench.procfs import pin_process_tree, process_tree_cpu_s
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.bench.settle import settle_kvroute
 from kvroute.bench.workloads import WORKLOADS

@@ -52,7 +52,8 @@ from typing import Any
 import aiohttp
 
 from kvroute.bench.live_client import ClientRun, LiveRequest, run_client, summarize
-from kvroute.bench.live_routers import RouterSpec, process_tree_cpu_s, start_router
+from kvroute.bench.live_routers import RouterSpec, start_router
+from kvroute.bench.procfs import process_tree_cpu_s
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
 from kvroute.core.stats import percentile

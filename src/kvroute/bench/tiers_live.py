@@ -57,7 +57,6 @@ import json
 import os
 import platform
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -73,6 +72,8 @@ from typing import Any, Final
 import aiohttp
 
 from kvroute.bench.live_client import read_stream
+from kvroute.bench.processes import kvroute_command, log_tail, stop_process
+from kvroute.bench.procfs import process_cpu_s
 from kvroute.bench.provenance import git_sha
 from kvroute.bench.tiers_bench import MODES, SMALL_P99_TOLERANCE, targets
 from kvroute.bench.workloads import growing_sessions
@@ -97,7 +98,6 @@ __all__ = [
 ROUTE: Final = "agent"
 SMALL_MODEL: Final = "sim-small"
 LARGE_MODEL: Final = "sim-large"
-_KVROUTE_ENTRY: Final = "import sys; from kvroute.cli import main; sys.argv[0] = 'kvroute'; main()"
 
 
 class LiveBenchError(RouterError):
@@ -282,23 +282,12 @@ class _Router:
     log_path: Path
 
     def log_tail(self, limit: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-limit:]
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, limit)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        proc = self.process
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop_process(self.process, grace_s)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 def _start_router(config_path: Path, log_path: Path, timeout_s: float = 60.0) -> _Router:
@@ -309,7 +298,7 @@ def _start_router(config_path: Path, log_path: Path, timeout_s: float = 60.0) ->
     """
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _KVROUTE_ENTRY, "serve", "-c", str(config_path)],
+            kvroute_command("serve", "-c", str(config_path)),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
             start_new_session=True)
     router = _Router(proc, "", log_path)
@@ -567,21 +556,8 @@ def mode_order(modes: Sequence[str], repeat: int) -> list[str]:
     return list(modes) if repeat % 2 == 0 else list(reversed(modes))
 
 
-def _cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds of a live process (``/proc/<pid>/stat``), or None."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    # After the ")" closing the command name, utime and stime are the 12th and 13th fields.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _group_cpu_s(handles: Sequence[ReplicaHandle]) -> float | None:
-    values = [_cpu_s(h.pid) for h in handles]
+    values = [process_cpu_s(h.pid) for h in handles]
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
@@ -746,10 +722,10 @@ def _run_mode(spec: TiersLiveSpec, mode: str, repeat: int, workload: Sequence[Wo
     router = _start_router(config_path, work / f"router-{slug}.log")
     try:
         before = {"small_engines": _group_cpu_s(small), "large_engines": _group_cpu_s(large),
-                  "router": _cpu_s(router.process.pid), "client": time.process_time()}
+                  "router": process_cpu_s(router.process.pid), "client": time.process_time()}
         turns, wall_s = asyncio.run(_run_sessions(router.url, workload, spec, on_turn))
         after = {"small_engines": _group_cpu_s(small), "large_engines": _group_cpu_s(large),
-                 "router": _cpu_s(router.process.pid), "client": time.process_time()}
+                 "router": process_cpu_s(router.process.pid), "client": time.process_time()}
         counters = asyncio.run(_scrape(router.url))
     finally:
         router.stop()

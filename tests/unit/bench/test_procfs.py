@@ -1,0 +1,70 @@
+"""CPU time, children and pinning read from ``/proc`` (``bench/procfs.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvroute.bench.procfs import (
+    descendants,
+    pin_process_tree,
+    process_cpu_s,
+    process_tree_cpu_s,
+    stat_fields,
+)
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+
+
+def _spin(seconds: float) -> None:
+    deadline = time.process_time() + seconds
+    while time.process_time() < deadline:
+        pass
+
+
+def test_stat_fields_start_after_the_command_name() -> None:
+    fields = stat_fields(os.getpid())
+    assert fields is not None
+    assert fields[0] in "RSD"  # this process's state: running (or just descheduled)
+    assert int(fields[1]) == os.getppid()
+
+
+def test_a_process_that_is_gone_reads_as_none() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    assert stat_fields(proc.pid) is None
+    assert process_cpu_s(proc.pid) is None
+    assert process_cpu_s(None) is None
+
+
+def test_cpu_seconds_grow_with_work() -> None:
+    before, tree_before = process_cpu_s(os.getpid()), process_tree_cpu_s(os.getpid())
+    assert before is not None
+    _spin(0.05)
+    after = process_cpu_s(os.getpid())
+    assert after is not None and after >= before + 0.03
+    assert process_tree_cpu_s(os.getpid()) >= tree_before + 0.03
+
+
+def test_descendants_and_pinning_reach_a_grandchild() -> None:
+    code = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); print(p.pid, flush=True); p.wait()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        assert descendants(child.pid) == [grandchild]
+        assert {child.pid, grandchild} <= set(descendants(os.getpid()))
+        cpus = frozenset(os.sched_getaffinity(0))
+        assert pin_process_tree(child.pid, cpus) >= 2  # a thread each, at least
+    finally:
+        for pid in descendants(child.pid):
+            os.kill(pid, 9)
+        child.wait(30)
+        if child.stdout is not None:
+            child.stdout.close()
