@@ -56,7 +56,6 @@ import contextlib
 import json
 import os
 import platform
-import selectors
 import statistics
 import subprocess
 import sys
@@ -79,7 +78,7 @@ from kvroute.bench.tiers_bench import MODES, SMALL_P99_TOLERANCE, targets
 from kvroute.bench.workloads import growing_sessions
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.core.stats import mean, percentile
-from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, start_fleet
+from kvroute.sim.launcher import Fleet, ReplicaHandle, ReplicaSpec, read_ready_line, start_fleet
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.workload import WorkloadRequest
 
@@ -302,25 +301,15 @@ def _start_router(config_path: Path, log_path: Path, timeout_s: float = 60.0) ->
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
             start_new_session=True)
     router = _Router(proc, "", log_path)
-    assert proc.stdout is not None, "stdout is a pipe"
     deadline = time.monotonic() + timeout_s
-    buffer = b""
     try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buffer:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise LiveBenchError(f"kvroute serve was not ready within {timeout_s:g} s; "
-                                         f"its log ends with:\n{router.log_tail()}")
-                if sel.select(min(left, 0.5)):
-                    chunk = os.read(proc.stdout.fileno(), 4096)
-                    if not chunk:
-                        raise LiveBenchError(
-                            f"kvroute serve exited with code {proc.wait(5)} during start-up; "
-                            f"its log ends with:\n{router.log_tail()}")
-                    buffer += chunk
-        info = json.loads(buffer.split(b"\n", 1)[0])
+        info = read_ready_line(proc, deadline)
+        if info is None and proc.poll() is None and time.monotonic() >= deadline:
+            raise LiveBenchError(f"kvroute serve was not ready within {timeout_s:g} s; "
+                                 f"its log ends with:\n{router.log_tail()}")
+        if info is None:
+            raise LiveBenchError(f"kvroute serve exited with code {proc.wait(5)} during start-up; "
+                                 f"its log ends with:\n{router.log_tail()}")
         router.url = str(info["url"])
     except BaseException:
         router.stop()

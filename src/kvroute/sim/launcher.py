@@ -41,6 +41,7 @@ __all__ = [
     "ReplicaHandle",
     "ReplicaSpec",
     "inprocess_fleet",
+    "read_ready_line",
     "start_fleet",
 ]
 
@@ -241,8 +242,15 @@ def _log_tail(path: Path, limit: int = 2000) -> str:
     return text[-limit:] or "(empty log)"
 
 
-def _read_ready(proc: subprocess.Popen[bytes], deadline: float) -> dict[str, Any] | None:
-    """The child's ready line, or None if it exited or the deadline passed."""
+def read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> dict[str, Any] | None:
+    """The child's ready line, or None if it exited or the deadline passed.
+
+    The first JSON object with a true ``ready`` the child prints on its stdout (a pipe);
+    other lines are skipped. Both ``kvroute sim serve`` and ``kvroute serve`` print one
+    once they listen, so launchers of either wait with this. ``deadline`` is on
+    ``time.monotonic()``. None when the child's stdout closed, it exited, or the deadline
+    passed; the caller tells which from ``proc.poll()`` and the clock.
+    """
     assert proc.stdout is not None
     buf = b""
     with selectors.DefaultSelector() as sel:
@@ -339,7 +347,7 @@ def start_fleet(
                 )
             fleet.processes.append(proc)
         for proc, spec, name in zip(fleet.processes, specs, names, strict=True):
-            info = _read_ready(proc, deadline)
+            info = read_ready_line(proc, deadline)
             if info is None:
                 state = (f"exited with code {proc.returncode}" if proc.poll() is not None
                          else f"was not ready within {timeout_s:g} s")
