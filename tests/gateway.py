@@ -31,7 +31,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -46,6 +45,7 @@ from typing import Any, Final, Self, TypeVar
 import pytest
 import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 
+from kvroute.bench.processes import free_port
 from kvroute.config import RouterConfig
 from kvroute.shell.runtime import RouterRuntime
 
@@ -76,13 +76,6 @@ class GatewayError(RuntimeError):
 
 def _cache_root() -> Path:
     return Path(os.environ.get("KVROUTE_CACHE") or Path.home() / ".cache" / "kvroute")
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago (for servers that need a number up front)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ uses its own key prefix (a uuid) and deletes its keys afterwards.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -18,6 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from kvroute.bench.processes import free_port
 from kvroute.config import parse_config
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import RedisState, build_state
@@ -129,16 +129,10 @@ def test_warm_cooldown_is_claimed_once_across_routers() -> None:
     run(go)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_outage_degrades_to_no_pin_and_no_warm_and_is_counted() -> None:
     """Nothing listens on the port: every call degrades, is counted, and never raises."""
     metrics = RouterMetrics()
-    port = _free_port()
+    port = free_port()
     config = parse_config(
         {
             "pools": {"p": {"model": "m", "replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}]}},
