@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvroute.bench.sim_bench import SimBenchSpec, format_table, run_sim_bench, write_plots
+from kvroute.commands.results import exit_on_router_error, write_json_report
 from kvroute.commands.tables import rows_table, wide_console
-from kvroute.core.errors import RouterError
 
 bench_app = typer.Typer(help="Benchmarks: every policy side by side on the same requests.",
                         no_args_is_help=True)
@@ -35,6 +35,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 def print_report_table(console: Console, report: dict[str, Any], title: str) -> None:
     console.print(rows_table(title, format_table(report), left=("policy",)))
+
+
+def _print_targets(console: Console, report: dict[str, Any]) -> None:
+    """One line per goal of a tiers report: met or not, and the figures it was judged on."""
+    for name, goal in report["targets"].items():
+        console.print(f"target {name}: met={goal['met']} "
+                      + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))
 
 
 @bench_app.command("sim")
@@ -93,19 +100,13 @@ def bench_sim(
         if task:
             progress.advance(task[0], n)
 
-    try:
-        with progress:
-            report, results = run_sim_bench(spec, on_run_start=on_start, on_progress=on_progress)
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+    with exit_on_router_error(console), progress:
+        report, results = run_sim_bench(spec, on_run_start=on_start, on_progress=on_progress)
     out = wide_console()
     print_report_table(out, report, f"{workload if workload != 'trace' else trace}: "
                        f"{replicas} replicas, {profile}, rate x{spec.rate_scales[0]:g}")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, report, console)
     if plot is not None:
         for path in write_plots(report, results, plot):
             console.print(f"wrote {path}")
@@ -117,11 +118,8 @@ def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -
     from kvroute.bench.bounds import format_bounds_table
     from kvroute.bench.sim_bench import run_bounds
 
-    try:
+    with exit_on_router_error(console):
         reports = run_bounds(spec)
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
     out = wide_console()
     name = spec.trace if spec.workload == "trace" else spec.workload
     for run_seed, report in reports.items():
@@ -129,14 +127,12 @@ def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -
                              f"{spec.replicas} x {spec.profile}, seed {run_seed}",
                              format_bounds_table(report), left=("bound", "kind", "how")))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"bounds": {str(k): v.as_dict() for k, v in reports.items()},
                    "config": {"workload": spec.workload, "trace": spec.trace,
                               "replicas": spec.replicas, "profile": spec.profile,
                               "limit": spec.limit, "jitter_s": spec.jitter_s,
                               "seeds": list(reports)}}
-        json_out.write_text(json.dumps(payload, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, payload, console)
     sys.stdout.flush()
 
 
@@ -198,7 +194,7 @@ def bench_live(
             progress.advance(task[0], n)
 
     out = wide_console()
-    try:
+    with exit_on_router_error(console):
         specs = parse_router_specs(routers, kvroute_policies)
         with progress:
             if fidelity:
@@ -212,9 +208,6 @@ def bench_live(
                     max_tokens=max_tokens, max_in_flight=max_in_flight,
                     request_timeout_s=request_timeout, duration_s=duration, log_dir=log_dir)
                 result = run_live_bench(spec, on_router_start=on_start, on_progress=on_progress)
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
     reports = result["reports"] if fidelity else {workload: result}
     for name, report in reports.items():
         out.print(rows_table(f"{name}: {engines} engines", live_table(report),
@@ -222,9 +215,7 @@ def bench_live(
         for router, reason in report["skipped"].items():
             console.print(f"[yellow]skipped {router}:[/yellow] {reason}")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, result, console)
     sys.stdout.flush()
 
 
@@ -254,7 +245,7 @@ def bench_tiers(
 
     seeds = tuple(s for item in (seed or ["0"]) for s in _ints(item, "--seed"))
     console = Console(stderr=True)
-    try:
+    with exit_on_router_error(console):
         spec = TiersBenchSpec(
             sessions=sessions, small_window=small_window, large_window=large_window,
             small_profile=small_profile, large_profile=large_profile,
@@ -264,21 +255,14 @@ def bench_tiers(
             warm_fraction=warm_fraction, warm_cooldown_s=warm_cooldown,
             warm_rewarm_fraction=rewarm_fraction)
         report, _ = run_tiers_bench(spec)
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
     out = wide_console()
     out.print(rows_table(f"tiers: {sessions} sessions, small {small_window} ({small_profile} x"
                          f"{replicas_small}), large {large_window} ({large_profile} "
                          f"x{replicas_large})", tiers_table(report), left=("mode",)))
-    for name, goal in report["targets"].items():
-        out.print(f"target {name}: met={goal['met']} "
-                  + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))
+    _print_targets(out, report)
     sys.stdout.flush()
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, report, console)
     sys.stdout.flush()
 
 
@@ -313,7 +297,7 @@ def bench_tiers_live(
     from kvroute.bench.tiers_live import format_table as live_tiers_table
 
     console = Console(stderr=True)
-    try:
+    with exit_on_router_error(console):
         spec = TiersLiveSpec(
             sessions=sessions, small_window=small_window, large_window=large_window,
             small_profile=small_profile, large_profile=large_profile,
@@ -327,9 +311,6 @@ def bench_tiers_live(
             request_timeout_s=request_timeout, duration_s=duration, log_dir=log_dir)
         report = run_tiers_live(spec, on_mode_start=lambda mode, n: console.print(
             f"mode {mode}: {n} turns of {sessions} sessions"))
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
     out = wide_console()
     out.print(rows_table(f"tiers live: {sessions} sessions, small {small_window} "
                          f"({small_profile} x{replicas_small}), large {large_window} "
@@ -337,11 +318,7 @@ def bench_tiers_live(
                          left=("mode",)))
     if repeats > 1:
         out.print(rows_table(f"{repeats} repeats, modes interleaved", format_repeats(report)))
-    for name, goal in report["targets"].items():
-        out.print(f"target {name}: met={goal['met']} "
-                  + ", ".join(f"{k}={v}" for k, v in goal.items() if k != "met"))
+    _print_targets(out, report)
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, report, console)
     sys.stdout.flush()

@@ -3,7 +3,6 @@ the option list of this one command stays apart from the other benchmarks')."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,8 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from kvroute.commands.results import exit_on_router_error, write_json_report
 from kvroute.commands.tables import rows_table, wide_console
-from kvroute.core.errors import RouterError
 
 HELP = ("Router overhead side by side: direct, a bare relay, kvroute (engine /tokenize and "
         "local tokenizer) and the peer routers, same engines, fixed rates and a closed loop, "
@@ -65,23 +64,18 @@ def bench_overhead(
                       f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms{same}, router CPU "
                       f"{row['router_cpu_ms_per_req']} ms/req, errors {row['errors']}")
 
-    try:
+    with exit_on_router_error(console):
         spec = OverheadSpec(routers=parse_overhead_routers(routers), phases=parse_phases(phases),
                             engines=engines, phase_s=phase_seconds, passes=passes, seed=seed,
                             log_dir=log_dir,
                             router_cpus=parse_cpus(router_cpus) if router_cpus else None,
                             same_window=same_window)
         report = run_overhead_bench(spec, on_phase=on_phase)
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
     wide_console(230).print(rows_table(
         f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...",
         [_HEADS, *format_rows(report)], left=("router", "phase")))
     for router, reason in report["skipped"].items():
         console.print(f"[yellow]skipped {router}:[/yellow] {reason}")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, report, console)
     sys.stdout.flush()

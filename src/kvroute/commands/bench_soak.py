@@ -11,8 +11,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from kvroute.commands.results import exit_on_router_error, write_json_report
 from kvroute.commands.tables import rows_table, wide_console
-from kvroute.core.errors import RouterError
 
 HELP = ("A long steady run of kvroute in front of simulated engines, with sessions, shared "
         "and unique prompts: the router's memory, CPU, index and latency, window by window.")
@@ -50,22 +50,17 @@ def bench_soak(
         console.print(f"t={row['t_s']:>7.2f} s  RSS {row['rss_mb']} MB  index "
                       f"{row.get('index_entries')}  decisions {row.get('decisions')}")
 
-    try:
+    with exit_on_router_error(console):
         spec = SoakSpec(seconds=minutes * 60.0, rate=rate, engines=engines,
                         sample_s=sample_seconds, max_pins=max_pins,
                         num_gpu_blocks=num_gpu_blocks, seed=seed, log_dir=log_dir,
                         policy=policy)
         report = run_soak(spec, on_sample=on_sample)
-    except RouterError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
     rows = [[("-" if w.get(k) is None else str(w[k])) for k in _KEYS]
             for w in report["windows"]]
     wide_console(200).print(rows_table(
         f"soak: {rate:g} req/s for {minutes:g} min, {engines} engines, policy {policy}", [_HEADS, *rows]))
     console.print(json.dumps(report["summary"]))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, report, console)
     sys.stdout.flush()

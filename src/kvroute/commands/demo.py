@@ -34,7 +34,6 @@ requests of the trace at their real rate, no processes, finished in seconds of C
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvroute.bench.workloads import mooncake
+from kvroute.commands.results import write_json_report
 from kvroute.commands.tables import rows_table
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.sim.workload import WorkloadRequest
@@ -211,8 +211,7 @@ def _run_virtual(console: Console, out: Console, *, requests: int, replicas: int
                   "Times are virtual seconds of the modelled H100s. Run `kvroute bench sim "
                   "--help` for every policy and workload.")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json_report(json_out, report)
 
 
 def _run_live(console: Console, out: Console, *, chosen: DemoSlice, replicas: int,
@@ -266,13 +265,11 @@ def _run_live(console: Console, out: Console, *, chosen: DemoSlice, replicas: in
         "`kvroute demo --virtual` runs the virtual-time comparison; `kvroute bench live --help` "
         "has every option.")
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
         report["demo"] = {"trace": _TRACE, "trace_minutes": chosen.trace_minutes,
                           "every": chosen.every, "conversations": chosen.conversations,
                           "requests": n, "mean_prompt_tokens": round(chosen.mean_prompt_tokens),
                           "trace_span_s": chosen.span_s, "jitter_s": _JITTER_S}
-        json_out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"wrote {json_out}")
+        write_json_report(json_out, report, console)
 
 
 def demo(
