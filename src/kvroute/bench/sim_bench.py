@@ -236,9 +236,18 @@ def write_plots(report: dict[str, Any], results: dict[tuple[str, float, int], Fl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
+
+    def save(fig: Figure, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     scales = report["config"]["rate_scales"]
     seed0 = report["config"]["seeds"][0]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -253,11 +262,7 @@ def write_plots(report: dict[str, Any], results: dict[tuple[str, float, int], Fl
     ax.set_title(f"TTFT CDF (rate x{scales[0]:g}, seed {seed0})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    path = out_dir / "ttft_cdf.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "ttft_cdf.png")
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for policy, m in report["policies"].items():
@@ -272,11 +277,7 @@ def write_plots(report: dict[str, Any], results: dict[tuple[str, float, int], Fl
     ax1.legend(fontsize=8)
     for a in (ax1, ax2):
         a.grid(alpha=0.3)
-    path = out_dir / "vs_rate.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "vs_rate.png")
 
     policies = list(report["policies"])
     fig, axes = plt.subplots(len(policies), 1, figsize=(9, 1.8 * len(policies)), sharex=True,
@@ -290,9 +291,5 @@ def write_plots(report: dict[str, Any], results: dict[tuple[str, float, int], Fl
         ax.set_ylabel(policy, fontsize=8)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("virtual time (s): running + waiting requests per replica")
-    path = out_dir / "load_over_time.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, "load_over_time.png")
     return written
