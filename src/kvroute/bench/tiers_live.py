@@ -70,6 +70,7 @@ from typing import Any, Final
 
 import aiohttp
 
+from kvroute.bench.live import reset_engine_caches
 from kvroute.bench.live_client import read_stream
 from kvroute.bench.processes import kvroute_command, log_tail, stop_process
 from kvroute.bench.procfs import process_cpu_s
@@ -100,7 +101,7 @@ LARGE_MODEL: Final = "sim-large"
 
 
 class LiveBenchError(RouterError):
-    """The router did not come up, or an engine could not be reset; the message says which."""
+    """The router did not come up (it exited, or was not ready in time); the message says which."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,25 +455,6 @@ def _label(labels: str, key: str) -> str:
     return labels[start:labels.find('"', start)]
 
 
-async def _reset_caches(urls: Sequence[str], tries: int = 20) -> None:
-    """``POST /reset_prefix_cache`` on every engine (retried while requests drain).
-
-    Raises:
-        LiveBenchError: an engine kept refusing.
-    """
-    async with aiohttp.ClientSession() as http:
-        for url in urls:
-            for attempt in range(tries):
-                async with http.post(url + "/reset_prefix_cache",
-                                     timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    if resp.status == 200:
-                        break
-                if attempt == tries - 1:
-                    raise LiveBenchError(f"{url} would not reset its prefix cache "
-                                         f"(HTTP {resp.status}); is a request stuck?")
-                await asyncio.sleep(0.25)
-
-
 # -- metrics --------------------------------------------------------------------------------------
 
 
@@ -635,6 +617,7 @@ def run_tiers_live(
     Raises:
         ConfigError: an invalid spec.
         LiveBenchError / FleetStartError: a process did not come up (it was stopped).
+        RouterError: an engine would not reset its prefix cache between modes.
     """
     spec.validate()
     workload = growing_sessions(
@@ -704,7 +687,7 @@ def _run_mode(spec: TiersLiveSpec, mode: str, repeat: int, workload: Sequence[Wo
               cold: Sequence[ReplicaHandle], on_turn: Callable[[], None] | None,
               ) -> _ModeRun:  # fmt: skip
     """One mode once on fresh caches and a fresh router: turns, counters, CPU, wall time."""
-    asyncio.run(_reset_caches([r.url for r in (*small, *large, *cold)]))
+    reset_engine_caches([*small, *large, *cold], timeout_s=5.0)
     slug = mode.replace("+", "-") + (f"-r{repeat}" if spec.repeats > 1 else "")
     config_path = work / f"router-{slug}.yaml"
     config_path.write_text(router_yaml(spec, mode, small, large))
