@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import zmq
@@ -20,13 +20,15 @@ import zmq.asyncio
 
 from kvroute.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.types import ReplicaId, WireHash
-from kvroute.shell.zmq_events import _REPLAY_PER_TURN, _TAKE_PER_TURN, EventSubscriber
+from kvroute.shell.zmq_events import _REPLAY_PER_TURN, _TAKE_PER_TURN, EventSubscriber, OnBatch
 from kvroute.sim.kv_publisher import KVEventPublisher
 from kvroute.wire.vllm_events import (
     ReplayBatch,
     decode_replay_reply,
+    decode_replay_request,
     encode_payload,
     encode_replay_end,
+    encode_replay_reply,
     encode_replay_request,
     encode_seq,
 )
@@ -35,6 +37,9 @@ pytestmark = pytest.mark.integration
 
 R = ReplicaId("r0")
 TEST_SECONDS = 5.0
+TEST_SECONDS_SLOW = 60.0
+"""Bound of a test whose work grows with the machine's slowness (whole catch-ups): it only
+stops a hung test, so it is far above what any machine needs."""
 
 
 def events_for(i: int) -> tuple[KVEvent, ...]:
@@ -67,10 +72,11 @@ class Sink:
         return [b.seq for b in self.batches]
 
 
-def run(test: Callable[[zmq.asyncio.Context], Coroutine[Any, Any, None]]) -> None:
+def run(test: Callable[[zmq.asyncio.Context], Coroutine[Any, Any, None]],
+        seconds: float = TEST_SECONDS) -> None:
     ctx = zmq.asyncio.Context()
     try:
-        asyncio.run(asyncio.wait_for(test(ctx), TEST_SECONDS))
+        asyncio.run(asyncio.wait_for(test(ctx), seconds))
     finally:
         ctx.term()
 
@@ -240,55 +246,152 @@ def test_a_long_catch_up_shares_the_loop_and_says_it_is_replaying() -> None:
     run(test)
 
 
+class GatedEngine:
+    """An engine whose catch-up answers the test releases: a bare PUB whose live stream
+    starts at ``buffered`` (everything before was published before anyone listened) and a
+    replay ROUTER, served on the test's loop, that holds every answer until ``answer`` is
+    set and then replays everything from the requested start.
+
+    Why not ``KVEventPublisher``: a catch-up that ends when the engine is done makes "were
+    both replaying at once" a matter of how fast each side runs, and its thread competes
+    with the test's loop for the GIL. Holding the answers makes the overlap (or its absence)
+    a consequence of the subscriber's logic alone.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, buffered: int,
+                 on_request: Callable[[], None]) -> None:
+        self.pub = ctx.socket(zmq.PUB)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # an answer held back is sent whole, not dropped
+        for sock in (self.pub, self.router):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.answer = asyncio.Event()
+        self.last = buffered - 1
+        """Sequence number of the last batch published (sent live or not)."""
+        self._on_request = on_request
+        self._server = asyncio.get_running_loop().create_task(self._serve())
+
+    @staticmethod
+    def payload(seq: int) -> bytes:
+        return encode_payload(EventBatch(seq, float(seq), events_for(seq), 0))
+
+    def send_next(self) -> int:
+        """Send the next batch live; returns its number."""
+        self.last += 1
+        self.pub.send_multipart([b"kv", encode_seq(self.last), self.payload(self.last)])
+        return self.last
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            start = decode_replay_request(frames)
+            self._on_request()
+            await self.answer.wait()
+            for seq in range(start, self.last + 1):
+                await self.router.send_multipart(
+                    [frames[0], *encode_replay_reply("kv", seq, self.payload(seq))])
+            await self.router.send_multipart([frames[0], *encode_replay_end()])
+
+    async def close(self) -> None:
+        self._server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._server
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+class TurnsLock(asyncio.Lock):
+    """A ``catch_up_turns`` lock that counts the subscribers that asked for a turn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    async def acquire(self) -> Literal[True]:
+        self.asked += 1
+        return await super().acquire()
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_subscribers_sharing_turns_catch_up_one_at_a_time(shared: bool) -> None:
     """Two late joiners beside full buffers: with one ``catch_up_turns`` lock their catch-ups
-    never run at the same time; without it (the control) they do."""
-    buffered = 100 * _REPLAY_PER_TURN
+    never run at the same time, and each delivers its whole catch-up before the other
+    starts; without it (the control) they do run at once.
+
+    The engines hold their answers until both subscribers want to catch up (each has sent its
+    replay request or asked for its turn), so without turns both catch-ups are under way at
+    that moment whatever the machine's speed. Whether both are catching up is sampled at
+    every delivery and every replay request, never by spinning the loop.
+    """
+    buffered = 40 * _REPLAY_PER_TURN
 
     async def test(ctx: zmq.asyncio.Context) -> None:
-        turns = asyncio.Lock() if shared else None
-        both: list[bool] = []  # per loop turn: were both replaying?
-        with KVEventPublisher(buffer_steps=buffered + 500) as a, \
-                KVEventPublisher(buffer_steps=buffered + 500) as b:
-            for pub in (a, b):
-                for i in range(buffered):
-                    pub.publish(events_for(i), ts=float(i))
-                pub.wait_sent()
-            subs = [EventSubscriber(R, pub.endpoint, on_batch=Sink().on_batch,
-                                    on_reset=Sink().on_reset, replay_endpoint=pub.replay_endpoint,
-                                    context=ctx, topic="kv", catch_up_turns=turns)
-                    for pub in (a, b)]
+        turns = TurnsLock() if shared else None
+        both: list[bool] = []  # per delivery and per replay request: both catching up?
+        subs: list[EventSubscriber] = []
+        sinks = [Sink(), Sink()]
 
-            async def watch() -> None:
-                while True:
-                    both.append(all(s.stats.replaying for s in subs))
-                    await asyncio.sleep(0)
+        def catching_up(sub: EventSubscriber) -> bool:
+            """Says it is replaying, or has asked for its replay and not yet delivered the
+            first live batch after it (the engines answer from 0, so until then the last
+            delivered seq is below the count of replayed batches)."""
+            stats = sub.stats
+            done = stats.last_seq is not None and stats.last_seq >= stats.replayed_batches
+            return stats.replaying or (stats.replays > 0 and not done)
 
+        def sample() -> None:
+            both.append(all(catching_up(s) for s in subs))
+
+        def on_batch(i: int) -> OnBatch:
+            def deliver(replica: ReplicaId, batch: EventBatch) -> None:
+                sinks[i].on_batch(replica, batch)
+                sample()
+            return deliver
+
+        engines = [GatedEngine(ctx, buffered, sample) for _ in range(2)]
+        try:
+            subs.extend(
+                EventSubscriber(R, e.endpoint, on_batch=on_batch(i), on_reset=sinks[i].on_reset,
+                                replay_endpoint=e.replay_endpoint, context=ctx, topic="kv",
+                                catch_up_turns=turns, replay_timeout=TEST_SECONDS_SLOW)
+                for i, e in enumerate(engines))
             for sub in subs:
                 sub.start()
-            watcher = asyncio.create_task(watch())
             try:
                 for sub in subs:
                     await sub.wait_connected()
-                await asyncio.sleep(0.2)  # both subscriptions reach their publishers
-                # Both get their first live message at once, so both want to catch up.
-                last = await probe(lambda: [p.publish(events_for(9), ts=9.0) for p in (a, b)],
-                                   lambda: all(s.stats.batches for s in subs))
-                await wait_until(lambda: all(s.stats.last_seq == n
-                                             for s, n in zip(subs, last, strict=True)),
-                                 "both catch-ups")
+
+                def both_want_to_catch_up() -> bool:
+                    asked = turns is not None and turns.asked == 2
+                    return asked or all(s.stats.replays for s in subs)
+
+                # Live messages until each subscriber has its first one (PUB drops until SUB
+                # has subscribed); each then catches up or waits for its turn.
+                await probe(lambda: [e.send_next() for e in engines], both_want_to_catch_up)
+                sample()
+                for e in engines:
+                    e.answer.set()
+                await wait_until(lambda: all(s.stats.last_seq == e.last
+                                             for s, e in zip(subs, engines, strict=True)),
+                                 "both catch-ups", timeout=TEST_SECONDS_SLOW)
             finally:
-                watcher.cancel()
                 for sub in subs:
                     await sub.stop()
-        assert all(s.stats.replayed_batches >= buffered for s in subs)
+        finally:
+            for e in engines:
+                await e.close()
+        for sub, sink, e in zip(subs, sinks, engines, strict=True):
+            assert sink.seqs == list(range(e.last + 1)) and sink.resets == []
+            assert sub.stats.replays == 1 and sub.stats.replayed_batches >= buffered
         if shared:
             assert not any(both), "the catch-ups overlapped"
         else:
             assert any(both), "the control did not overlap: the test shows nothing"
 
-    run(test)
+    run(test, TEST_SECONDS_SLOW)
 
 
 def test_dropped_messages_recovered_through_replay() -> None:
