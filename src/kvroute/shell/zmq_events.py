@@ -1,38 +1,21 @@
 """KV-event subscriber: one per replica, SUB + on-demand replay, batches delivered in order.
 
-Owns the sockets that read one engine's event stream and the sequence bookkeeping for it.
-It does not own the index: it hands each batch to ``on_batch(replica, batch)`` and tells the
+Owns the sockets that read one engine's event stream, and drives the sequence machine that
+decides what to do with each batch (``core/event_sequence.py``). It does not own the index: it hands each batch to ``on_batch(replica, batch)`` and tells the
 owner to forget the replica with ``on_reset(replica, reason)`` when the stream can no longer
 be trusted. Both callbacks run on the event loop's thread, one at a time (from the socket's
 reader callback, or from the subscriber's task around a replay), so the owner can feed a
 single-owner actor (``RouterCore``) without locks. An exception from a callback ends
 the subscriber (it propagates out of ``run``): an owner bug must be loud, not retried.
 
-Theory of operation
--------------------
+Sequencing
+----------
 
-``expected`` is the next sequence number the owner has not yet seen. For each live message
-with sequence ``s``:
-
-* first message ever: if ``s > 0`` and a replay endpoint is known, catch up by replaying
-  ``[0, s)`` and delivering whatever contiguous run ending at ``s - 1`` the engine still
-  buffers (no reset: the owner's view of this replica starts empty), then deliver ``s``;
-* ``s == expected``: deliver;
-* ``s > expected`` (a gap: the SUB socket dropped messages, or they were malformed): ask the
-  replay ROUTER (a fresh DEALER per request, bounded by ``replay_timeout``) for
-  ``[expected, s)``; if all of it arrives, deliver it in order, then ``s``. Otherwise (no
-  replay endpoint, the buffer no longer reaches back that far, timeout, malformed reply)
-  call ``on_reset`` and deliver the contiguous tail ending at ``s - 1`` that did arrive,
-  then ``s``: events after a reset are fresh truth, and removals of blocks the owner never
-  saw are no-ops for a reference-counting index;
-* ``s < expected``: the publisher restarted (vLLM counts from 0 per process): ``on_reset``,
-  then deliver ``s``. Replayed batches never overlap the live stream (only ``[expected, s)``
-  is taken from a replay), so a lower number can only mean a new publisher.
-
-NOTE: a restart is invisible if the new process publishes past ``expected`` before the
-subscriber reads its first message (vLLM has no publisher epoch); the gap logic then replays
-from the new process and the index keeps stale entries until they are evicted. The
-discovery loop's health checks (engine restart) are the backstop for that case.
+What to do with each batch is decided by a pure state machine, ``core/event_sequence.py``
+(its module doc has the theory of operation): apply it, reset the owner's view then apply
+it, or replay ``[start, stop)`` first and then apply what the replay brought. The
+subscriber is its driver: it feeds it live and replayed batches, the replay's end, timeout
+or malformed reply, and carries out what it decides.
 
 Malformed live messages are counted and logged; the loop keeps going, and the lost sequence
 number is recovered (or reset) by the gap logic when the next good message arrives. Events
@@ -48,12 +31,13 @@ callback, flag arithmetic on Python enums and a wake-up of the subscriber's task
 message. At 400 requests/s a router gets about one message per request, one at a time, and
 that machinery was 15% of its CPU (``docs/benchmarks.md``, 2026-11-30, Zen 4).
 
-Every message goes through the reader callback, which decodes it and, when its sequence
-number is the expected one (the steady state), delivers it right there: one callback a
-message, no task wake-up. Any other message (the first ever, a gap, a restart) is handed to
-the subscriber's task, which runs ``_accept`` on it, replay included. Until the task is done
-with it, the callback reads nothing more: order holds, and a replay finishes before the next
-queued message is taken. The task then drains what queued meanwhile.
+Every message goes through the reader callback, which decodes it and carries out what the
+sequence machine decides right there when no replay is needed (the steady state, and a
+reset): one callback a message, no task wake-up. A message that needs a replay first (the
+first one ever, a gap) is handed to the subscriber's task, which runs the replay and
+delivers. Until the task is done with it, the callback reads nothing more: order holds,
+and a replay finishes before the next queued message is taken. The task then drains what
+queued meanwhile.
 
 The descriptor is edge-triggered: it signals a change of ``ZMQ_EVENTS``, not readiness, and
 stays readable until ``ZMQ_EVENTS`` is read. So each read checks ``ZMQ_EVENTS`` first and
@@ -109,6 +93,15 @@ import zmq
 import zmq.asyncio
 
 from kvroute.core.errors import MalformedEventError
+from kvroute.core.event_sequence import (
+    Apply,
+    EventSequence,
+    Replayed,
+    ReplayOutcome,
+    ReplayPurpose,
+    RequestReplay,
+    ResetCause,
+)
 from kvroute.core.events import EventBatch
 from kvroute.core.types import ReplicaId
 from kvroute.wire.vllm_events import (
@@ -162,14 +155,6 @@ class SubscriberStats:
     """A replay (catch-up or gap recovery) is being received or delivered now."""
 
 
-class _ReplayResult:
-    __slots__ = ("batches", "problem")
-
-    def __init__(self, batches: dict[int, EventBatch], problem: str | None) -> None:
-        self.batches = batches
-        self.problem = problem
-
-
 class EventSubscriber:
     """Subscribes to one replica's KV events and delivers them in sequence order.
 
@@ -220,21 +205,21 @@ class EventSubscriber:
         self._on_batch = on_batch
         self._on_reset = on_reset
         self._replay_timeout = replay_timeout
-        self._catch_up = catch_up
         self._hwm = hwm
         self._bind = bind
         self._token_ids = token_ids
         self._catch_up_turns = catch_up_turns
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._stats = SubscriberStats()
-        self._expected: int | None = None
+        self._sequence = EventSequence(can_replay=replay_endpoint is not None,
+                                       catch_up=catch_up)
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
-        # Receiving (module doc): the socket while running, the task's wake-up, the message
-        # it must accept, an error from a callback, and whether a continuation is scheduled.
+        # Receiving (module doc): the socket while running, the task's wake-up, the replay
+        # it must run, an error from a callback, and whether a continuation is scheduled.
         self._sub: zmq.Socket[bytes] | None = None
         self._wake = asyncio.Event()
-        self._pending: EventBatch | None = None
+        self._pending: RequestReplay | None = None
         self._failure: Exception | None = None
         self._continuing = False
 
@@ -297,9 +282,9 @@ class EventSubscriber:
                 self._wake.clear()
                 if self._failure is not None:
                     raise self._failure
-                batch = self._pending
-                if batch is not None:
-                    await self._accept(batch)
+                request = self._pending
+                if request is not None:
+                    await self._recover(request)
                     self._pending = None
                     self._take()  # the edges of what queued meanwhile were not acted on
         finally:
@@ -344,8 +329,8 @@ class EventSubscriber:
         self._take()
 
     def _take(self) -> None:
-        """Read and deliver queued messages until none is left, one needs the task, or
-        ``_TAKE_PER_TURN`` were handled (then continue on the next loop turn)."""
+        """Read and deliver queued messages until none is left, one needs a replay (the
+        task's), or ``_TAKE_PER_TURN`` were handled (then continue on the next loop turn)."""
         sub = self._sub
         if sub is None or self._pending is not None or self._failure is not None:
             return  # stopped, or the task has a message in hand and drains after it
@@ -356,12 +341,20 @@ class EventSubscriber:
                 batch = self._decode(sub.recv_multipart(zmq.NOBLOCK))
                 if batch is None:
                     continue
-                if batch.seq == self._expected:
+                action = self._sequence.receive_live(batch)
+                if isinstance(action, Apply):
                     self._deliver(batch)
-                else:
-                    self._pending = batch
+                elif isinstance(action, RequestReplay):
+                    if action.purpose is ReplayPurpose.GAP:
+                        self._stats.gaps += 1
+                    self._pending = action
                     self._wake.set()
                     return
+                else:
+                    if action.cause is ResetCause.GAP_WITHOUT_REPLAY:
+                        self._stats.gaps += 1
+                    self._reset(action.reason)
+                    self._deliver(batch)
             self._continuing = True
             asyncio.get_running_loop().call_soon(self._continue)  # callbacks run on the loop
         except Exception as exc:  # noqa: BLE001 - kept and raised by the task (module doc)
@@ -385,7 +378,6 @@ class EventSubscriber:
         log.debug("replica %s: skipped an event of unknown type %r", self.replica, tag)
 
     def _deliver(self, batch: EventBatch) -> None:
-        self._expected = batch.seq + 1
         self._stats.batches += 1
         self._stats.events += len(batch.events)
         self._stats.last_seq = batch.seq
@@ -405,73 +397,47 @@ class EventSubscriber:
         finally:
             self._stats.replaying = False
 
-    async def _deliver_tail(self, got: dict[int, EventBatch], stop: int) -> None:
-        """Deliver the contiguous run of replayed batches that ends at ``stop - 1``."""
-        first = stop
-        while first - 1 in got:
-            first -= 1
-        await self._deliver_replayed(got, first, stop)
-
-    async def _deliver_replayed(self, got: dict[int, EventBatch], first: int,
-                                stop: int) -> None:
-        """Deliver replayed batches ``first..stop - 1`` in order, yielding to the loop after
-        every ``_REPLAY_PER_TURN`` (module doc, Replays)."""
-        for n, seq in enumerate(range(first, stop), start=1):
+    async def _deliver_replayed(self, batches: tuple[EventBatch, ...]) -> None:
+        """Deliver replayed batches in order, yielding to the loop after every
+        ``_REPLAY_PER_TURN`` (module doc, Replays)."""
+        for n, batch in enumerate(batches, start=1):
             self._stats.replayed_batches += 1
-            self._deliver(got[seq])
+            self._deliver(batch)
             if n % _REPLAY_PER_TURN == 0:
                 await asyncio.sleep(0)
 
-    async def _accept(self, batch: EventBatch) -> None:
-        seq = batch.seq
-        expected = self._expected
-        if expected is None:
-            if seq > 0 and self._catch_up and self.replay_endpoint is not None:
-                async with self._catch_up_turns or contextlib.nullcontext():
-                    with self._replaying():
-                        result = await self._replay(0, seq)
-                        await self._deliver_tail(result.batches, seq)
-            self._deliver(batch)
-            return
-        if seq == expected:
-            self._deliver(batch)
-            return
-        if seq < expected:
-            self._reset(
-                f"sequence went back from {expected - 1} to {seq}: the engine's publisher "
-                "restarted, so everything known about this replica is stale"
-            )
-            self._deliver(batch)
-            return
-        self._stats.gaps += 1
-        if self.replay_endpoint is None:
-            self._reset(
-                f"missed batches {expected}..{seq - 1} and no replay endpoint is configured "
-                "(set the engine's kv-events replay_endpoint to recover gaps)"
-            )
-            self._deliver(batch)
-            return
-        with self._replaying():
-            result = await self._replay(expected, seq)
-            if result.problem is None:
-                await self._deliver_replayed(result.batches, expected, seq)
-            else:
-                self._reset(f"could not recover batches {expected}..{seq - 1}: "
-                            f"{result.problem}")
-                await self._deliver_tail(result.batches, seq)
-        self._deliver(batch)
+    async def _recover(self, request: RequestReplay) -> None:
+        """Run the replay the sequence machine asked for and carry out its outcome: a
+        catch-up in turns with the other subscribers (module doc, Replays), a gap recovery
+        at once."""
+        catch_up = request.purpose is ReplayPurpose.CATCH_UP
+        turns = self._catch_up_turns if catch_up else None
+        async with turns or contextlib.nullcontext():
+            with self._replaying():
+                outcome = await self._replay(request)
+                if outcome.reset is not None:
+                    self._reset(outcome.reset)
+                elif outcome.problem is not None:  # a catch-up: no reset (module doc)
+                    log.info("replica %s: caught up on the last %d batches before %d only: %s",
+                             self.replica, len(outcome.replayed), outcome.live.seq,
+                             outcome.problem)
+                await self._deliver_replayed(outcome.replayed)
+        self._deliver(outcome.live)
 
-    async def _replay(self, start: int, stop: int) -> _ReplayResult:
-        """Ask the replay ROUTER for ``[start, stop)``; never raises for a bad peer.
+    async def _replay(self, request: RequestReplay) -> ReplayOutcome:
+        """Ask the replay ROUTER for ``[request.start, request.stop)`` and feed the answers
+        to the sequence machine until it has them all, the engine says it has no more, the
+        waiting exceeds ``replay_timeout`` or a reply is malformed; never raises for a bad
+        peer.
 
         Reads a plain DEALER with ``NOBLOCK`` and yields every ``_REPLAY_PER_TURN`` messages;
         waits on the descriptor only when ``ZMQ_EVENTS`` shows nothing (module doc,
         Receiving and Replays)."""
-        assert self.replay_endpoint is not None
+        assert self.replay_endpoint is not None, "the sequence machine replays only with one"
         self._stats.replays += 1
+        sequence = self._sequence
         loop = asyncio.get_running_loop()
         waited = 0.0
-        got: dict[int, EventBatch] = {}
         dealer: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.DEALER)
         readable = asyncio.Event()
         fd: int | None = None
@@ -479,25 +445,23 @@ class EventSubscriber:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.replay_endpoint)
             # A connecting DEALER queues the request (its pipe exists from connect on).
-            dealer.send_multipart(encode_replay_request(start), zmq.NOBLOCK)
+            dealer.send_multipart(encode_replay_request(request.start), zmq.NOBLOCK)
             fd = cast(int, dealer.getsockopt(zmq.FD))
             loop.add_reader(fd, readable.set)
             taken = 0
-            timed_out = (f"replay did not finish within {self._replay_timeout}s of waiting "
-                         "for the engine's answers")
             while True:
                 if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
                     # Reading ZMQ_EVENTS re-armed the edge: the next message sets the event.
                     readable.clear()
                     remaining = self._replay_timeout - waited
                     if remaining <= 0:
-                        return _ReplayResult(got, timed_out)
+                        return sequence.replay_timed_out(self._replay_timeout)
                     began = loop.time()
                     try:
                         async with asyncio.timeout(remaining):
                             await readable.wait()
                     except TimeoutError:
-                        return _ReplayResult(got, timed_out)
+                        return sequence.replay_timed_out(self._replay_timeout)
                     finally:
                         waited += loop.time() - began
                     continue
@@ -507,14 +471,11 @@ class EventSubscriber:
                                                 token_ids=self._token_ids)
                 except MalformedEventError as exc:
                     self._stats.malformed += 1
-                    return _ReplayResult(got, f"malformed replay reply ({exc})")
+                    return sequence.replay_malformed(str(exc))
                 if isinstance(reply, ReplayEnd):
-                    break
-                replayed = reply.batch.seq
-                if start <= replayed < stop:
-                    got[replayed] = reply.batch
-                    if len(got) == stop - start:
-                        return _ReplayResult(got, None)
+                    return sequence.replay_ended()
+                if sequence.receive_replayed(reply.batch) is Replayed.COMPLETE:
+                    return sequence.replay_ended()
                 taken += 1
                 if taken % _REPLAY_PER_TURN == 0:
                     await asyncio.sleep(0)
@@ -522,8 +483,3 @@ class EventSubscriber:
             if fd is not None:
                 loop.remove_reader(fd)
             dealer.close(linger=0)
-        missing = next(s for s in range(start, stop) if s not in got)
-        oldest = f"the oldest it returned was {min(got)}" if got else "it returned none of them"
-        return _ReplayResult(
-            got, f"the engine's replay buffer no longer holds batch {missing} ({oldest})"
-        )
