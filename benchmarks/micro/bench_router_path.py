@@ -6,13 +6,14 @@ Usage::
         [--replicas 8] [--hf-dir DIR] [--no-engine] [--json OUT]
 
 What one chat request costs kvroute before and after the engine answers, measured in this
-process on the functions ``shell/app.py`` calls, each timed per call with ``perf_counter_ns``
+process on the functions the live walk driver (``shell/forward.py``) calls, each timed per call with ``perf_counter_ns``
 (mean/p50/p99/max in µs over ``N`` requests, the best of ``R`` repeats; ``gc.collect`` and a
 warm-up before each series):
 
 * ``parse``: ``wire.openai.parse_request`` of the client's bytes;
 * ``session``: ``wire.openai.session_from_request`` (headers, then body);
-* ``tier_plan``: ``shell.tiering.Tiering.plan`` (estimate, one pool, no exact count asked);
+* ``tier_plan``: ``core.walk`` from ``Walker.start`` to its first action (estimate and tier
+  plan, one pool; the action is ``NeedTokens`` for routing, so nothing is routed yet);
 * ``tokenize_local_hf``: the local Hugging Face path (chat template + ``tokenizers`` encode of
   ``tokenize.prompt.LocalTokenizer``) with ``--hf-dir`` (default: the bundled tiny BPE);
 * ``tokenize_engine_rt``: one ``POST /tokenize`` to a ``kvroute sim serve`` engine on
@@ -23,7 +24,7 @@ warm-up before each series):
 * ``route``: ``RouterCore.route`` with the hashes given (match + load snapshots + the
   ``kvroute`` cost policy + commit of load and predicted blocks), then ``on_complete``;
 * ``encode_body``: ``wire.openai.encode_request`` (what a rewrite costs) against
-  ``forward_body`` (``shell.app.forward_body``: the client's bytes when nothing changes);
+  ``forward_body`` (``wire.relay.forward_body``: the client's bytes when nothing changes);
 * ``metrics``: ``RouterMetrics.decision`` + ``tokenize`` (the per-request series).
 
 The workload is the live benchmark's: ``generated_shared_prefix`` with 32 groups of a
@@ -60,15 +61,17 @@ from kvroute.core.clock import ManualClock
 from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.index import TenantScope
 from kvroute.core.router import RouteRequest
+from kvroute.core.tiers import TierPool
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
-from kvroute.shell.app import forward_body
+from kvroute.core.walk import NeedTokens, Walker, WalkRequest, WalkRoute, WalkSettings
+from kvroute.core.warm import WarmPlanner
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.runtime import build_core
-from kvroute.shell.tiering import Tiering, session_key
 from kvroute.tokenize.hf import bundled_tokenizer_dir
 from kvroute.tokenize.prompt import LocalTokenizer, tokenize_request_body
 from kvroute.tokenize.sim_vocab import BuiltinTokenizer
 from kvroute.wire.openai import encode_request, parse_request, session_from_request
+from kvroute.wire.relay import forward_body
 
 DEFAULT_HF_DIR = bundled_tokenizer_dir()  # the conformance tiny BPE, shipped with kvroute
 HEADERS = (("content-type", "application/json"), ("x-session-id", "bench-session-0001"))
@@ -205,15 +208,25 @@ def main() -> None:
     hashes = [tuple(hasher.wire_hashes(x)) for x in ids]
     scope = TenantScope(TenantName("default"))
     metrics = RouterMetrics()
-    tiering = Tiering(config, discovery=None, tokenizers={}, metrics=metrics, clock=ManualClock())
-    route = config.routes["sim-model"]
+    walker = Walker(core, WarmPlanner(), WalkSettings(), ManualClock())
+    pools = [TierPool("sim")]
+    route = WalkRoute("sim-model")
 
     rows: dict[str, dict[str, float]] = {}
     rows["parse"] = series(lambda i: parse_request(raws[i], "chat"), n, repeats)
     rows["session"] = series(lambda i: session_from_request(HEADERS, parsed[i].body), n, repeats)
-    key = session_key("default", "sim-model", "bench-session-0001")
-    rows["tier_plan"] = series(lambda i: _run_sync(tiering.plan(route, parsed[i], key)), n,
-                               repeats)
+
+    def plan_one(i: int) -> None:
+        p = parsed[i]
+        walk = walker.start(WalkRequest(
+            request_id=RequestId(f"p{i}"), route=route, tenant=TenantName("default"),
+            session_id="bench-session-0001", endpoint="chat", model="sim-model", body=p.body,
+            max_tokens=p.max_tokens, num_messages=len(p.messages or ())), pools, None)
+        action = walk.begin()
+        assert isinstance(action, NeedTokens), f"the walk routed without tokens: {action}"
+        walk.end()
+
+    rows["tier_plan"] = series(plan_one, n, repeats)
 
     hf_dir = Path(args.hf_dir)
     if (hf_dir / "tokenizer.json").exists():
@@ -273,16 +286,6 @@ def main() -> None:
                "git_sha": git_sha(cwd=os.path.dirname(__file__), timeout_s=None),
                "versions": {p: _version(p) for p in ("aiohttp", "msgspec", "tokenizers")}}
         Path(args.json).write_text(json.dumps(out, indent=2))
-
-
-def _run_sync(coro: Any) -> Any:
-    """Drive a coroutine that never suspends (``Tiering.plan`` without tokenizers)."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise AssertionError("Tiering.plan suspended: the benchmark gives it no tokenizer")
 
 
 def _version(package: str) -> str | None:

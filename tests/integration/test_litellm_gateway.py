@@ -49,6 +49,7 @@ from gateway import (
 )
 
 from kvroute.config import parse_config
+from kvroute.core.session import session_key
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
 from kvroute.wire.sse import SSEDecoder
 
@@ -260,7 +261,8 @@ def test_session_header_reaches_kvroute_and_pins_the_session(stack: Stack, heade
             replicas.append(headers["llm_provider-x-kvroute-replica"])
         assert len(set(replicas)) == 1, f"session {session} moved: {replicas}"
         # kvroute keyed its pin on the very id the client sent to LiteLLM (tenant "default").
-        pinned = router.call(state.get_pin(f"default\x1f{session}"))
+        record = router.call(state.get_session(session_key("default", "assistant", session)))
+        pinned = None if record is None else record.pin
         assert pinned == replicas[0], (session, pinned, replicas)
 
 
@@ -276,7 +278,8 @@ def test_without_header_forwarding_kvroute_sees_no_session(stack: Stack,
         headers={"x-litellm-session-id": session})
     ok_json(status, raw, bare_proxy)
     assert stack.router.runtime is not None and stack.router.runtime.state is not None
-    assert stack.router.call(stack.router.runtime.state.get_pin(f"default\x1f{session}")) is None
+    key = session_key("default", "assistant", session)
+    assert stack.router.call(stack.router.runtime.state.get_session(key)) is None
 
 
 # --------------------------------------------------------------------------------------------

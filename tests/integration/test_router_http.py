@@ -29,6 +29,7 @@ import yaml
 from settling import settled
 
 from kvroute.config import RouterConfig, TokenizerConfig
+from kvroute.core.session import session_key
 from kvroute.core.types import ReplicaId
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet, start_fleet
@@ -250,14 +251,15 @@ def test_a_session_follows_its_pin_and_the_pin_lives_while_the_session_does(
     session_id = "sess-0123456789"
     # x-litellm-session-id comes before x-session-id in LiteLLM's order.
     headers = {"x-litellm-session-id": session_id, "x-session-id": "not-this-one"}
-    key = f"default\x1f{session_id}"
+    key = session_key("default", ROUTE, session_id)
 
     async def body(rt: RouterRuntime, c: Client) -> None:
         assert rt.state is not None
         state = rt.state
 
-        async def pin() -> str | None:
-            return await state.get_pin(key)
+        async def pin(of: str = key) -> str | None:
+            record = await state.get_session(of)
+            return None if record is None else record.pin
 
         async def ask() -> str:
             status, h, _ = await c.post(chat(words(rng, 30)), headers=headers)
@@ -266,7 +268,7 @@ def test_a_session_follows_its_pin_and_the_pin_lives_while_the_session_does(
 
         first = await ask()
         await wait_for_async(lambda: pin(), first, what="the pin")
-        assert await state.get_pin("default\x1fnot-this-one") is None
+        assert await pin(session_key("default", ROUTE, "not-this-one")) is None
         # The fleet changes: the pinned replica leaves, the session moves and is pinned anew.
         rt.core.set_healthy(ReplicaId(first), False)
         moved = await ask()

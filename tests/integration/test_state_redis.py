@@ -19,6 +19,8 @@ import redis.asyncio as aioredis
 
 from kvroute.bench.processes import free_port
 from kvroute.config import parse_config
+from kvroute.core.session import SessionRecord, SessionUsage
+from kvroute.core.types import ReplicaId
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import RedisState, build_state
 
@@ -26,6 +28,16 @@ pytestmark = pytest.mark.integration
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TEST_SECONDS = 8.0
+
+
+
+async def set_pin(state: RedisState, key: str, replica: str, ttl_s: float) -> None:
+    await state.put_session(key, SessionRecord(pin=ReplicaId(replica)), ttl_s)
+
+
+async def get_pin(state: RedisState, key: str) -> str | None:
+    record = await state.get_session(key)
+    return None if record is None else record.pin
 
 
 def _redis_reachable() -> str | None:
@@ -68,22 +80,22 @@ async def two_routers(metrics: RouterMetrics | None = None) -> AsyncIterator[
 
 
 @needs_redis
-def test_two_routers_agree_on_pins_and_ttl_refresh() -> None:
+def test_two_routers_agree_on_session_records_and_ttl_refresh() -> None:
     async def go() -> None:
         async with two_routers() as (a, b, prefix):
             key = f"{prefix}-s1"
-            assert await a.get_pin(key) is None
-            await a.set_pin(key, "r3", ttl_s=30)
-            assert await b.get_pin(key) == "r3"
-            await b.set_pin(key, "r1", ttl_s=30)
-            assert await a.get_pin(key) == "r1"
-            # The key is namespaced as documented and carries the TTL, refreshed by set_pin.
+            assert await get_pin(a, key) is None
+            await set_pin(a, key, "r3", ttl_s=30)
+            assert await get_pin(b, key) == "r3"
+            await set_pin(b, key, "r1", ttl_s=30)
+            assert await get_pin(a, key) == "r1"
+            # The key is namespaced as documented and carries the TTL, refreshed by each write.
             raw = aioredis.Redis.from_url(REDIS_URL)
             try:
-                assert await raw.get(f"kvroute:pin:{key}") == b"r1"
-                await raw.pexpire(f"kvroute:pin:{key}", 5000)
-                await a.set_pin(key, "r1", ttl_s=30)
-                ttl_ms = await raw.pttl(f"kvroute:pin:{key}")
+                assert await raw.get(f"kvroute:session:{key}") == b'{"pin":"r1"}'
+                await raw.pexpire(f"kvroute:session:{key}", 5000)
+                await set_pin(a, key, "r1", ttl_s=30)
+                ttl_ms = await raw.pttl(f"kvroute:session:{key}")
                 assert 25_000 < ttl_ms <= 30_000
             finally:
                 await raw.aclose()
@@ -92,15 +104,15 @@ def test_two_routers_agree_on_pins_and_ttl_refresh() -> None:
 
 
 @needs_redis
-def test_pin_expires() -> None:
+def test_session_record_expires() -> None:
     async def go() -> None:
         async with two_routers() as (a, b, prefix):
             key = f"{prefix}-short"
-            await a.set_pin(key, "r0", ttl_s=0.15)
-            assert await b.get_pin(key) == "r0"
+            await set_pin(a, key, "r0", ttl_s=0.15)
+            assert await get_pin(b, key) == "r0"
             deadline = time.monotonic() + 3.0
-            while await b.get_pin(key) is not None:  # bounded: Redis expiry is ~ms accurate
-                assert time.monotonic() < deadline, "pin did not expire within 3 s"
+            while await get_pin(b, key) is not None:  # bounded: Redis expiry is ~ms accurate
+                assert time.monotonic() < deadline, "the record did not expire within 3 s"
                 await asyncio.sleep(0.05)
 
     run(go)
@@ -145,15 +157,15 @@ def test_outage_degrades_to_no_pin_and_no_warm_and_is_counted() -> None:
     assert isinstance(state, RedisState)
 
     async def go() -> None:
-        await state.set_pin("s", "r0", ttl_s=10)
-        assert await state.get_pin("s") is None
+        await set_pin(state, "s", "r0", ttl_s=10)
+        assert await get_pin(state, "s") is None
         assert await state.try_start_warm("s", cooldown_s=10) is False
         assert state.available is False
         await state.close()
 
     run(go)
     assert state.num_errors == 3
-    for op in ("set_pin", "get_pin", "try_start_warm"):
+    for op in ("put_session", "get_session", "try_start_warm"):
         assert metrics.value("kvroute_state_errors_total", {"backend": "redis", "op": op}) == 1
 
 
@@ -173,7 +185,7 @@ def test_hung_server_is_bounded_by_the_timeout() -> None:
             f"redis://127.0.0.1:{port}/0", timeout_s=0.2, metrics=metrics
         )
         started = time.monotonic()
-        assert await state.get_pin("s") is None
+        assert await get_pin(state, "s") is None
         assert await state.try_start_warm("s", 10) is False
         elapsed = time.monotonic() - started
         assert elapsed < 1.5, f"two calls took {elapsed:.2f}s with a 0.2s timeout"
@@ -184,7 +196,7 @@ def test_hung_server_is_bounded_by_the_timeout() -> None:
         await server.wait_closed()
 
     run(go)
-    assert metrics.value("kvroute_state_errors_total", {"backend": "redis", "op": "get_pin"}) == 1
+    assert metrics.value("kvroute_state_errors_total", {"backend": "redis", "op": "get_session"}) == 1
 
 
 @needs_redis
@@ -194,8 +206,27 @@ def test_recovers_after_outage() -> None:
     async def go() -> None:
         async with two_routers() as (a, _b, prefix):
             a.available = False  # as after an outage
-            await a.set_pin(f"{prefix}-x", "r0", ttl_s=5)
+            await set_pin(a, f"{prefix}-x", "r0", ttl_s=5)
             assert a.available is True
-            assert await a.get_pin(f"{prefix}-x") == "r0"
+            assert await get_pin(a, f"{prefix}-x") == "r0"
+
+    run(go)
+
+
+@needs_redis
+def test_a_whole_session_record_is_shared_and_a_foreign_value_reads_as_none() -> None:
+    async def go() -> None:
+        async with two_routers() as (a, b, prefix):
+            key = f"{prefix}-rec"
+            record = SessionRecord(pin=ReplicaId("r2"), tier=1, usage=SessionUsage(4000, 90, 9))
+            await a.put_session(key, record, ttl_s=30)
+            assert await b.get_session(key) == record
+            raw = aioredis.Redis.from_url(REDIS_URL)
+            try:
+                await raw.set(f"kvroute:session:{key}", b"r3")  # an older router's pin value
+            finally:
+                await raw.aclose()
+            assert await b.get_session(key) is None
+            assert b.available  # a value it cannot read is not an outage
 
     run(go)

@@ -1,10 +1,12 @@
-"""Session pins and warm-ahead cooldowns: in memory for one router, in Redis for several.
+"""Session records and warm-ahead cooldowns: in memory for one router, in Redis for several.
 
 Owns the two pieces of per-session state that must survive between requests and, with
 several router processes behind one Service, be shared by them:
 
-* a *pin*: session key -> the replica that served it last, with a TTL refreshed on each
-  write (so an active session keeps its replica and an idle one is forgotten);
+* a *session record* (``core/session.SessionRecord``: the replica that served it last, the
+  largest tier it reached, its last ``usage``), read once when a request's walk starts and
+  written once when it ends, with a TTL refreshed on each write (an active session keeps its
+  replica and tier, an idle one is forgotten);
 * a *warm cooldown*: at most one warm-ahead per key per cooldown, claimed atomically
   (``try_start_warm`` returns True to exactly one caller, in one process or across many).
 
@@ -13,7 +15,7 @@ event streams and ``/metrics``, so it is deliberately not here.
 
 Failure policy. State is an optimisation: losing it costs cache hits, never correctness.
 ``RedisState`` therefore degrades instead of failing: a Redis error or timeout reads as
-"no pin" and "no warm" (never two warms: refusing is the safe side), is counted in
+"no record" and "no warm" (never two warms: refusing is the safe side), is counted in
 ``kvroute_state_errors_total`` and logged once per outage (and once on recovery). It never
 raises into a request.
 """
@@ -26,6 +28,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Final, Protocol
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -34,6 +37,8 @@ from redis.retry import Retry
 from kvroute.config import RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.errors import ConfigError
+from kvroute.core.session import SessionRecord, SessionTable, SessionUsage
+from kvroute.core.types import ReplicaId
 from kvroute.shell.metrics import RouterMetrics
 
 __all__ = [
@@ -65,14 +70,16 @@ class MonotonicClock:
 
 
 class SessionState(Protocol):
-    """Pins and warm cooldowns, shared by every router process that uses the same backend."""
+    """Session records and warm cooldowns, shared by every router process that uses the same
+    backend."""
 
-    async def get_pin(self, key: str) -> str | None:
-        """The replica pinned for ``key``, or None (never pinned, expired, or unavailable)."""
+    async def get_session(self, key: str) -> SessionRecord | None:
+        """The record of ``key`` (``core.session.session_key``), or None (never written,
+        expired, or the store is unavailable)."""
         ...
 
-    async def set_pin(self, key: str, replica: str, ttl_s: float) -> None:
-        """Pin ``key`` to ``replica`` for ``ttl_s`` seconds from now (refreshes the TTL)."""
+    async def put_session(self, key: str, record: SessionRecord, ttl_s: float) -> None:
+        """Write ``key``'s record; it lives ``ttl_s`` seconds from now (refreshes the TTL)."""
         ...
 
     async def try_start_warm(self, key: str, cooldown_s: float) -> bool:
@@ -89,23 +96,24 @@ def _check_duration(name: str, value: float) -> None:
 
 
 class MemoryState:
-    """Process-local state: two bounded LRU maps with expiry times on an injected clock.
+    """Process-local state: session records in a ``core.session.SessionTable`` and warm
+    cooldowns in a bounded LRU, both with expiry times on an injected clock.
 
-    Invariants: at most ``max_pins`` pins and ``max_warm`` cooldowns are held; the least
+    Invariants: at most ``max_pins`` records and ``max_warm`` cooldowns are held; the least
     recently used entry is evicted first; an entry whose expiry time has passed is never
     returned (it is dropped when met). Expired entries are not swept: the bound, not a
     timer, limits memory, so there is no background task to own.
 
     Evicting a live cooldown early only allows one extra warm-ahead for that key (harmless);
-    evicting a live pin loses one session's affinity (one cache miss at worst).
+    evicting a live record loses one session's affinity (one cache miss at worst).
 
     Args:
-        max_pins: bound on pins (default 100 000).
+        max_pins: bound on session records (default 100 000).
         max_warm: bound on warm cooldowns (default 256, as ``core/warm.py``'s map).
         clock: monotonic seconds; ``time.monotonic`` when None.
     """
 
-    __slots__ = ("_clock", "_pins", "_warm", "max_pins", "max_warm")
+    __slots__ = ("_clock", "_sessions", "_warm", "max_pins", "max_warm")
 
     def __init__(
         self,
@@ -122,33 +130,22 @@ class MemoryState:
         self.max_pins = max_pins
         self.max_warm = max_warm
         self._clock: Clock = clock or MonotonicClock()
-        self._pins: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._sessions = SessionTable(max_pins)
         self._warm: OrderedDict[str, float] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._pins)
+        return len(self._sessions)
 
     @property
     def num_warm(self) -> int:
         return len(self._warm)
 
-    async def get_pin(self, key: str) -> str | None:
-        entry = self._pins.get(key)
-        if entry is None:
-            return None
-        replica, expires_at = entry
-        if self._clock.now() >= expires_at:
-            del self._pins[key]
-            return None
-        self._pins.move_to_end(key)
-        return replica
+    async def get_session(self, key: str) -> SessionRecord | None:
+        return self._sessions.get(key, self._clock.now())
 
-    async def set_pin(self, key: str, replica: str, ttl_s: float) -> None:
+    async def put_session(self, key: str, record: SessionRecord, ttl_s: float) -> None:
         _check_duration("ttl_s", ttl_s)
-        self._pins[key] = (replica, self._clock.now() + ttl_s)
-        self._pins.move_to_end(key)
-        while len(self._pins) > self.max_pins:
-            self._pins.popitem(last=False)
+        self._sessions.put(key, record, self._clock.now(), ttl_s)
 
     async def try_start_warm(self, key: str, cooldown_s: float) -> bool:
         _check_duration("cooldown_s", cooldown_s)
@@ -163,14 +160,16 @@ class MemoryState:
         return True
 
     async def close(self) -> None:
-        self._pins.clear()
+        self._sessions.clear()
         self._warm.clear()
 
 
 class RedisState:
     """State in Redis, shared by every router process pointed at the same server.
 
-    Keys: ``<namespace>:pin:<key>`` (value: replica name, ``PX`` = TTL) and
+    Keys: ``<namespace>:session:<key>`` (value: the record as JSON, ``{"pin": ..., "tier":
+    ..., "usage": [prompt, completion, messages]}``, ``PX`` = TTL; an unreadable value reads
+    as no record and is counted, never raised) and
     ``<namespace>:warm:<key>`` (claimed with ``SET NX PX``, so exactly one process wins per
     cooldown). The namespace defaults to ``kvroute``; several fleets can share one Redis with
     different namespaces.
@@ -240,23 +239,30 @@ class RedisState:
             ) from exc
         return cls(client, namespace=namespace, timeout_s=timeout_s, metrics=metrics)
 
-    def pin_key(self, key: str) -> str:
-        return f"{self._prefix}pin:{key}"
+    def session_key(self, key: str) -> str:
+        return f"{self._prefix}session:{key}"
 
     def warm_key(self, key: str) -> str:
         return f"{self._prefix}warm:{key}"
 
-    async def get_pin(self, key: str) -> str | None:
-        ok, value = await self._call("get_pin", self._client.get(self.pin_key(key)))
+    async def get_session(self, key: str) -> SessionRecord | None:
+        ok, value = await self._call("get_session", self._client.get(self.session_key(key)))
         if not ok or value is None:
             return None
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        record = decode_record(value)
+        if record is None:
+            self.num_errors += 1
+            if self._metrics is not None:
+                self._metrics.state_error("redis", "decode_session")
+            log.error("shared state (Redis): the session record under %r is not one this "
+                      "router wrote (%r); treating it as absent", self.session_key(key),
+                      bytes(value)[:80])
+        return record
 
-    async def set_pin(self, key: str, replica: str, ttl_s: float) -> None:
+    async def put_session(self, key: str, record: SessionRecord, ttl_s: float) -> None:
         _check_duration("ttl_s", ttl_s)
-        await self._call(
-            "set_pin", self._client.set(self.pin_key(key), replica, px=_ms(ttl_s))
-        )
+        await self._call("put_session", self._client.set(
+            self.session_key(key), encode_record(record), px=_ms(ttl_s)))
 
     async def try_start_warm(self, key: str, cooldown_s: float) -> bool:
         _check_duration("cooldown_s", cooldown_s)
@@ -298,6 +304,38 @@ class RedisState:
         return True, result
 
 
+class _WireRecord(msgspec.Struct, omit_defaults=True):
+    pin: str | None = None
+    tier: int = 0
+    usage: tuple[int, int, int] | None = None
+
+
+_RECORD_ENCODER: Final = msgspec.json.Encoder()
+_RECORD_DECODER: Final = msgspec.json.Decoder(_WireRecord)
+
+
+def encode_record(record: SessionRecord) -> bytes:
+    """A session record as stored in Redis (compact JSON)."""
+    usage = record.usage
+    return _RECORD_ENCODER.encode(_WireRecord(
+        pin=record.pin, tier=record.tier,
+        usage=None if usage is None else (usage.prompt_tokens, usage.completion_tokens,
+                                          usage.num_messages)))
+
+
+def decode_record(data: bytes | str) -> SessionRecord | None:
+    """The record ``encode_record`` wrote, or None for anything else."""
+    try:
+        wire = _RECORD_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if wire.tier < 0 or (wire.usage is not None and min(wire.usage) < 0):
+        return None
+    return SessionRecord(
+        pin=None if wire.pin is None else ReplicaId(wire.pin), tier=wire.tier,
+        usage=None if wire.usage is None else SessionUsage(*wire.usage))
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -312,7 +350,7 @@ def build_state(
 ) -> SessionState:
     """The state backend ``config.state`` asks for.
 
-    ``memory``: pins bounded by ``state.max_pins``, warm cooldowns by ``state.max_warm``.
+    ``memory``: session records bounded by ``state.max_pins``, warm cooldowns by ``state.max_warm``.
     ``redis``: ``state.url``, keys under ``state.namespace``, ``state.timeout_s`` per call.
 
     Raises:
@@ -340,5 +378,5 @@ def build_state(
         )
     raise ConfigError(
         f"state.backend {state_cfg.backend!r} is not known; use 'memory' (one router) or "
-        "'redis' (several routers sharing pins and warm cooldowns)"
+        "'redis' (several routers sharing session records and warm cooldowns)"
     )

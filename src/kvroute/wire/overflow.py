@@ -49,6 +49,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvroute.core.tiers import OverflowNumbers, OverflowPart
+
 __all__ = [
     "MAX_SCAN_CHARS",
     "OVERFLOW_STATUSES",
@@ -56,6 +58,7 @@ __all__ = [
     "OverflowKind",
     "OverflowParam",
     "gateway_recognises_overflow",
+    "overflow_numbers",
     "parse_overflow",
 ]
 
@@ -530,3 +533,15 @@ def gateway_recognises_overflow(message: str) -> bool:
     if any(s in text for s in _LITELLM_SUBSTRINGS):
         return True
     return any(a in text and b in text.split(a, 1)[1] for a, b in _LITELLM_PAIRS)
+
+
+def overflow_numbers(overflow: Overflow) -> OverflowNumbers:
+    """The parsed rejection as the walk's plain numbers (``core/tiers.OverflowNumbers``;
+    ``OverflowPart`` has ``OverflowKind``'s values, so the kind converts by value)."""
+    return OverflowNumbers(
+        part=OverflowPart(overflow.kind.value),
+        window=overflow.window,
+        prompt_tokens=overflow.prompt_tokens,
+        prompt_is_lower_bound=overflow.prompt_is_lower_bound,
+        requested_output_tokens=overflow.requested_output_tokens,
+    )

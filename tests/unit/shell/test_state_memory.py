@@ -1,4 +1,5 @@
-"""MemoryState: TTLs on an injected clock, bounded LRU maps, warm cooldowns, and build_state."""
+"""MemoryState: session records with TTLs on an injected clock, bounded LRU maps, warm
+cooldowns, and build_state."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from hypothesis import strategies as st
 from kvroute.config import RouterConfig, StateConfig, parse_config
 from kvroute.core.clock import ManualClock
 from kvroute.core.errors import ConfigError
-from kvroute.shell.state import MemoryState, RedisState, build_state
+from kvroute.core.session import SessionRecord, SessionUsage
+from kvroute.core.types import ReplicaId
+from kvroute.shell.state import (
+    MemoryState,
+    RedisState,
+    build_state,
+    decode_record,
+    encode_record,
+)
 
 T = TypeVar("T")
 
@@ -23,35 +32,44 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def test_pin_expires_after_ttl_and_set_refreshes_it() -> None:
+async def set_pin(state: MemoryState, key: str, replica: str, ttl_s: float) -> None:
+    await state.put_session(key, SessionRecord(pin=ReplicaId(replica)), ttl_s)
+
+
+async def get_pin(state: MemoryState, key: str) -> str | None:
+    record = await state.get_session(key)
+    return None if record is None else record.pin
+
+
+def test_record_expires_after_ttl_and_a_write_refreshes_it() -> None:
     clock = ManualClock()
     state = MemoryState(clock=clock)
 
     async def go() -> None:
-        await state.set_pin("s1", "r0", ttl_s=10)
+        await set_pin(state, "s1", "r0", ttl_s=10)
         clock.advance(9.9)
-        assert await state.get_pin("s1") == "r0"
-        await state.set_pin("s1", "r1", ttl_s=10)  # refresh: new replica, TTL from now
+        assert await get_pin(state, "s1") == "r0"
+        await set_pin(state, "s1", "r1", ttl_s=10)  # refresh: new replica, TTL from now
         clock.advance(9.9)
-        assert await state.get_pin("s1") == "r1"
+        assert await get_pin(state, "s1") == "r1"
         clock.advance(0.1)
-        assert await state.get_pin("s1") is None
+        assert await get_pin(state, "s1") is None
         assert len(state) == 0  # the expired entry was dropped when met
 
     run(go())
 
 
-def test_pins_are_bounded_lru() -> None:
+def test_records_are_bounded_lru() -> None:
     state = MemoryState(max_pins=3, clock=ManualClock())
 
     async def go() -> None:
         for key in ("a", "b", "c"):
-            await state.set_pin(key, f"r-{key}", ttl_s=60)
-        assert await state.get_pin("a") == "r-a"  # a is now the most recently used
-        await state.set_pin("d", "r-d", ttl_s=60)  # evicts b, the least recently used
+            await set_pin(state, key, f"r-{key}", ttl_s=60)
+        assert await get_pin(state, "a") == "r-a"  # a is now the most recently used
+        await set_pin(state, "d", "r-d", ttl_s=60)  # evicts b, the least recently used
         assert len(state) == 3
-        assert await state.get_pin("b") is None
-        assert [await state.get_pin(k) for k in ("a", "c", "d")] == ["r-a", "r-c", "r-d"]
+        assert await get_pin(state, "b") is None
+        assert [await get_pin(state, k) for k in ("a", "c", "d")] == ["r-a", "r-c", "r-d"]
 
     run(go())
 
@@ -117,13 +135,13 @@ def test_memory_state_matches_a_naive_model(ops: list[tuple[str, int, float]]) -
             if op == "tick":
                 clock.advance(amount)
             elif op == "set":
-                await state.set_pin(key, f"r{n}", ttl_s=2.0)
+                await set_pin(state, key, f"r{n}", ttl_s=2.0)
                 model[key] = (f"r{n}", clock.now() + 2.0)
                 touch(key)
                 while len(recency) > bound:
                     model.pop(recency.pop(0))
             else:
-                got = await state.get_pin(key)
+                got = await get_pin(state, key)
                 entry = model.get(key)
                 if entry is None or clock.now() >= entry[1]:
                     if entry is not None:
@@ -143,7 +161,7 @@ def test_bad_arguments_raise_clear_errors() -> None:
         MemoryState(max_pins=0)
     state = MemoryState()
     with pytest.raises(ValueError, match="ttl_s must be a positive number of seconds"):
-        run(state.set_pin("k", "r", ttl_s=0))
+        run(set_pin(state, "k", "r", ttl_s=0))
     with pytest.raises(ValueError, match="cooldown_s must be a positive"):
         run(state.try_start_warm("k", cooldown_s=-1))
 
@@ -168,10 +186,25 @@ def test_build_state_backends() -> None:
         config(state={"backend": "redis", "url": "redis://127.0.0.1:1/0", "namespace": "fleet-a"})
     )
     assert isinstance(redis_state, RedisState)
-    assert redis_state.pin_key("s") == "fleet-a:pin:s"
+    assert redis_state.session_key("s") == "fleet-a:session:s"
     assert redis_state.warm_key("s") == "fleet-a:warm:s"
     run(redis_state.close())
     with pytest.raises(ConfigError, match="state.url is missing"):
         build_state(replace(config(), state=StateConfig(backend="redis")))
     with pytest.raises(ConfigError, match="not a Redis URL"):
         RedisState.from_url("http://x")
+
+
+def test_a_whole_record_round_trips_through_memory_and_the_redis_encoding() -> None:
+    record = SessionRecord(pin=ReplicaId("r2"), tier=1, usage=SessionUsage(900, 40, 7))
+    state = MemoryState(clock=ManualClock())
+    run(state.put_session("t\x1fm\x1fs", record, ttl_s=30))
+    assert run(state.get_session("t\x1fm\x1fs")) == record
+    assert decode_record(encode_record(record)) == record
+    assert decode_record(encode_record(SessionRecord())) == SessionRecord()
+
+
+@pytest.mark.parametrize("stored", [b"r3", b"{not json", b'{"tier": -1}', b'{"usage": [1, 2]}',
+                                    b'{"pin": 5}'])
+def test_a_stored_value_this_router_did_not_write_reads_as_no_record(stored: bytes) -> None:
+    assert decode_record(stored) is None

@@ -7,8 +7,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.shell.app import forward_body
 from kvroute.wire.openai import encode_request, parse_request
+from kvroute.wire.relay import forward_body
 
 limits = st.one_of(st.none(), st.integers(min_value=1, max_value=4096))
 

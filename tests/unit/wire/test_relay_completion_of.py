@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.shell.app import _completion_of, _completion_of_any
+from kvroute.wire.relay import completion_of, completion_of_any
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.sampled_from(
     ["stop", "length", "tool_calls", ""]), st.floats(allow_nan=False, allow_infinity=False))
@@ -38,11 +38,11 @@ answer = st.one_of(
 @given(answer)
 def test_the_typed_read_agrees_with_the_lenient_one(doc: Any) -> None:
     body = json.dumps(doc).encode()
-    assert _completion_of(body) == _completion_of_any(body)
+    assert completion_of(body) == completion_of_any(body)
 
 
 def test_a_usual_answer_and_bytes_that_are_not_json() -> None:
     body = (b'{"id":"c1","choices":[{"index":0,"finish_reason":"length","message":'
             b'{"role":"assistant","content":"hi"}}],"usage":{"prompt_tokens":7}}')
-    assert _completion_of(body) == (["length"], {"prompt_tokens": 7})
-    assert _completion_of(b"{not json") == ([], None)
+    assert completion_of(body) == (["length"], {"prompt_tokens": 7})
+    assert completion_of(b"{not json") == ([], None)

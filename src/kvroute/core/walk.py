@@ -1,0 +1,930 @@
+"""The request walk: one request's way from its prompt to its last byte, as a state machine.
+
+This module holds every decision of the walk (docs/architecture.md, "The request walk") and
+performs none of its I/O. It is driven by two drivers that run the *same* steps:
+
+* ``shell/forward.py`` (the live router) with awaits: tokenizer calls, HTTP to the engines;
+* ``sim/fleet.py`` (the simulator) with virtual delays on an event heap.
+
+So a benchmark of the simulator measures the decisions that serve production traffic: tiers,
+exact-count rechecks, session pins, tenancy scope, warm-ahead guards, retries after a failed
+replica and reactive recovery from an engine's overflow rejection.
+
+Theory of operation (h11's shape: facts in, the next action out)
+----------------------------------------------------------------
+
+A driver makes a :class:`RequestWalk` with :meth:`Walker.start` from what it knows when the
+request arrives (:class:`WalkRequest`: route, tenant, session, body, client ``max_tokens``),
+the route's pools as discovery sees them now (``core/tiers.TierPool``) and the session's
+:class:`~kvroute.core.session.SessionRecord`. It then loops::
+
+    action = walk.begin()
+    while True:
+        NeedTokens(pool)  -> get the prompt's token ids for that pool; action = walk.tokens(...)
+        Send(decision)    -> forward to decision.replica; then exactly one of:
+                               walk.overflowed(numbers)  (the engine rejected it as too long)
+                               walk.failed(...)          (no answer before the first byte)
+                               walk.answered()           (first byte / first token)
+                             the first two return the next action
+        Refuse(...)       -> answer the client with that status; the walk has ended
+        Fail(...)         -> answer with the engine's error or a 502/504; the walk has ended
+    walk.end(finish_reasons, usage) -> the session record to write, if any
+
+``end`` is idempotent and must be called on every exit path (it releases the load the walk
+opened on ``RouterCore``). Everything a driver should count or log is queued as a *note*
+(:class:`Decided`, :class:`Escalated`, :class:`WindowLearned`, ...) and drained with
+:meth:`RequestWalk.take_notes` (vLLM's ``take_events`` pattern): the live router turns notes
+into Prometheus series and log lines, the simulator into counters.
+
+The steps, in order (each names the pure module that owns the decision):
+
+1. **Estimate** (``core/tokens.py``): from the session's last ``usage`` when known, else
+   from the body.
+2. **Tier** (``core/tiers.plan_tier``): the first pool at or above the session's tier whose
+   window holds the prompt and the output floor; ``NeedExactCount`` becomes
+   :class:`NeedTokens` with ``for_count=True``; a placement decided on an estimate is
+   re-checked on the exact count when the pool's tokens can be had (they are needed for the
+   block hashes anyway). ``proactive: false`` routes skip the estimate.
+3. **Warm-ahead** (``core/warm.WarmPlanner``): decided on the first placement, carried on
+   the first :class:`Send` as ``warm``; the driver sends it in the background.
+4. **Route** (``core/router.RouterCore.route``): exact tokens for the pool, or text
+   (approximate), in the tenant's ``TenantScope``, the session's pin as
+   ``preferred_replica`` when it is in the pool; an external provider's least-loaded
+   endpoint (:class:`ExternalChooser`).
+5. **Recover**: an overflow goes to ``core/tiers.plan_recovery`` (clamp and retry on the
+   same replica, escalate, or give up with a 400); any other failure before the first byte
+   moves to the next replica of the ranking (``RouterCore.reroute``), at most
+   ``max_retries`` times.
+6. **Account**: first token and completion on ``RouterCore``; a cut-short answer noted; the
+   session's record (pin, tier, usage) returned for the driver to write once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Final
+
+from kvroute.core.clock import Clock
+from kvroute.core.errors import NoEligibleReplica
+from kvroute.core.index import TenantScope
+from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
+from kvroute.core.session import EMPTY_RECORD, SessionRecord, SessionUsage, session_key
+from kvroute.core.tiers import (
+    LOG_TAG,
+    OVERFLOW_ERROR_CODE,
+    OVERFLOW_ERROR_PARAM,
+    OVERFLOW_ERROR_TYPE,
+    AttemptState,
+    CutShort,
+    Escalate,
+    GiveUp,
+    NeedExactCount,
+    NoFit,
+    NoPool,
+    OverflowNumbers,
+    Place,
+    PlaceReason,
+    Retry,
+    Skip,
+    SkipReason,
+    TierPool,
+    eligibility,
+    learn_window,
+    plan_recovery,
+    plan_tier,
+    was_cut_short,
+)
+from kvroute.core.tokens import MalformedBodyError, TokenEstimate, estimate_request, from_session
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
+from kvroute.core.warm import WarmFire, WarmPlanner, WarmSkip
+
+__all__ = [
+    "DEFAULT_EXPECTED_OUTPUT_TOKENS",
+    "Decided",
+    "Escalated",
+    "ExternalChooser",
+    "Fail",
+    "FailReason",
+    "LogLine",
+    "NeedTokens",
+    "Note",
+    "Recovered",
+    "Refuse",
+    "ReplicaUnreachable",
+    "RequestWalk",
+    "Send",
+    "SessionWrite",
+    "StaleWindows",
+    "UpstreamFailed",
+    "WalkAction",
+    "WalkRequest",
+    "WalkRoute",
+    "WalkSettings",
+    "Walker",
+    "WarmNote",
+    "WindowLearned",
+]
+
+DEFAULT_EXPECTED_OUTPUT_TOKENS: Final = 256
+"""The output budget charged to a replica's load when the client set no ``max_tokens``."""
+
+
+# --- what the driver tells the walk -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WalkRoute:
+    """The route's settings the walk reads (``config.RouteConfig`` holds more)."""
+
+    name: str
+    proactive: bool = True
+    output_floor: int = 256
+    tokenize_margin: float = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class WalkSettings:
+    """Router-wide settings of the walk.
+
+    Attributes:
+        max_retries: failures before the first byte retried on another replica.
+        window_ttl_s: age past which a pool's window is stale (re-read, and an estimate that
+            straddles it asks for an exact count).
+        policy_needs_text: the routing policy reads the prompt's text (text-matching
+            peers), so it is passed even when exact tokens are known.
+    """
+
+    max_retries: int = 1
+    window_ttl_s: float = 900.0
+    policy_needs_text: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WalkRequest:
+    """A request as the walk needs it, parsed and validated by the driver.
+
+    Attributes:
+        request_id: unique id.
+        route: the route's settings.
+        tenant: the authenticated tenant (every index lookup is scoped to it).
+        session_id: the client's session id, if any.
+        endpoint: ``"chat"`` or ``"completions"``.
+        model: the model the client asked for (the external-catalog rule).
+        body: the request body (for the estimate).
+        max_tokens: the client's output budget (``None``: absent).
+        n: choices asked for.
+        num_messages: messages in a chat body (``None`` for completions).
+        prompt_token_ids: token ids the body already holds (a completions prompt of ids).
+        prompt_block_hashes: their block hashes in wire form, when the driver already has
+            them (the simulator hashes each prompt once for router and engine).
+        routing_text: renders the prompt as text (called only when needed).
+        cache_salt: the salt the engines hash into block 0 (tenant salt resolved).
+    """
+
+    request_id: RequestId
+    route: WalkRoute
+    tenant: TenantName
+    session_id: str | None
+    endpoint: str
+    model: str
+    body: Mapping[str, Any]
+    max_tokens: int | None = None
+    n: int = 1
+    num_messages: int | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    prompt_block_hashes: Sequence[WireHash] | None = None
+    routing_text: Callable[[], str] = field(default=lambda: "", repr=False, compare=False)
+    cache_salt: str | None = None
+
+
+# --- what the walk tells the driver: actions -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NeedTokens:
+    """Get the prompt's token ids as ``pool``'s engines will see them, then call
+    :meth:`RequestWalk.tokens`. ``for_count``: the tier plan needs an exact count (a
+    ``/tokenize`` round trip the simulator charges); otherwise they are for routing."""
+
+    pool: PoolName
+    for_count: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Forward the request as ``decision`` says, with ``max_tokens`` (``None``: the
+    client's value unchanged). ``warm``: a warm-ahead to send in the background."""
+
+    decision: RoutingDecision
+    pool_index: int
+    max_tokens: int | None
+    external: bool
+    attempt: int
+    warm: WarmFire | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer ``status`` with an OpenAI-shaped error; the walk has ended.
+
+    ``decision`` is the attempt the refusal follows, if any (its headers are stamped).
+    """
+
+    status: int
+    message: str
+    outcome: str
+    type: str | None = None
+    param: str | None = None
+    code: str | int | None = None
+    pool: PoolName | None = None
+    decision: RoutingDecision | None = None
+
+
+class FailReason(enum.StrEnum):
+    """Why a failure before the first byte was not tried elsewhere."""
+
+    NOT_RETRYABLE = "not_retryable"
+    RETRIES_SPENT = "retries_spent"
+    NO_REPLICA_LEFT = "no_replica_left"
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The failure the driver just reported is final: answer with it (the engine's own
+    error answer as it is, or a 502/504 saying why). The walk has ended."""
+
+    decision: RoutingDecision
+    reason: FailReason
+    retries: int
+    max_retries: int
+
+
+WalkAction = NeedTokens | Send | Refuse | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class SessionWrite:
+    """The session record to write back, once, when the walk ends."""
+
+    key: str
+    record: SessionRecord
+
+
+# --- what the walk tells the driver: notes -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """A replica was chosen (``routing_s``: time spent in ``RouterCore.route``)."""
+
+    decision: RoutingDecision
+    num_prompt_tokens: int
+    exact: bool
+    routing_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Escalated:
+    """The request moved to a larger pool (``how``: ``proactive`` or ``reactive``)."""
+
+    from_pool: str
+    to_pool: str
+    how: str
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """An overflow rejection was planned: ``plan`` is ``retry``, ``escalate`` or
+    ``give_up``; ``line`` the ``[CONTEXT-ROUTE]`` log line."""
+
+    replica: ReplicaId
+    plan: str
+    line: str
+
+
+@dataclass(frozen=True, slots=True)
+class WindowLearned:
+    """An engine stated a window other than the one believed (``previous``; None when none
+    was known): the pool's view must adopt it and discovery re-read it."""
+
+    pool: PoolName
+    window: int
+    previous: int | None
+    replica: ReplicaId
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StaleWindows:
+    """These pools' windows are stale or unknown: discovery should re-read them."""
+
+    pools: tuple[PoolName, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmNote:
+    """A warm-ahead outcome to count: ``outcome`` ``hit`` or ``skipped`` (with ``reason``)."""
+
+    outcome: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFailed:
+    """An attempt failed before its first byte (``kind`` as the transport says it)."""
+
+    replica: ReplicaId
+    kind: str
+    retried: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUnreachable:
+    """The replica refused the connection: take it out of routing until it answers."""
+
+    replica: ReplicaId
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class CutShortNote:
+    """An answer ended below the output the client asked for."""
+
+    pool: PoolName
+    why: CutShort
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine:
+    """A decision line to log at ``level`` (``debug``, ``info``, ``warning``)."""
+
+    level: str
+    text: str
+
+
+Note = (Decided | Escalated | Recovered | WindowLearned | StaleWindows | WarmNote
+        | UpstreamFailed | ReplicaUnreachable | CutShortNote | LogLine)
+
+
+# --- router-wide pieces ----------------------------------------------------------------------------
+
+
+class ExternalChooser:
+    """Picks an external provider's endpoint: fewest requests in flight, ties to the one
+    chosen least recently (never list order, which would pile every tie on the first)."""
+
+    __slots__ = ("_chosen", "_num_chosen")
+
+    def __init__(self) -> None:
+        self._chosen: dict[ReplicaId, int] = {}
+        self._num_chosen = 0
+
+    def choose(self, in_flight: Mapping[ReplicaId, int]) -> ReplicaId | None:
+        """The endpoint to use among ``in_flight`` (each healthy endpoint's load)."""
+        if not in_flight:
+            return None
+        best = min(in_flight, key=lambda r: (in_flight[r], self._chosen.get(r, -1)))
+        self._num_chosen += 1
+        self._chosen[best] = self._num_chosen
+        return best
+
+
+def _zero() -> float:
+    return 0.0
+
+
+class Walker:
+    """What every walk of one router shares: the core, the warm planner, the external
+    chooser and the settings. One per router process (or simulation).
+
+    Args:
+        core: the router core (index, load, policies).
+        planner: the warm-ahead planner (its cooldown view is router-wide).
+        settings: router-wide settings.
+        clock: monotonic seconds (window ages, warm cooldowns).
+        timer: measures time spent routing (``Decided.routing_s``); none by default.
+    """
+
+    __slots__ = ("clock", "core", "external", "planner", "settings", "timer")
+
+    def __init__(self, core: RouterCore, planner: WarmPlanner, settings: WalkSettings,
+                 clock: Clock, timer: Callable[[], float] = _zero) -> None:
+        self.core = core
+        self.planner = planner
+        self.settings = settings
+        self.clock = clock
+        self.timer = timer
+        self.external = ExternalChooser()
+
+    def start(self, request: WalkRequest, pools: Sequence[TierPool],
+              session: SessionRecord | None) -> RequestWalk:
+        """A new walk for ``request`` over the route's ``pools`` (smallest window first)."""
+        return RequestWalk(self, request, pools, session)
+
+
+# --- one walk ------------------------------------------------------------------------------------
+
+
+class _Phase(enum.Enum):
+    NEW = "new"
+    PLANNING = "planning"  # waiting for tokens the tier plan asked for
+    ROUTING = "routing"  # waiting for tokens to route with
+    SENT = "sent"  # an attempt is out
+    ANSWERED = "answered"  # the attempt answered; load open until end()
+    ENDED = "ended"
+
+
+_NO_PLACE: Final = Place(0, "", None, PlaceReason.FITS, partial(str, ""), 0)
+
+
+class RequestWalk:
+    """One request's walk (module docstring). Not thread-safe; one driver task owns it.
+
+    Attributes (read by drivers for logs and headers):
+        estimate: the prompt's estimate (exact once tokens were counted).
+        place: the tier placement of the first attempt.
+        state: the attempt state (pool of the last attempt, ``max_tokens`` it sent).
+        decision: the last routing decision, if any.
+        num_overflows: overflow rejections met.
+        retries: attempts after the first (overflow re-plans and failover).
+        outcome: ``ok`` or why the walk ended otherwise.
+        num_prompt_tokens / exact / routing_s: of the last routing decision.
+    """
+
+    def __init__(self, walker: Walker, request: WalkRequest, pools: Sequence[TierPool],
+                 session: SessionRecord | None) -> None:
+        if not pools:
+            raise ValueError(f"route {request.route.name!r} has no pools")
+        self._walker = walker
+        self.request = request
+        self.pools = list(pools)
+        self.session = session if session is not None else EMPTY_RECORD
+        self.key = (None if request.session_id is None
+                    else session_key(request.tenant, request.route.name, request.session_id))
+        self.estimate = TokenEstimate(0, 0)
+        self.place = _NO_PLACE
+        self.state = AttemptState(0, request.max_tokens, request.max_tokens, 0)
+        self.decision: RoutingDecision | None = None
+        self.num_overflows = 0
+        self.retries = 0
+        self.outcome = "ok"
+        self.num_prompt_tokens = 0
+        self.exact = False
+        self.routing_s = 0.0
+        self._phase = _Phase.NEW
+        self._tier = self.session.tier
+        self._token_ids: dict[PoolName, Sequence[int] | None] = {}
+        self._hashes: dict[PoolName, Sequence[WireHash] | None] = {}
+        self._exact_available = True
+        self._plan_rounds = 0
+        self._prefer: ReplicaId | None = None
+        self._warm_checked = False
+        self._warm_hit = False
+        self._load_open: ReplicaId | None = None
+        self._notes: list[Note] = []
+        self._closed = False
+
+    # -- the driver's calls ---------------------------------------------------------------------
+
+    @property
+    def pool_index(self) -> int:
+        return self.state.pool_index
+
+    @property
+    def pool_name(self) -> PoolName:
+        return PoolName(self.pools[self.state.pool_index].name)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The ``max_tokens`` the current attempt sends, or None for the client's own."""
+        sent = self.state.max_tokens
+        return None if sent is None or sent == self.request.max_tokens else sent
+
+    @property
+    def ended(self) -> bool:
+        return self._phase is _Phase.ENDED
+
+    def take_notes(self) -> list[Note]:
+        """What happened since the last call, in order (module docstring)."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    def begin(self) -> WalkAction:
+        """Steps 1-2: estimate and place the request; the first action."""
+        self._expect(_Phase.NEW, "begin")
+        self.estimate = self._estimate()
+        self.state = AttemptState(0, self.request.max_tokens, self.request.max_tokens,
+                                  self.estimate.high)
+        if not self.request.route.proactive:
+            return self._reactive_only()
+        self._phase = _Phase.PLANNING
+        return self._plan()
+
+    def tokens(self, pool: PoolName, token_ids: Sequence[int] | None,
+               block_hashes: Sequence[WireHash] | None = None) -> WalkAction:
+        """The answer to :class:`NeedTokens`: ``pool``'s token ids (None: none can be had,
+        the pool is then routed approximately), and their block hashes if the driver has
+        them already."""
+        if self._phase not in (_Phase.PLANNING, _Phase.ROUTING):
+            raise RuntimeError(f"tokens() in phase {self._phase.value}: no NeedTokens is open")
+        self._token_ids[pool] = token_ids
+        self._hashes[pool] = block_hashes
+        if self._phase is _Phase.PLANNING:
+            return self._plan()
+        return self._route()
+
+    def overflowed(self, numbers: OverflowNumbers, *, detail: str = "") -> WalkAction:
+        """Step 5: the current attempt's engine rejected the request as too long.
+
+        Args:
+            numbers: the engine's numbers (``wire.overflow`` parses every engine's wording).
+            detail: added to the log line (the wording's style).
+        """
+        decision = self._sent("overflowed")
+        self._release()
+        self.num_overflows += 1
+        before = self.state.pool_index
+        plan = plan_recovery(self.state, numbers, self.pools, request_model=self.request.model,
+                             output_floor=self.request.route.output_floor)
+        if plan.learned_window is not None:
+            self._learn(before, plan.learned_window, decision.replica)
+        suffix = f" (replica {decision.replica}{', ' + detail if detail else ''})"
+        kind = ("retry" if isinstance(plan, Retry) else "escalate"
+                if isinstance(plan, Escalate) else "give_up")
+        self._notes.append(Recovered(decision.replica, kind, plan.log_line + suffix))
+        if isinstance(plan, GiveUp):
+            later = (eligibility(self.pools[j], j, self.request.model)
+                     for j in range(before + 1, len(self.pools)))
+            self._external_skips([s for s in later if s is not None], "no larger local pool → 400")
+            return self._finish_refused(Refuse(
+                400, plan.message, f"overflow_{plan.reason.value}", type=OVERFLOW_ERROR_TYPE,
+                param=OVERFLOW_ERROR_PARAM, code=OVERFLOW_ERROR_CODE, pool=self.pool_name,
+                decision=decision))
+        self.state = plan.state
+        self.retries += 1
+        self._prefer = decision.replica if isinstance(plan, Retry) else None
+        if isinstance(plan, Escalate):
+            self._notes.append(Escalated(self.pools[before].name, self.pool_name, "reactive"))
+            self._tier = max(self._tier, self.state.pool_index)
+            self._check_warm_hit()
+        return self._route()
+
+    def failed(self, kind: str, *, retryable: bool, unreachable: bool = False,
+               detail: str = "") -> WalkAction:
+        """Step 5: the current attempt got no answer before its first byte (not an overflow).
+
+        Args:
+            kind: the transport's word for it (``connect``, ``timeout``, ``status``...).
+            retryable: the request may be sent again (the engine cannot have run it).
+            unreachable: the replica refused the connection (or the connect timed out).
+            detail: the error, for the failure hook.
+        """
+        decision = self._sent("failed")
+        if unreachable:
+            self._notes.append(ReplicaUnreachable(decision.replica, detail))
+        limit = self._walker.settings.max_retries
+        if not retryable or self.retries >= limit:
+            self._notes.append(UpstreamFailed(decision.replica, kind, retried=False))
+            why = FailReason.NOT_RETRYABLE if not retryable else FailReason.RETRIES_SPENT
+            return self._finish_failed(decision, why, kind)
+        moved = self._walker.core.reroute(decision, decision.replica)  # releases its load
+        self._load_open = None
+        if moved is None:
+            self._notes.append(UpstreamFailed(decision.replica, kind, retried=False))
+            return self._finish_failed(decision, FailReason.NO_REPLICA_LEFT, kind)
+        self._notes.append(UpstreamFailed(decision.replica, kind, retried=True))
+        self.retries += 1
+        return self._send(moved)
+
+    def answered(self) -> None:
+        """The current attempt answered (its first byte, or the engine's first token):
+        the replica's load moves from prefill to decode, and the session is pinned to it."""
+        decision = self._sent("answered")
+        self._walker.core.on_first_token(decision.replica, self.request.request_id)
+        self._phase = _Phase.ANSWERED
+
+    def end(self, finish_reasons: Sequence[str | None] = (),
+            usage: Mapping[str, Any] | None = None) -> SessionWrite | None:
+        """Step 6: the walk is over, on any exit path (idempotent: a second call is a no-op
+        returning None).
+
+        Releases the load still open, notes a cut-short answer and returns the session's
+        record to write (pin, tier, usage), or None when there is no session or nothing
+        changed.
+
+        Args:
+            finish_reasons: each choice's ``finish_reason`` as read from the answer.
+            usage: the answer's ``usage``, when the engine sent one.
+        """
+        if self._closed:
+            return None
+        self._closed = True
+        answered = self._phase is _Phase.ANSWERED
+        self._release()
+        self._phase = _Phase.ENDED
+        usage_record = self._usage(finish_reasons, usage) if answered else None
+        if self.key is None:
+            return None
+        old = self.session
+        pin = self.decision.replica if answered and self.decision is not None else old.pin
+        new = SessionRecord(pin=pin, tier=max(old.tier, self._tier),
+                            usage=usage_record if usage_record is not None else old.usage)
+        if new == old and not answered:
+            return None
+        return SessionWrite(self.key, new)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def _estimate(self) -> TokenEstimate:
+        request = self.request
+        usage = self.session.usage
+        try:
+            if usage is not None and request.endpoint == "chat":
+                return from_session(usage.prompt_tokens, usage.completion_tokens,
+                                    usage.num_messages, request.body)
+            return estimate_request(request.body, endpoint=request.endpoint)
+        except MalformedBodyError as exc:  # the driver validated the body: a bug if here
+            raise AssertionError(f"a validated body could not be estimated: {exc}") from exc
+
+    def _plan(self) -> WalkAction:
+        """Step 2, resumed after every token answer. Bounded: each round either asks one
+        pool for tokens (at most once per pool: then the estimate is exact) or ends."""
+        request, route = self.request, self.request.route
+        now = self._walker.clock.now()
+        min_index = min(self._tier, len(self.pools) - 1)
+        estimate = self.estimate
+        while True:
+            self._plan_rounds += 1
+            last_round = self._plan_rounds > len(self.pools) + 2
+            plan = plan_tier(
+                self.pools, estimate, request.max_tokens, now_s=now, request_model=request.model,
+                output_floor=route.output_floor, tokenize_margin=route.tokenize_margin,
+                window_ttl_s=self._walker.settings.window_ttl_s,
+                exact_count_available=self._exact_available and not last_round,
+                min_pool_index=min_index,
+            )
+            if isinstance(plan, NeedExactCount):
+                pool = PoolName(plan.pool_name)
+                self._notes.append(LogLine("debug", plan.log_line))
+                if pool not in self._token_ids and not self.pools[plan.pool_index].external:
+                    return NeedTokens(pool, for_count=True)
+                ids = self._token_ids.get(pool)
+                if ids is None:
+                    self._exact_available = False
+                else:
+                    estimate = self.estimate = TokenEstimate.exact_count(len(ids))
+                continue
+            if isinstance(plan, Place) and self._should_recheck(plan, estimate, last_round):
+                pool = PoolName(plan.pool_name)
+                if pool not in self._token_ids:
+                    return NeedTokens(pool, for_count=False)
+                ids = self._token_ids[pool]
+                if ids is not None:
+                    estimate = self.estimate = TokenEstimate.exact_count(len(ids))
+                    continue  # check the fit on the exact count
+            return self._placed(plan)
+
+    def _should_recheck(self, plan: Place, estimate: TokenEstimate, last_round: bool) -> bool:
+        """A placement decided on an estimate is checked against the exact count when the
+        placed pool's tokens can be had: routing needs them anyway (block hashes), so a fit
+        decided on an exact count costs no extra call and cannot fail at the engine."""
+        if estimate.exact or not self._exact_available or last_round:
+            return False
+        if self.pools[plan.pool_index].external:
+            return False
+        return self._token_ids.get(PoolName(plan.pool_name), ()) is not None
+
+    def _placed(self, plan: Place | NoFit | NoPool) -> WalkAction:
+        stale = getattr(plan, "stale_pools", ())
+        local_stale = tuple(PoolName(self.pools[i].name) for i in stale
+                            if not self.pools[i].external)
+        if local_stale:
+            self._notes.append(StaleWindows(local_stale))
+        skipped: Sequence[Skip] = getattr(plan, "skipped", ())
+        if isinstance(plan, NoFit | NoPool):
+            self._notes.append(LogLine("warning", plan.log_line))
+            self._external_skips(skipped, "no local pool holds it → 400")
+            return self._finish_refused(Refuse(
+                400, plan.message, "no_fit", type=OVERFLOW_ERROR_TYPE,
+                param=OVERFLOW_ERROR_PARAM,
+                code=OVERFLOW_ERROR_CODE if isinstance(plan, NoFit) else "model_not_found"))
+        notable = (plan.reason is not PlaceReason.FITS or plan.clamped_max_tokens is not None
+                   or plan.skipped or plan.stale_pools)
+        self._notes.append(LogLine("info" if notable else "debug", plan.log_line))
+        self._external_skips(skipped, f"placed on {plan.pool_name!r}")
+        self.place = plan
+        self.state = AttemptState.first(plan, self.estimate, self.request.max_tokens)
+        if plan.escalated:
+            first_small = next(s for s in plan.skipped if s.reason is SkipReason.TOO_SMALL)
+            self._notes.append(Escalated(first_small.pool_name, plan.pool_name, "proactive"))
+            self._check_warm_hit()
+        self._tier = max(self._tier, plan.pool_index)
+        return self._route()
+
+    def _reactive_only(self) -> WalkAction:
+        """``proactive: false``: the first eligible pool from the session's tier, the
+        client's ``max_tokens``; the reactive path alone escalates."""
+        request, pools = self.request, self.pools
+        skipped: list[Skip] = []
+        for i in range(min(self._tier, len(pools) - 1), len(pools)):
+            skip = eligibility(pools[i], i, request.model)
+            if skip is None:
+                line = f"{LOG_TAG} reactive-only: → {pools[i].name!r} (proactive off)"
+                self._notes.append(LogLine("debug", line))
+                self.place = Place(i, pools[i].name, None, PlaceReason.FITS, partial(str, line),
+                                   self.estimate.low, tuple(skipped))
+                self.state = AttemptState.first(self.place, self.estimate, request.max_tokens)
+                return self._route()
+            skipped.append(skip)
+        self._external_skips(skipped, "no pool of the route may serve it → 400")
+        message = (f"No pool of this route can serve model {request.model!r}: "
+                   + "; ".join(s.detail for s in skipped))
+        return self._finish_refused(Refuse(400, message, "no_fit", type=OVERFLOW_ERROR_TYPE,
+                                           param=OVERFLOW_ERROR_PARAM, code="model_not_found"))
+
+    def _route(self) -> WalkAction:
+        """Step 4 for the current pool (and step 3 on the first placement)."""
+        self._phase = _Phase.ROUTING
+        pool_index = self.state.pool_index
+        pool = PoolName(self.pools[pool_index].name)
+        core = self._walker.core
+        if self.pools[pool_index].external:
+            route_request = self._external_request(pool)
+        else:
+            ids = self.request.prompt_token_ids
+            hashes = self.request.prompt_block_hashes
+            if ids is None:
+                if pool not in self._token_ids:
+                    return NeedTokens(pool, for_count=False)
+                ids, hashes = self._token_ids[pool], self._hashes.get(pool)
+            route_request = self.route_request(pool, self.request.request_id, ids, hashes)
+            if self._prefer is not None:
+                route_request = replace(route_request, preferred_replica=self._prefer)
+        started = self._walker.timer()
+        try:
+            decision = core.route(route_request)
+        except NoEligibleReplica as exc:
+            return self._finish_refused(Refuse(503, str(exc), "no_replica", pool=pool))
+        routing_s = self.routing_s = self._walker.timer() - started
+        self.num_prompt_tokens = route_request.num_prompt_tokens
+        self.exact = route_request.prompt_token_ids is not None
+        self._notes.append(Decided(decision, self.num_prompt_tokens, self.exact, routing_s))
+        warm = None
+        if not self._warm_checked:
+            self._warm_checked = True
+            warm = self._consider_warm()
+        return self._send(decision, warm)
+
+    def _send(self, decision: RoutingDecision, warm: WarmFire | None = None) -> Send:
+        self.decision = decision
+        self._load_open = decision.replica
+        self._phase = _Phase.SENT
+        return Send(decision, self.state.pool_index, self.max_tokens,
+                    self.pools[self.state.pool_index].external, self.retries + 1, warm)
+
+    # -- building route requests -----------------------------------------------------------------
+
+    def route_request(self, pool: PoolName, request_id: RequestId,
+                      token_ids: Sequence[int] | None,
+                      block_hashes: Sequence[WireHash] | None = None, *,
+                      expected_output_tokens: int | None = None) -> RouteRequest:
+        """The ``RouteRequest`` for a local ``pool``: exact tokens when known (else the text,
+        routed approximately), the tenant's scope and salt, the session's pin when it is a
+        replica of ``pool``. Also builds a warm-up's request (``expected_output_tokens=1``).
+        """
+        request = self.request
+        needs_text = self._walker.settings.policy_needs_text
+        text = request.routing_text() if token_ids is None or needs_text else ""
+        num_tokens = len(token_ids) if token_ids is not None else max(1, self.estimate.low)
+        pin = self.session.pin
+        preferred = pin if pin is not None and any(
+            rep.name == pin for rep in self._walker.core.pool(pool).replicas) else None
+        if expected_output_tokens is None:
+            sent = self.state.max_tokens
+            expected_output_tokens = sent if sent is not None else DEFAULT_EXPECTED_OUTPUT_TOKENS
+        return RouteRequest(
+            request_id=request_id,
+            pool=pool,
+            scope=TenantScope(request.tenant),
+            num_prompt_tokens=num_tokens,
+            prompt_token_ids=token_ids,
+            block_hashes=block_hashes if token_ids is not None else None,
+            routing_text=text,
+            cache_salt=request.cache_salt,
+            session_id=request.session_id,
+            expected_output_tokens=expected_output_tokens,
+            preferred_replica=preferred,
+        )
+
+    def _external_request(self, pool: PoolName) -> RouteRequest:
+        """An external provider's ``RouteRequest``: no tokens and no text (no index entry),
+        every endpoint but the least-loaded healthy one excluded, so the core only keeps
+        its load accounting."""
+        core = self._walker.core
+        names = [rep.name for rep in core.pool(pool).replicas]
+        best = self._walker.external.choose({name: core.load.snapshot(name).num_in_flight
+                                             for name in names if core.is_healthy(name)})
+        sent = self.state.max_tokens
+        return RouteRequest(
+            request_id=self.request.request_id, pool=pool, scope=TenantScope(self.request.tenant),
+            num_prompt_tokens=max(1, self.estimate.low), session_id=self.request.session_id,
+            expected_output_tokens=sent if sent is not None else DEFAULT_EXPECTED_OUTPUT_TOKENS,
+            exclude=frozenset(name for name in names if name != best),
+        )
+
+    # -- warm-ahead ------------------------------------------------------------------------------
+
+    def _consider_warm(self) -> WarmFire | None:
+        """Step 3: the pure warm-ahead decision. A fire is recorded in this router's cooldown
+        view at once (a concurrent request of the session does not fire again at the same
+        stage); the shared claim is the sender's, off the request path."""
+        planner, now = self._walker.planner, self._walker.clock.now()
+        decision = planner.consider(self.key, self.estimate.low, self.pools, self.pool_index,
+                                    now, request_model=self.request.model, claim=False)
+        if isinstance(decision, WarmSkip):
+            self._notes.append(WarmNote("skipped", decision.reason.value))
+            return None
+        if self.pools[decision.target_pool_index].external:
+            self._notes.append(WarmNote("skipped", "external"))  # a provider's cache is not ours
+            return None
+        planner.mark_fired(decision.session_id, now, stage=decision.stage,
+                           target_pool_index=decision.target_pool_index)
+        self._notes.append(LogLine("info", decision.log_line))
+        return decision
+
+    def _check_warm_hit(self) -> None:
+        if self.key is None or self._warm_hit:
+            return
+        if self._walker.planner.warmed_target(self.key, self._walker.clock.now()) \
+                == self.state.pool_index:
+            self._warm_hit = True
+            self._notes.append(WarmNote("hit"))
+
+    # -- endings ---------------------------------------------------------------------------------
+
+    def _usage(self, finish_reasons: Sequence[str | None],
+               usage: Mapping[str, Any] | None) -> SessionUsage | None:
+        """Notes a cut-short answer; the session's new usage, if the answer gave one."""
+        request = self.request
+        completion = _count(usage, "completion_tokens")
+        if request.n == 1 and len(finish_reasons) == 1 and completion is not None:
+            sent = self.state.max_tokens
+            clamped = sent if sent != request.max_tokens else None
+            why = was_cut_short(request.max_tokens, clamped, finish_reasons[0], completion)
+            if why is not None:
+                self._notes.append(CutShortNote(self.pool_name, why))
+        prompt = _count(usage, "prompt_tokens")
+        if (request.num_messages is None or prompt is None or completion is None
+                or request.n != 1):
+            return None
+        return SessionUsage(prompt, completion, request.num_messages)
+
+    def _finish_refused(self, refuse: Refuse) -> Refuse:
+        self.outcome = refuse.outcome
+        self._phase = _Phase.ENDED
+        return refuse
+
+    def _finish_failed(self, decision: RoutingDecision, why: FailReason, kind: str) -> Fail:
+        self.outcome = f"upstream_{kind}"
+        self._phase = _Phase.ENDED
+        return Fail(decision, why, self.retries, self._walker.settings.max_retries)
+
+    def _release(self) -> None:
+        if self._load_open is not None:
+            self._walker.core.on_complete(self._load_open, self.request.request_id)
+            self._load_open = None
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _learn(self, index: int, window: int, replica: ReplicaId) -> None:
+        pool = self.pools[index]
+        now = self._walker.clock.now()
+        self._notes.append(WindowLearned(PoolName(pool.name), window, pool.window, replica, now))
+        self.pools[index] = learn_window(pool, window, now)
+
+    def _external_skips(self, skipped: Sequence[Skip], outcome: str) -> None:
+        for skip in skipped:
+            if skip.reason in (SkipReason.NOT_IN_CATALOG, SkipReason.CATALOG_UNKNOWN,
+                               SkipReason.NO_MODEL):
+                self._notes.append(LogLine("info", (
+                    f"{LOG_TAG} external pool {skip.pool_name!r} not used for model "
+                    f"{self.request.model!r}: {skip.detail}; the request stays local: {outcome}")))
+
+    def _sent(self, call: str) -> RoutingDecision:
+        if self._phase is not _Phase.SENT or self.decision is None:
+            raise RuntimeError(f"{call}() in phase {self._phase.value}: no attempt is out")
+        return self.decision
+
+    def _expect(self, phase: _Phase, call: str) -> None:
+        if self._phase is not phase:
+            raise RuntimeError(f"{call}() in phase {self._phase.value}, expected {phase.value}")
+
+
+def _count(usage: Mapping[str, Any] | None, key: str) -> int | None:
+    if usage is None:
+        return None
+    value = usage.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

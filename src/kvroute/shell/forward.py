@@ -1,0 +1,452 @@
+"""The live driver of the request walk: ``core/walk.py``'s actions carried out with awaits.
+
+For one accepted request (``shell/app.py`` has authenticated it, parsed it and taken an
+admission slot) this module reads the session's record, runs the walk, and performs what it
+asks: token ids from the pool's ``PromptTokenizer``, the upstream call through ``Upstream``
+(``shell/proxy.py``), the relay of a whole answer or a stream, the warm-ahead in the
+background (``shell/warm.py``), and the record written back once. Every decision is the
+walk's; this module turns its notes into Prometheus series and log lines, renders its
+refusals in OpenAI's error shape, and logs one ``kvroute.decision`` line per request.
+
+See docs/architecture.md, "The request walk", for the steps and the module of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Final, TypeVar
+
+from kvroute.config import RouteConfig, RouterConfig, Secrets
+from kvroute.core.router import RouteRequest, RoutingDecision
+from kvroute.core.session import session_key
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
+from kvroute.core.walk import (
+    CutShortNote,
+    Decided,
+    Escalated,
+    Fail,
+    FailReason,
+    LogLine,
+    NeedTokens,
+    Recovered,
+    Refuse,
+    ReplicaUnreachable,
+    RequestWalk,
+    Send,
+    StaleWindows,
+    UpstreamFailed,
+    WalkAction,
+    Walker,
+    WalkRequest,
+    WalkRoute,
+    WarmNote,
+    WindowLearned,
+)
+from kvroute.http.client import ConnectTimeout
+from kvroute.http.server import Answer, Request, Response, StreamResponse
+from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
+from kvroute.shell.state import SessionState
+from kvroute.shell.tier_pools import TierPools
+from kvroute.shell.warm import WarmSender
+from kvroute.tokenize.prompt import PromptTokenizer
+from kvroute.wire.openai import (
+    ParsedRequest,
+    encode_request,
+    error_body,
+    session_from_request,
+    warm_request_body,
+)
+from kvroute.wire.overflow import Overflow, overflow_numbers, parse_overflow
+from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
+from kvroute.wire.relay import routing_text as render_routing_text
+
+__all__ = ["HDR_APPROX", "HDR_CACHED", "HDR_POOL", "HDR_REPLICA", "Forwarder", "error_answer"]
+
+log = logging.getLogger("kvroute.app")
+tier_log = logging.getLogger("kvroute.tiers")
+decision_log = logging.getLogger("kvroute.decision")
+
+HDR_REPLICA: Final = "x-kvroute-replica"
+HDR_POOL: Final = "x-kvroute-pool"
+HDR_CACHED: Final = "x-kvroute-cached-tokens"
+HDR_APPROX: Final = "x-kvroute-approximate"
+_JSON: Final = "application/json"
+_LEVELS: Final = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+                  "error": logging.ERROR}
+
+
+def walk_route(route: RouteConfig) -> WalkRoute:
+    """The route's settings the walk reads."""
+    return WalkRoute(route.name, proactive=route.proactive, output_floor=route.output_floor,
+                     tokenize_margin=route.tokenize_margin)
+
+
+def error_answer(status: int, body: bytes, *, pool: str = "none",
+                 extra: Mapping[str, str] | None = None) -> Response:
+    """An error answer with the routing headers every answer carries (no replica)."""
+    response = Response(status=status, body=body, content_type=_JSON)
+    response.headers[HDR_REPLICA] = "none"
+    response.headers[HDR_POOL] = pool
+    response.headers[HDR_CACHED] = "0"
+    if extra:
+        response.headers.update(extra)
+    return response
+
+
+_R = TypeVar("_R", Response, StreamResponse)
+
+
+def routed(response: _R, decision: RoutingDecision) -> _R:
+    """Stamp the decision on a response (every routed answer carries these headers)."""
+    response.headers[HDR_REPLICA] = decision.replica
+    response.headers[HDR_POOL] = decision.request.pool
+    response.headers[HDR_CACHED] = str(decision.expected_cached_tokens)
+    response.headers[HDR_APPROX] = "true" if decision.approximate else "false"
+    return response
+
+
+def _streamed_overflow(reply: UpstreamReply) -> Overflow | None:
+    """An overflow sent as the first SSE event of a 200 stream (SGLang 0.4), before any token.
+
+    Only the first chunk is looked at (an overflow after content cannot be retried), and only
+    parsed when it mentions an error at all, so normal streams pay one substring search.
+    """
+    if reply.response is None or b"error" not in reply.body:
+        return None
+    return parse_overflow(reply.status, reply.body)
+
+
+def _is_connect_failure(error: UpstreamError) -> bool:
+    """No connection to the replica: refused, unreachable, or a connect (not read) timeout."""
+    if error.kind == "connect":
+        return True
+    return error.kind == "timeout" and isinstance(error.__cause__, ConnectTimeout)
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One request's I/O context while its walk runs."""
+
+    request: Request
+    raw: bytes
+    parsed: ParsedRequest
+    route: RouteConfig
+    tenant: TenantName
+    walk: RequestWalk
+    token_ids: dict[PoolName, Sequence[int] | None] = field(default_factory=dict)
+    error: UpstreamError | None = None
+
+
+@dataclass(slots=True)
+class Forwarder:
+    """Runs walks for the HTTP handlers (module docstring). One per application.
+
+    Invariant: every ``core`` call (through the walk) happens on the event loop's thread,
+    between awaits, so the core needs no locks.
+    """
+
+    config: RouterConfig
+    walker: Walker
+    upstream: Upstream
+    secrets: Secrets
+    metrics: RouterMetrics
+    pools: TierPools
+    state: SessionState | None = None
+    tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
+    warm: WarmSender | None = None
+    on_replica_failure: Callable[[ReplicaId, str], None] | None = None
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def serve(self, request: Request, raw: bytes, parsed: ParsedRequest,
+                    route: RouteConfig, tenant: TenantName, request_id: RequestId,
+                    salt: str | None) -> Answer:
+        """Walk one request to its answer."""
+        session_ref = session_from_request(request.headers, parsed.body, lowered=True)
+        session = session_ref.session_id if session_ref is not None else None
+        record = None
+        if session is not None and self.state is not None:
+            record = await self.state.get_session(session_key(tenant, route.name, session))
+        walk_request = WalkRequest(
+            request_id=request_id, route=walk_route(route), tenant=tenant, session_id=session,
+            endpoint=parsed.endpoint, model=parsed.model, body=parsed.body,
+            max_tokens=parsed.max_tokens, n=parsed.n,
+            num_messages=None if parsed.messages is None else len(parsed.messages),
+            prompt_token_ids=prompt_ids_from_body(parsed),
+            routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
+        )
+        walk = self.walker.start(walk_request, self.pools.tier_pools(route), record)
+        ex = _Exchange(request, raw, parsed, route, tenant, walk)
+        reasons: Sequence[str | None] = ()
+        usage: Mapping[str, Any] | None = None
+        try:
+            action = walk.begin()
+            while True:
+                self._drain(walk)
+                if isinstance(action, NeedTokens):
+                    action = walk.tokens(action.pool, await self._token_ids(ex, action.pool))
+                    continue
+                if isinstance(action, Refuse):
+                    return self._refused(action)
+                if isinstance(action, Fail):
+                    assert ex.error is not None, "a Fail answers a reported failure"
+                    return self._failed(action, ex.error)
+                reply = await self._attempt(ex, action)
+                if isinstance(reply, UpstreamReply):
+                    break
+                action = reply
+            decision = action.decision
+            walk.answered()
+            if reply.response is None:
+                reasons, usage = completion_of(reply.body)
+                whole = routed(self._whole(reply), decision)
+                self._router_time(request, reply, time.perf_counter_ns())
+                return whole
+            watcher = StreamWatcher()
+            response = await self._stream(ex, reply, decision, watcher)
+            self._router_time(request, reply, response.head_sent_ns)
+            reasons, usage = watcher.finish_reasons, watcher.usage
+            return response
+        finally:
+            write = walk.end(reasons, usage)
+            self._drain(walk)
+            if write is not None and self.state is not None:
+                self._spawn(self.state.put_session(write.key, write.record,
+                                                   self.config.state.session_ttl_s))
+            self._log(ex)
+
+    # -- the walk's actions ---------------------------------------------------------------------
+
+    async def _token_ids(self, ex: _Exchange, pool: PoolName) -> Sequence[int] | None:
+        """The prompt's token ids for ``pool`` (its tokenizer), asked at most once per
+        request; None when the pool has no tokenizer (it is then routed approximately)."""
+        if pool in ex.token_ids:
+            return ex.token_ids[pool]
+        tokenizer = self.tokenizers.get(pool)
+        ids = None if tokenizer is None else await tokenizer.token_ids(ex.parsed)
+        ex.token_ids[pool] = ids
+        return ids
+
+    async def _attempt(self, ex: _Exchange, send: Send) -> UpstreamReply | WalkAction:
+        """Send one attempt; the reply, or the walk's next action after its failure."""
+        walk, decision = ex.walk, send.decision
+        if send.warm is not None:
+            self._warm(ex, send)
+        path = "/v1/chat/completions" if ex.parsed.endpoint == "chat" else "/v1/completions"
+        url = self.config.replica(decision.replica).url + path
+        try:
+            reply = await self.upstream.open(url, self._body(ex, send), stream=ex.parsed.stream,
+                                             headers=self._headers(decision))
+        except UpstreamError as exc:
+            overflow = None
+            if exc.kind == "status" and exc.status is not None:
+                overflow = parse_overflow(exc.status, exc.body)
+            if overflow is None:
+                ex.error = exc
+                return walk.failed(exc.kind, retryable=exc.retryable,
+                                   unreachable=_is_connect_failure(exc), detail=str(exc))
+        else:
+            overflow = _streamed_overflow(reply)
+            if overflow is None:
+                return reply
+            reply.close()
+        self.metrics.upstream_error(decision.replica, "overflow")
+        return walk.overflowed(overflow_numbers(overflow), detail=f"style {overflow.style}")
+
+    def _body(self, ex: _Exchange, send: Send) -> bytes:
+        """The client's body for a local pool (its own bytes when nothing changes); for an
+        external provider, its model name for the route (the catalog) and no
+        ``cache_salt`` (a vLLM field other providers reject; no index of ours there)."""
+        pool = send.decision.request.pool
+        if send.external:
+            return encode_request(ex.parsed, max_tokens=send.max_tokens,
+                                  model=self.pools.upstream_model(ex.route, pool),
+                                  remove_fields=("cache_salt",))
+        return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
+                            model=self.config.pools[pool].model,
+                            cache_salt=ex.walk.request.cache_salt)
+
+    def _headers(self, decision: RoutingDecision) -> Mapping[str, str]:
+        """``X-Request-Id``, plus the provider's key as ``Authorization: Bearer`` when the
+        decision's pool is external and has one (``Secrets.provider_keys``)."""
+        headers = {"X-Request-Id": decision.request.request_id}
+        key = self.secrets.provider_keys.get(decision.request.pool)
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def _warm(self, ex: _Exchange, send: Send) -> None:
+        """Warm-ahead (the walk's step 3): decided by the walk, sent in the background."""
+        fire = send.warm
+        if self.warm is None or fire is None:
+            return
+        parsed, salt = ex.parsed, ex.walk.request.cache_salt
+        warm_parsed = parsed if salt is None else replace(
+            parsed, body={**parsed.body, "cache_salt": salt}, cache_salt=salt)
+        body = warm_request_body(warm_parsed, model=fire.target_model)
+        target = PoolName(fire.target_pool_name)
+        path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
+        walk = ex.walk
+
+        async def build(request_id: RequestId) -> RouteRequest:
+            ids = walk.request.prompt_token_ids
+            if ids is None:
+                ids = await self._token_ids(ex, target)
+            return walk.route_request(target, request_id, ids, expected_output_tokens=1)
+
+        self.warm.fire(fire, body, path, fire.claim_key, build)
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _refused(self, refuse: Refuse) -> Response:
+        body = error_body(refuse.message, status=refuse.status, type=refuse.type,
+                          param=refuse.param, code=refuse.code)
+        if refuse.decision is not None:
+            return routed(Response(status=refuse.status, body=body, content_type=_JSON),
+                          refuse.decision)
+        return error_answer(refuse.status, body, pool=refuse.pool or "none")
+
+    def _failed(self, fail: Fail, exc: UpstreamError) -> Response:
+        """The engine's own error answer as it is, or a 502/504 that says what failed and
+        why it was not tried elsewhere."""
+        decision = fail.decision
+        if exc.kind == "status" and exc.status is not None:
+            content_type = exc.content_type.split(";", 1)[0].strip() or _JSON
+            return routed(Response(status=exc.status, body=exc.body, content_type=content_type),
+                          decision)
+        status = 504 if exc.kind == "timeout" else 502
+        if fail.reason is FailReason.NOT_RETRYABLE:
+            why = ("Not retried: the engine may already have run the request (raise "
+                   "timeouts.total_s for long answers, or stream them).")
+        elif fail.reason is FailReason.RETRIES_SPENT:
+            retries = fail.retries
+            why = (f"Gave up after {retries} {'retry' if retries == 1 else 'retries'} on other "
+                   f"replicas (retries.max_retries: {fail.max_retries}); check the engines' "
+                   "/health.")
+        else:
+            why = "No other healthy replica was left to retry on; check the engines' /health."
+        message = f"kvroute could not get an answer from replica {decision.replica}: {exc}. {why}"
+        return routed(Response(status=status, body=error_body(message, status=status),
+                               content_type=_JSON), decision)
+
+    def _whole(self, reply: UpstreamReply) -> Response:
+        response = Response(status=reply.status, body=reply.body)
+        for key, value in reply.headers.items():
+            response.headers[key] = value
+        return response
+
+    async def _stream(self, ex: _Exchange, reply: UpstreamReply, decision: RoutingDecision,
+                      watcher: StreamWatcher) -> StreamResponse:
+        response = StreamResponse(status=reply.status)
+        for key, value in reply.headers.items():
+            response.headers[key] = value
+        routed(response, decision)
+
+        def failed(kind: str, message: str) -> None:
+            ex.walk.outcome = f"stream_{kind}"
+            self.metrics.upstream_error(decision.replica, f"stream_{kind}")
+
+        try:
+            await relay_stream(reply, response, ex.request, replica=decision.replica,
+                               on_error=failed, on_chunk=watcher.feed)
+        except ConnectionResetError:
+            ex.walk.outcome = "client_gone"
+        return response
+
+    def _router_time(self, request: Request, reply: UpstreamReply, written_ns: int) -> None:
+        """Record the router's own share of this request's latency: request read → forwarded
+        (retries included), and the engine's answer (its first bytes when streamed) → written
+        to the client. Skipped where a timestamp is missing (a canned reply, a client gone
+        before the head)."""
+        if reply.sent_ns and reply.ready_ns and written_ns:
+            self.metrics.router_time((reply.sent_ns - request.received_ns) / 1e9,
+                                     (written_ns - reply.ready_ns) / 1e9)
+
+    # -- notes, logs, background ----------------------------------------------------------------
+
+    def _drain(self, walk: RequestWalk) -> None:
+        """The walk's notes into metrics, logs and the tier view."""
+        metrics = self.metrics
+        for note in walk.take_notes():
+            if isinstance(note, Decided):
+                d = note.decision
+                metrics.decision(d.request.pool, d.replica, d.reason, d.expected_cached_tokens,
+                                 note.num_prompt_tokens, note.routing_s, d.approximate)
+            elif isinstance(note, LogLine):
+                level = _LEVELS[note.level]
+                if tier_log.isEnabledFor(level):
+                    tier_log.log(level, "%s", note.text)
+            elif isinstance(note, UpstreamFailed):
+                metrics.upstream_error(note.replica, note.kind)
+                if note.retried:
+                    metrics.retry(note.replica)
+            elif isinstance(note, Recovered):
+                tier_log.warning("%s", note.line)
+            elif isinstance(note, Escalated):
+                metrics.escalation(note.from_pool, note.to_pool, note.how)
+            elif isinstance(note, WarmNote):
+                if note.reason is None:
+                    metrics.warm(note.outcome)
+                else:
+                    metrics.warm(note.outcome, note.reason)
+            elif isinstance(note, WindowLearned):
+                self.pools.learn(note)
+            elif isinstance(note, StaleWindows):
+                self.pools.refresh(note.pools)
+            elif isinstance(note, ReplicaUnreachable):
+                if self.on_replica_failure is not None:
+                    self.on_replica_failure(note.replica, note.detail)
+            elif isinstance(note, CutShortNote):
+                metrics.cut_short(note.pool)
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background state update failed", exc_info=task.exception())
+
+    def _log(self, ex: _Exchange) -> None:
+        """The request's one ``kvroute.decision`` line."""
+        if not decision_log.isEnabledFor(logging.INFO):
+            return
+        walk = ex.walk
+        decision = walk.decision
+        record: dict[str, Any] = {
+            "event": "route",
+            "request_id": walk.request.request_id,
+            "route": ex.route.name,
+            "pool": decision.request.pool if decision else (
+                "none" if walk.outcome == "no_fit" else walk.pool_name),
+            "replica": decision.replica if decision else None,
+            "policy": decision.policy if decision else self.config.policy.name,
+            "reason": decision.reason if decision else None,
+            "cached_tokens": decision.expected_cached_tokens if decision else 0,
+            "prompt_tokens": walk.num_prompt_tokens,
+            "approximate": decision.approximate if decision else not walk.exact,
+            "routing_us": round(walk.routing_s * 1e6, 1),
+            "tenant": ex.tenant,
+            "session": walk.request.session_id is not None,
+            "retries": walk.retries,
+            "outcome": walk.outcome,
+        }
+        if decision is not None:
+            record["tier"] = walk.place.reason.value
+            record["estimate_tokens"] = walk.estimate.low
+            record["max_tokens_sent"] = walk.state.max_tokens
+            record["overflows"] = walk.num_overflows
+        if self.config.log_format == "json":
+            decision_log.info(json.dumps(record, separators=(",", ":")))
+        else:
+            decision_log.info(" ".join(f"{k}={v}" for k, v in record.items()))
