@@ -65,7 +65,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from kvroute.core.clock import Clock
 from kvroute.core.errors import NoEligibleReplica
@@ -97,7 +97,13 @@ from kvroute.core.tiers import (
     plan_tier,
     was_cut_short,
 )
-from kvroute.core.tokens import MalformedBodyError, TokenEstimate, estimate_request, from_session
+from kvroute.core.tokens import (
+    EstimateSource,
+    MalformedBodyError,
+    TokenEstimate,
+    estimate_request,
+    from_session,
+)
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.core.warm import WarmFire, WarmPlanner, WarmSkip
 
@@ -157,7 +163,7 @@ class WalkSettings:
             peers), so it is passed even when exact tokens are known.
     """
 
-    max_retries: int = 1
+    max_retries: int = 2
     window_ttl_s: float = 900.0
     policy_needs_text: bool = False
 
@@ -369,6 +375,23 @@ Note = (Decided | Escalated | Recovered | WindowLearned | StaleWindows | WarmNot
         | UpstreamFailed | ReplicaUnreachable | CutShortNote | LogLine)
 
 
+def describe(step: WalkAction | str) -> str:
+    """A step of a walk as one line of text: the decisions in it, not their timing (the
+    pool, the replica, the output budget, the attempt, the warm-up's target)."""
+    if isinstance(step, str):
+        return step
+    if isinstance(step, NeedTokens):
+        return f"need_tokens {step.pool}{' for_count' if step.for_count else ''}"
+    if isinstance(step, Send):
+        d = step.decision
+        warm = "" if step.warm is None else f" warm={step.warm.target_pool_name}"
+        return (f"send {d.request.pool} {d.replica} max_tokens={step.max_tokens} "
+                f"attempt={step.attempt}{warm}")
+    if isinstance(step, Refuse):
+        return f"refuse {step.status} {step.outcome}"
+    return f"fail {step.reason.value}"
+
+
 # --- router-wide pieces ----------------------------------------------------------------------------
 
 
@@ -406,18 +429,23 @@ class Walker:
         settings: router-wide settings.
         clock: monotonic seconds (window ages, warm cooldowns).
         timer: measures time spent routing (``Decided.routing_s``); none by default.
+        recorder: told each walk's steps as text (tests; None in production).
     """
 
-    __slots__ = ("clock", "core", "external", "planner", "settings", "timer")
+    __slots__ = ("clock", "core", "external", "planner", "recorder", "settings", "timer")
 
     def __init__(self, core: RouterCore, planner: WarmPlanner, settings: WalkSettings,
-                 clock: Clock, timer: Callable[[], float] = _zero) -> None:
+                 clock: Clock, timer: Callable[[], float] = _zero,
+                 recorder: Callable[[RequestId, str], None] | None = None) -> None:
         self.core = core
         self.planner = planner
         self.settings = settings
         self.clock = clock
         self.timer = timer
         self.external = ExternalChooser()
+        self.recorder = recorder
+        """Told every step of every walk (``describe``), when set: both drivers of one
+        scenario must tell the same story (``tests/integration/test_walk_parity.py``)."""
 
     def start(self, request: WalkRequest, pools: Sequence[TierPool],
               session: SessionRecord | None) -> RequestWalk:
@@ -436,6 +464,8 @@ class _Phase(enum.Enum):
     ANSWERED = "answered"  # the attempt answered; load open until end()
     ENDED = "ended"
 
+
+_A = TypeVar("_A", NeedTokens, Send, Refuse, Fail, WalkAction, str)
 
 _NO_PLACE: Final = Place(0, "", None, PlaceReason.FITS, partial(str, ""), 0)
 
@@ -518,10 +548,11 @@ class RequestWalk:
         self.estimate = self._estimate()
         self.state = AttemptState(0, self.request.max_tokens, self.request.max_tokens,
                                   self.estimate.high)
+        self._record("begin")
         if not self.request.route.proactive:
-            return self._reactive_only()
+            return self._record(self._reactive_only())
         self._phase = _Phase.PLANNING
-        return self._plan()
+        return self._record(self._plan())
 
     def tokens(self, pool: PoolName, token_ids: Sequence[int] | None,
                block_hashes: Sequence[WireHash] | None = None) -> WalkAction:
@@ -532,9 +563,10 @@ class RequestWalk:
             raise RuntimeError(f"tokens() in phase {self._phase.value}: no NeedTokens is open")
         self._token_ids[pool] = token_ids
         self._hashes[pool] = block_hashes
+        self._record(f"tokens {pool} {'none' if token_ids is None else len(token_ids)}")
         if self._phase is _Phase.PLANNING:
-            return self._plan()
-        return self._route()
+            return self._record(self._plan())
+        return self._record(self._route())
 
     def overflowed(self, numbers: OverflowNumbers, *, detail: str = "") -> WalkAction:
         """Step 5: the current attempt's engine rejected the request as too long.
@@ -544,6 +576,7 @@ class RequestWalk:
             detail: added to the log line (the wording's style).
         """
         decision = self._sent("overflowed")
+        self._record(f"overflowed {decision.replica}")
         self._release()
         self.num_overflows += 1
         before = self.state.pool_index
@@ -559,10 +592,10 @@ class RequestWalk:
             later = (eligibility(self.pools[j], j, self.request.model)
                      for j in range(before + 1, len(self.pools)))
             self._external_skips([s for s in later if s is not None], "no larger local pool → 400")
-            return self._finish_refused(Refuse(
+            return self._record(self._finish_refused(Refuse(
                 400, plan.message, f"overflow_{plan.reason.value}", type=OVERFLOW_ERROR_TYPE,
                 param=OVERFLOW_ERROR_PARAM, code=OVERFLOW_ERROR_CODE, pool=self.pool_name,
-                decision=decision))
+                decision=decision)))
         self.state = plan.state
         self.retries += 1
         self._prefer = decision.replica if isinstance(plan, Retry) else None
@@ -570,7 +603,7 @@ class RequestWalk:
             self._notes.append(Escalated(self.pools[before].name, self.pool_name, "reactive"))
             self._tier = max(self._tier, self.state.pool_index)
             self._check_warm_hit()
-        return self._route()
+        return self._record(self._route())
 
     def failed(self, kind: str, *, retryable: bool, unreachable: bool = False,
                detail: str = "") -> WalkAction:
@@ -583,21 +616,22 @@ class RequestWalk:
             detail: the error, for the failure hook.
         """
         decision = self._sent("failed")
+        self._record(f"failed {decision.replica} {kind}")
         if unreachable:
             self._notes.append(ReplicaUnreachable(decision.replica, detail))
         limit = self._walker.settings.max_retries
         if not retryable or self.retries >= limit:
             self._notes.append(UpstreamFailed(decision.replica, kind, retried=False))
             why = FailReason.NOT_RETRYABLE if not retryable else FailReason.RETRIES_SPENT
-            return self._finish_failed(decision, why, kind)
+            return self._record(self._finish_failed(decision, why, kind))
         moved = self._walker.core.reroute(decision, decision.replica)  # releases its load
         self._load_open = None
         if moved is None:
             self._notes.append(UpstreamFailed(decision.replica, kind, retried=False))
-            return self._finish_failed(decision, FailReason.NO_REPLICA_LEFT, kind)
+            return self._record(self._finish_failed(decision, FailReason.NO_REPLICA_LEFT, kind))
         self._notes.append(UpstreamFailed(decision.replica, kind, retried=True))
         self.retries += 1
-        return self._send(moved)
+        return self._record(self._send(moved))
 
     def answered(self) -> None:
         """The current attempt answered (its first byte, or the engine's first token):
@@ -605,6 +639,7 @@ class RequestWalk:
         decision = self._sent("answered")
         self._walker.core.on_first_token(decision.replica, self.request.request_id)
         self._phase = _Phase.ANSWERED
+        self._record(f"answered {decision.replica}")
 
     def end(self, finish_reasons: Sequence[str | None] = (),
             usage: Mapping[str, Any] | None = None) -> SessionWrite | None:
@@ -627,11 +662,13 @@ class RequestWalk:
         self._phase = _Phase.ENDED
         usage_record = self._usage(finish_reasons, usage) if answered else None
         if self.key is None:
+            self._record(f"end {self.outcome}")
             return None
         old = self.session
         pin = self.decision.replica if answered and self.decision is not None else old.pin
         new = SessionRecord(pin=pin, tier=max(old.tier, self._tier),
                             usage=usage_record if usage_record is not None else old.usage)
+        self._record(f"end {self.outcome} pin={new.pin} tier={new.tier}")
         if new == old and not answered:
             return None
         return SessionWrite(self.key, new)
@@ -640,6 +677,9 @@ class RequestWalk:
 
     def _estimate(self) -> TokenEstimate:
         request = self.request
+        if request.prompt_token_ids is not None:  # the body's own token ids: exact
+            return TokenEstimate.exact_count(len(request.prompt_token_ids),
+                                             EstimateSource.TOKEN_IDS)
         usage = self.session.usage
         try:
             if usage is not None and request.endpoint == "chat":
@@ -891,6 +931,12 @@ class RequestWalk:
         self.outcome = f"upstream_{kind}"
         self._phase = _Phase.ENDED
         return Fail(decision, why, self.retries, self._walker.settings.max_retries)
+
+    def _record(self, step: _A) -> _A:
+        recorder = self._walker.recorder
+        if recorder is not None:
+            recorder(self.request.request_id, describe(step))
+        return step
 
     def _release(self) -> None:
         if self._load_open is not None:

@@ -1,14 +1,17 @@
 """Virtual-time fleet simulation: N engine models behind one ``RouterCore``.
 
-The simulation runs the production decision code (``core.router.RouterCore`` with any policy
-of ``core.policy``/``core.peer_policies``) against ``engine.model.EngineModel`` engines on
+The simulation runs the production decision code (the request walk of ``core/walk.py`` over
+``core.router.RouterCore`` with any policy of ``core.policy``/``core.peer_policies``) against
+``engine.model.EngineModel`` engines on
 a virtual clock, with no sleeps and no asyncio, so a benchmark of the simulator measures the
 code that routes production traffic.
 
 Theory of operation (a discrete-event loop over a heap of timed events):
 
-* ``ARRIVE``: a workload request is routed (the router hashes it, looks it up in its index,
-  scores replicas) and added to the chosen engine. An idle engine starts a step at once.
+* ``ARRIVE``: a workload request starts its walk (below): it is placed, routed (the router
+  hashes it, looks it up in its index, scores replicas) and added to the chosen engine. An
+  idle engine starts a step at once. ``TOKENS`` and ``RESEND`` resume a walk after a
+  ``/tokenize`` round trip or a rejected attempt.
 * ``STEP_DONE``: an engine finished the step it started ``duration_s`` earlier. Its outputs
   become visible now: first tokens (TTFT), further tokens (inter-token gaps), finished
   requests (which release closed-loop follow-up turns after their think time). Its KV events
@@ -26,30 +29,33 @@ Prompt block digests are computed once per request (``DigestCache``) and shared 
 and the engine, and across the policies of one benchmark: they are the same vLLM hashes either
 way, and hashing a long trace is the most expensive part of a run.
 
-Context-window tiers (``FleetConfig.pools`` and ``tier_mode``)
---------------------------------------------------------------
+The request walk (``core/walk.py``)
+---------------------------------
 
-Without ``pools`` the fleet is one pool of ``num_replicas`` identical engines and requests go
-straight to ``RouterCore.route`` (``TierMode.NONE``: an over-long prompt is simply rejected,
-as before). With ``pools`` (smallest window first, one ``RouterCore`` ``PoolSpec`` each) a
-request walks the tier logic of ``core/tiers.py`` and ``core/warm.py`` as the live shell does:
+Every request walks the same state machine as in the live router (``shell/forward.py``):
+estimate, tier plan with its exact-count recheck, warm-ahead, routing with the session's pin
+(``SessionRecord``, kept in a ``SessionTable``) and the tenant's scope, reactive recovery
+from an engine's overflow rejection, and the session record written when the request ends.
+This module only carries out the walk's actions in virtual time:
 
-* ``REACTIVE`` — no estimate: every request is sent to pool 0 first. An overflow rejection
-  is rendered exactly as vLLM 0.32 words it (``wire.overflow_styles.check_overflow``),
-  parsed back (``wire.overflow.parse_overflow``) and handed to ``plan_recovery``, which
-  clamps and retries, escalates, or gives up (bounded by ``max_attempts``). Each rejected
-  attempt costs ``overflow_rtt_s`` before the next one is sent (the doomed round trip).
-* ``PROACTIVE`` — the prompt is estimated (``from_session`` once the session's last
-  ``usage`` is known, else ``estimate_request`` over the request's ``messages``, or its token
-  ids when it has none) and ``plan_tier`` chooses the pool, with the session pinned to the
-  largest pool it reached. ``NeedExactCount`` is answered with the prompt's true token count
-  after ``tokenize_rtt_s`` (the ``/tokenize`` round trip). The reactive path stays below as
-  the backstop.
-* ``PROACTIVE_WARM`` — as ``PROACTIVE``, plus ``WarmPlanner.consider`` after each placement;
-  a ``WarmFire`` adds a ``max_tokens: 1`` copy of the prompt to the target pool, routed by
-  the same policy through ``RouterCore.route``, in the same instant and on another pool's
-  engine, so it never delays the triggering request. Warm-ups are kept out of the workload's
-  records (``FleetResult.warm_records``).
+* ``NeedTokens`` is answered with the prompt's ids; when the tier plan asked for an exact
+  count it costs ``tokenize_rtt_s`` (the ``/tokenize`` round trip), otherwise nothing (the
+  tokens for routing come with the request);
+* ``Send`` adds the request to the chosen engine; an overflow rejection is rendered exactly
+  as vLLM 0.32 words it (``wire.overflow_styles.check_overflow``), parsed back
+  (``wire.overflow``) and reported to the walk; its next attempt is sent ``overflow_rtt_s``
+  later (the doomed round trip). A rejection that is not about the window is a failure the
+  walk does not retry;
+* a ``Send`` carrying a warm-ahead adds a ``max_tokens: 1`` copy of the prompt to the target
+  pool, routed by the same policy through the walk's ``route_request``, in the same instant
+  (warm-ups are kept out of the workload's records: ``FleetResult.warm_records``);
+* the engine's first token is ``answered()``, its end is ``end()`` with the answer's usage.
+
+Context-window tiers (``FleetConfig.pools`` and ``tier_mode``): ``NONE`` routes over pool
+0 alone with the reactive path only (an over-long prompt is rejected by the engine and the
+walk gives up); ``REACTIVE`` over every pool, reactive only (no estimate: the session's tier,
+else pool 0, first); ``PROACTIVE`` with the estimate and tier plan; ``PROACTIVE_WARM`` also
+with warm-ahead.
 
 The first request of each session that lands on a larger pool than pool 0 is marked
 ``first_on_larger`` and gets ``cold_ttft_s``: the TTFT the same prompt would have on an idle
@@ -67,32 +73,36 @@ from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 from kvroute.core.clock import ManualClock
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import EventBatch
 from kvroute.core.hashing import BlockHasher
-from kvroute.core.index import TenantScope
 from kvroute.core.peer_policies import make_policy
-from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
-from kvroute.core.tiers import (
-    DEFAULT_OUTPUT_FLOOR,
-    AttemptState,
-    Escalate,
-    NeedExactCount,
-    OverflowNumbers,
-    OverflowPart,
-    Place,
-    Retry,
-    TierPool,
-    learn_window,
-    plan_recovery,
-    plan_tier,
-    was_cut_short,
-)
-from kvroute.core.tokens import TokenEstimate, estimate_request, from_session
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
+from kvroute.core.session import SessionTable, session_key
+from kvroute.core.tiers import DEFAULT_OUTPUT_FLOOR, OverflowNumbers, TierPool, learn_window
 from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
+from kvroute.core.walk import (
+    CutShortNote,
+    Escalated,
+    Fail,
+    NeedTokens,
+    Recovered,
+    Refuse,
+    ReplicaUnreachable,
+    RequestWalk,
+    Send,
+    WalkAction,
+    Walker,
+    WalkRequest,
+    WalkRoute,
+    WalkSettings,
+    WarmNote,
+    WindowLearned,
+)
 from kvroute.core.warm import (
     DEFAULT_COOLDOWN_S,
     DEFAULT_FRACTION,
@@ -110,13 +120,15 @@ from kvroute.engine.model import (
 )
 from kvroute.sim.profiles import TimingProfile
 from kvroute.sim.workload import WorkloadRequest
-from kvroute.wire.overflow import parse_overflow
+from kvroute.wire.overflow import overflow_numbers, parse_overflow
 from kvroute.wire.overflow_styles import check_overflow
 
 POOL = PoolName("sim")
 DEFAULT_TENANT = TenantName("default")
 
-_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _REPLAN, _RESEND = 0, 1, 2, 3, 4, 5
+_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _TOKENS, _RESEND, _HEAL = 0, 1, 2, 3, 4, 5, 6
+ROUTE = "sim"
+"""The simulated fleet's one route (the session records' key names it)."""
 
 WARM_SUFFIX = "#warm"
 """Appended to a request id to name its warm-up copy."""
@@ -214,6 +226,28 @@ class SimPool:
 
 
 @dataclass(frozen=True, slots=True)
+class Outage:
+    """A replica that refuses connections from ``start_s`` until ``end_s`` (virtual time).
+
+    An attempt sent to it fails before its first byte, as a refused connection does live:
+    the walk retries elsewhere and takes the replica out of routing (discovery's job in the
+    live router) until ``end_s``, when it is healthy again.
+    """
+
+    replica: str
+    start_s: float
+    end_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_s < self.end_s:
+            raise ConfigError(f"outage of {self.replica!r}: need 0 <= start_s < end_s, got "
+                              f"{self.start_s}..{self.end_s}")
+
+    def covers(self, replica: str, now_s: float) -> bool:
+        return replica == self.replica and self.start_s <= now_s < self.end_s
+
+
+@dataclass(frozen=True, slots=True)
 class FleetConfig:
     """One simulated fleet and how to drive it.
 
@@ -245,6 +279,7 @@ class FleetConfig:
             request is planned again with its exact count.
         overflow_rtt_s: the round trip of a request an engine rejects as too long (vLLM
             rejects in its HTTP frontend, before scheduling: no engine time is used).
+        outages: replicas that refuse connections for a while (:class:`Outage`).
     """
 
     num_replicas: int
@@ -268,6 +303,7 @@ class FleetConfig:
     warm_max_sessions: int = DEFAULT_MAX_SESSIONS
     tokenize_rtt_s: float = 0.002
     overflow_rtt_s: float = 0.01
+    outages: tuple[Outage, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -442,6 +478,20 @@ def _pct(sorted_values: Sequence[float], pct: float) -> float:
     return float(sorted_values[int(rank) - 1])
 
 
+@dataclass(slots=True)
+class _Flight:
+    """One workload request while its walk runs."""
+
+    request: WorkloadRequest
+    record: RequestRecord
+    walk: RequestWalk
+    digests: list[BlockHash]
+    wire: tuple[WireHash, ...]
+    salt: str | None
+    rejection: str | None = None
+    """The engine's own word for a rejection the walk does not retry."""
+
+
 class FleetSimulation:
     """One run of a workload through a simulated fleet (see the module docstring)."""
 
@@ -484,7 +534,7 @@ class FleetSimulation:
             lambda: make_policy(config.policy, rng, **config.policy_params),
             clock=self.clock,
         )
-        self._needs_text = self.router._pools[self.pool_names[0]].policy.needs_text
+        needs_text = self.router._pools[self.pool_names[0]].policy.needs_text
         self.workload = list(workload)
         self._progress = progress
         self._heap: list[tuple[float, int, int, object]] = []
@@ -493,29 +543,35 @@ class FleetSimulation:
         self._event_seq: dict[ReplicaId, int] = defaultdict(int)
         self._scraped_at: dict[ReplicaId, float] = {}
         self._records: dict[str, RequestRecord] = {}
-        self._where: dict[str, ReplicaId] = {}
+        self._flights: dict[str, _Flight] = {}
         self._dependents: dict[str, list[WorkloadRequest]] = defaultdict(list)
         self._itl = array("d")
         self._samples: list[tuple[float, tuple[int, ...]]] = []
-        # Tier state (unused with TierMode.NONE).
+        # The walk: the route's pools (pool 0 alone without tiers), its settings, sessions.
         self._mode = TierMode(config.tier_mode)
+        pools = self.pools if self._mode is not TierMode.NONE else self.pools[:1]
         self._tier_pools = [
             TierPool(p.name, window=p.engine_config().max_model_len, window_fetched_at_s=0.0,
                      served_model=p.served_model or p.profile.model)
-            for p in self.pools
+            for p in pools
         ]
+        self._model = self._tier_pools[0].served_model or ""
+        self._route = WalkRoute(
+            ROUTE, proactive=self._mode in (TierMode.PROACTIVE, TierMode.PROACTIVE_WARM),
+            output_floor=config.output_floor)
         self.planner = WarmPlanner(
             config.warm_fraction, config.warm_cooldown_s, config.warm_max_sessions,
             enabled=self._mode is TierMode.PROACTIVE_WARM,
             rewarm_fraction=config.warm_rewarm_fraction,
         )
+        self.walker = Walker(self.router, self.planner,
+                             WalkSettings(window_ttl_s=math.inf, policy_needs_text=needs_text),
+                             self.clock)
+        self._sessions = SessionTable(ttl_s=math.inf)
         self._counters: Counter[str] = Counter()
         self._warm_skips: Counter[str] = Counter()
         self._warm: dict[str, RequestRecord] = {}
-        self._pins: dict[str, int] = {}
         self._landed: set[str] = set()
-        self._session_usage: dict[str, tuple[int, int, int]] = {}
-        self._num_messages: dict[str, int] = {}
         self._probes: dict[int, EngineModel] = {}
 
     # -- driving ----------------------------------------------------------------------
@@ -536,17 +592,16 @@ class FleetSimulation:
                 break
             self.clock.set(max(when, self.clock.now()))
             if kind == _ARRIVE:
-                if self._mode is TierMode.NONE:
-                    self._arrive(data)  # type: ignore[arg-type]
-                else:
-                    self._arrive_tiered(data)  # type: ignore[arg-type]
-            elif kind == _REPLAN:
-                request, record = cast("tuple[WorkloadRequest, RequestRecord]", data)
-                exact = TokenEstimate.exact_count(len(request.prompt_token_ids))
-                self._plan(request, record, exact)
+                self._arrive(data)  # type: ignore[arg-type]
+            elif kind == _TOKENS:
+                flight, pool = cast("tuple[_Flight, PoolName]", data)
+                self._act(flight, flight.walk.tokens(pool, flight.request.prompt_token_ids,
+                                                     flight.wire))
             elif kind == _RESEND:
-                self._send(*cast("tuple[WorkloadRequest, RequestRecord, int, int | None, "
-                                 "AttemptState]", data))
+                flight, send = cast("tuple[_Flight, Send]", data)
+                self._act(flight, send)
+            elif kind == _HEAL:
+                self.router.set_healthy(cast("ReplicaId", data), True)
             elif kind == _STEP_DONE:
                 replica, result = cast("tuple[ReplicaId, StepResult]", data)
                 finished = self._step_done(replica, result)
@@ -592,225 +647,186 @@ class FleetSimulation:
         heapq.heappush(self._heap, (when, self._counter, kind, data))
 
     def _arrive(self, request: WorkloadRequest) -> None:
+        """A workload request starts its walk (module docstring, "The request walk")."""
         now = self.clock.now()
+        rid = request.request_id
+        tokens = request.prompt_token_ids
+        record = RequestRecord(rid, now, num_prompt_tokens=len(tokens),
+                               session_id=request.session_id,
+                               requested_max_tokens=request.output_tokens)
+        self._records[rid] = record
         tenant = TenantName(request.tenant) if request.tenant else DEFAULT_TENANT
         salt = f"salt-{tenant}" if self.config.salt_tenants and request.tenant else None
         digests, wire = self.digests.get(request, salt)
-        tokens = request.prompt_token_ids
-        record = RequestRecord(request.request_id, now, num_prompt_tokens=len(tokens))
-        self._records[request.request_id] = record
-        decision = self.router.route(RouteRequest(
-            request_id=RequestId(request.request_id),
-            pool=self.pool_names[0],
-            scope=TenantScope(tenant),
-            num_prompt_tokens=len(tokens),
-            prompt_token_ids=tokens,
-            block_hashes=wire,
-            routing_text=tokens_as_text(tokens) if self._needs_text else "",
-            cache_salt=salt,
-            session_id=request.session_id,
-            expected_output_tokens=request.output_tokens,
-        ))
+        session = request.session_id
+        stored = None
+        if session is not None:
+            stored = self._sessions.get(session_key(tenant, ROUTE, session), now)
+        chat = request.messages is not None
+        walk = self.walker.start(WalkRequest(
+            request_id=RequestId(rid), route=self._route, tenant=tenant, session_id=session,
+            endpoint="chat" if chat else "completions", model=self._model,
+            body={"messages": request.messages, "max_tokens": request.output_tokens}
+            if chat else {}, max_tokens=request.output_tokens,
+            num_messages=len(request.messages) if request.messages is not None else None,
+            prompt_token_ids=None if chat else tokens,
+            prompt_block_hashes=None if chat else wire,
+            routing_text=partial(tokens_as_text, tokens), cache_salt=salt,
+        ), self._tier_pools, stored)
+        flight = _Flight(request, record, walk, digests, wire, salt)
+        self._flights[rid] = flight
+        self._act(flight, walk.begin())
+
+    def _act(self, flight: _Flight, action: WalkAction) -> None:
+        """Carry out one of the walk's actions in virtual time (module docstring)."""
+        walk, record = flight.walk, flight.record
+        now = self.clock.now()
+        self._drain(flight)
+        if isinstance(action, NeedTokens):
+            if action.for_count:  # the /tokenize round trip of an exact count
+                self._counters["exact_counts"] += 1
+                self._push(now + self.config.tokenize_rtt_s, _TOKENS, (flight, action.pool))
+            else:
+                self._act(flight, walk.tokens(action.pool, flight.request.prompt_token_ids,
+                                              flight.wire))
+            return
+        if isinstance(action, Refuse):
+            record.rejected = action.outcome
+            if action.outcome == "no_fit":
+                self._counters["no_fit"] += 1
+            rtt = self.config.overflow_rtt_s if action.outcome.startswith("overflow_") else 0.0
+            self._end(flight, now + rtt)
+            return
+        if isinstance(action, Fail):
+            record.rejected = flight.rejection or action.reason.value
+            self._end(flight, now)
+            return
+        self._send(flight, action)
+
+    def _send(self, flight: _Flight, send: Send) -> None:
+        """One attempt: the chosen engine admits the request or rejects it."""
+        now = self.clock.now()
+        request, record, walk = flight.request, flight.record, flight.walk
+        decision = send.decision
         replica = decision.replica
-        record.replica = replica
-        record.expected_cached_tokens = decision.expected_cached_tokens
+        if send.warm is not None:
+            self._fire_warm(flight, send.warm)
+        if any(outage.covers(replica, now) for outage in self.config.outages):
+            self._act(flight, walk.failed("connect", retryable=True, unreachable=True,
+                                          detail="simulated outage"))
+            return
         admission = self.engines[replica].add_request(EngineRequest(
             request_id=request.request_id,
-            prompt_token_ids=tokens,
-            max_tokens=request.output_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            max_tokens=send.max_tokens if send.max_tokens is not None else request.output_tokens,
             output_length=request.output_tokens,
-            cache_salt=salt,
-            prompt_block_hashes=digests,
+            cache_salt=flight.salt,
+            prompt_block_hashes=flight.digests,
             arrival_s=now,
         ))
         if isinstance(admission, Rejection):
-            record.rejected = admission.kind.value
-            self.router.on_complete(replica, RequestId(request.request_id))
-            self._release_dependents(request.request_id, now)
-            return
-        self._where[request.request_id] = replica
-        if replica not in self._busy:
-            self._start_step(replica)
-
-    # -- tiers ----------------------------------------------------------------------------
-
-    def _arrive_tiered(self, request: WorkloadRequest) -> None:
-        """A workload request enters the tier walk (module docstring)."""
-        now = self.clock.now()
-        n = len(request.prompt_token_ids)
-        record = RequestRecord(request.request_id, now, num_prompt_tokens=n,
-                               session_id=request.session_id,
-                               requested_max_tokens=request.output_tokens)  # fmt: skip
-        self._records[request.request_id] = record
-        if request.messages is not None:
-            self._num_messages[request.request_id] = len(request.messages)
-        if self._mode is TierMode.REACTIVE:
-            # No estimate at all: pool 0 first, the engine's numbers decide the rest.
-            state = AttemptState(0, request.output_tokens, request.output_tokens, 0)
-            self._send(request, record, 0, request.output_tokens, state)
-            return
-        self._plan(request, record, self._estimate(request))
-
-    def _estimate(self, request: WorkloadRequest) -> TokenEstimate:
-        """The proactive estimate, as the shell makes it from the request body."""
-        if request.messages is None:
-            return estimate_request({"prompt": list(request.prompt_token_ids)},
-                                    endpoint="completions")  # fmt: skip
-        body = {"messages": request.messages, "max_tokens": request.output_tokens}
-        usage = self._session_usage.get(request.session_id) if request.session_id else None
-        if usage is not None:
-            return from_session(*usage, body)
-        return estimate_request(body, endpoint="chat")
-
-    def _plan(self, request: WorkloadRequest, record: RequestRecord,
-              estimate: TokenEstimate) -> None:  # fmt: skip
-        now = self.clock.now()
-        session = request.session_id
-        plan = plan_tier(
-            self._tier_pools, estimate, request.output_tokens, now_s=now,
-            output_floor=self.config.output_floor, window_ttl_s=math.inf,
-            min_pool_index=self._pins.get(session, 0) if session else 0,
-        )
-        if isinstance(plan, NeedExactCount):
-            # The simulator knows the exact count (the prompt's length); the /tokenize round
-            # trip is modelled as tokenize_rtt_s of delay before planning again.
-            self._counters["exact_counts"] += 1
-            self._push(now + self.config.tokenize_rtt_s, _REPLAN, (request, record))
-            return
-        if not isinstance(plan, Place):  # NoFit (a 400 with OpenAI's wording) or NoPool
-            self._counters["no_fit"] += 1
-            record.rejected = "no_fit"
-            self._release_dependents(request.request_id, now)
-            return
-        if plan.escalated:
-            self._counters["escalations"] += 1
-            record.escalated = True
-        sent = plan.clamped_max_tokens if plan.clamped_max_tokens is not None else (
-            request.output_tokens
-        )
-        state = AttemptState.first(plan, estimate, request.output_tokens)
-        self._send(request, record, plan.pool_index, sent, state)
-        warm = self.planner.consider(session, estimate.low, self._tier_pools, plan.pool_index,
-                                     now)  # fmt: skip
-        if isinstance(warm, WarmFire):
-            self._fire_warm(request, warm.target_pool_index)
-        else:
-            self._warm_skips[warm.reason.value] += 1
-
-    def _send(self, request: WorkloadRequest, record: RequestRecord, pool_index: int,
-              max_tokens: int | None, state: AttemptState) -> None:  # fmt: skip
-        """One attempt on ``pools[pool_index]``; an overflow rejection goes to
-        ``plan_recovery`` and the next attempt is scheduled ``overflow_rtt_s`` later."""
-        now = self.clock.now()
-        rid = request.request_id
-        replica, digests, admission = self._route_and_add(
-            request, rid, pool_index, max_tokens, request.output_tokens
-        )
-        if isinstance(admission, Rejection):
-            self.router.on_complete(replica, RequestId(rid))
             numbers = _overflow_numbers(admission, prompt_is_text=request.messages is not None)
-            if numbers is None:  # not a window problem (an empty prompt): no recovery
-                record.rejected = admission.kind.value
-                self._release_dependents(rid, now)
+            if numbers is None:  # not a window problem (an empty prompt): not retried
+                flight.rejection = admission.kind.value
+                self._act(flight, walk.failed("status", retryable=False))
                 return
             record.num_doomed_attempts += 1
             self._counters["doomed_attempts"] += 1
-            plan = plan_recovery(state, numbers, self._tier_pools,
-                                 output_floor=self.config.output_floor)  # fmt: skip
-            if plan.learned_window is not None:
-                current = self._tier_pools[state.pool_index]
-                self._tier_pools[state.pool_index] = learn_window(current, plan.learned_window,
-                                                                  now)  # fmt: skip
-            if isinstance(plan, Retry | Escalate):
-                self._counters["clamp_retries" if isinstance(plan, Retry) else "escalations"] += 1
-                if isinstance(plan, Escalate):
-                    record.escalated = True
-                self._push(now + self.config.overflow_rtt_s, _RESEND,
-                           (request, record, plan.pool_index, plan.max_tokens, plan.state))
-                return
-            self._counters["give_ups"] += 1
-            record.rejected = f"overflow_{plan.reason.value}"
-            self._release_dependents(rid, now + self.config.overflow_rtt_s)
+            nxt = walk.overflowed(numbers)
+            if isinstance(nxt, Send | NeedTokens):
+                self._drain(flight)
+                self._push(now + self.config.overflow_rtt_s, _RESEND, (flight, nxt))
+            else:
+                self._act(flight, nxt)
             return
+        pool_index = send.pool_index
         record.replica = replica
-        record.pool = self.pool_names[pool_index]
+        record.expected_cached_tokens = decision.expected_cached_tokens
+        record.pool = decision.request.pool
         record.pool_index = pool_index
-        record.clamped_max_tokens = max_tokens if max_tokens != request.output_tokens else None
+        record.clamped_max_tokens = send.max_tokens
         session = request.session_id
-        if session is not None:
-            self._pins[session] = max(self._pins.get(session, 0), pool_index)
         if pool_index > 0 and (session is None or session not in self._landed):
             if session is not None:
                 self._landed.add(session)
             record.first_on_larger = True
-            record.cold_ttft_s = self._cold_ttft(pool_index, request, digests)
-        self._where[rid] = replica
+            record.cold_ttft_s = self._cold_ttft(pool_index, request, flight.digests)
         if replica not in self._busy:
             self._start_step(replica)
 
-    def _route_and_add(
-        self, request: WorkloadRequest, rid: str, pool_index: int, max_tokens: int | None,
-        output_length: int,
-    ) -> tuple[ReplicaId, list[BlockHash], Rejection | None]:
-        """Route ``request``'s prompt in ``pools[pool_index]`` and hand it to the engine."""
+    def _drain(self, flight: _Flight) -> None:
+        """The walk's notes into the run's counters and the request's record."""
+        record = flight.record
+        for note in flight.walk.take_notes():
+            if isinstance(note, Escalated):
+                self._counters["escalations"] += 1
+                record.escalated = True
+            elif isinstance(note, Recovered):
+                if note.plan == "retry":
+                    self._counters["clamp_retries"] += 1
+                elif note.plan == "give_up":
+                    self._counters["give_ups"] += 1
+            elif isinstance(note, WarmNote):
+                if note.outcome == "skipped" and note.reason is not None:
+                    self._warm_skips[note.reason] += 1
+            elif isinstance(note, WindowLearned):
+                for i, pool in enumerate(self._tier_pools):
+                    if pool.name == note.pool:
+                        self._tier_pools[i] = learn_window(pool, note.window, note.now_s)
+            elif isinstance(note, CutShortNote):
+                record.cut_short = note.why.value
+                self._counters[f"cut_short_{note.why.value}"] += 1
+            elif isinstance(note, ReplicaUnreachable):
+                self._take_out(note.replica)
+
+    def _take_out(self, replica: ReplicaId) -> None:
+        """A replica refused a connection: out of routing until its outage ends (what the
+        live router's discovery does until ``/health`` answers again)."""
         now = self.clock.now()
-        tenant = TenantName(request.tenant) if request.tenant else DEFAULT_TENANT
-        salt = f"salt-{tenant}" if self.config.salt_tenants and request.tenant else None
-        digests, wire = self.digests.get(request, salt)
-        tokens = request.prompt_token_ids
-        decision = self.router.route(RouteRequest(
-            request_id=RequestId(rid),
-            pool=self.pool_names[pool_index],
-            scope=TenantScope(tenant),
-            num_prompt_tokens=len(tokens),
-            prompt_token_ids=tokens,
-            block_hashes=wire,
-            routing_text=tokens_as_text(tokens) if self._needs_text else "",
-            cache_salt=salt,
-            session_id=request.session_id,
-            expected_output_tokens=max_tokens if max_tokens is not None else output_length,
-        ))
-        admission = self.engines[decision.replica].add_request(EngineRequest(
-            request_id=rid,
-            prompt_token_ids=tokens,
-            max_tokens=max_tokens,
-            output_length=output_length,
-            cache_salt=salt,
-            prompt_block_hashes=digests,
+        self._counters["replicas_taken_out"] += 1
+        self.router.set_healthy(replica, False)
+        ends = [o.end_s for o in self.config.outages if o.covers(replica, now)]
+        if ends and math.isfinite(max(ends)):
+            self._push(max(ends), _HEAL, replica)
+
+    def _end(self, flight: _Flight, release_at: float,
+             finish_reason: str | None = None, usage: dict[str, int] | None = None) -> None:
+        """The walk's last step: its session record written, its followers released."""
+        rid = flight.request.request_id
+        write = flight.walk.end([finish_reason] if finish_reason is not None else (), usage)
+        self._drain(flight)
+        if write is not None:
+            self._sessions.put(write.key, write.record, self.clock.now())
+        del self._flights[rid]
+        self._release_dependents(rid, release_at)
+
+    def _fire_warm(self, flight: _Flight, fire: WarmFire) -> None:
+        """Fire-and-forget ``max_tokens: 1`` copy of the prompt to the warm-up's pool."""
+        now = self.clock.now()
+        request = flight.request
+        wid = request.request_id + WARM_SUFFIX  # a request is placed (and warmed) once
+        route_request = flight.walk.route_request(
+            PoolName(fire.target_pool_name), RequestId(wid), request.prompt_token_ids,
+            flight.wire, expected_output_tokens=1)
+        decision = self.router.route(route_request)
+        replica = decision.replica
+        admission = self.engines[replica].add_request(EngineRequest(
+            request_id=wid, prompt_token_ids=request.prompt_token_ids, max_tokens=1,
+            output_length=1, cache_salt=flight.salt, prompt_block_hashes=flight.digests,
             arrival_s=now,
         ))
-        rejection = admission if isinstance(admission, Rejection) else None
-        return decision.replica, digests, rejection
-
-    def _fire_warm(self, request: WorkloadRequest, target: int) -> None:
-        """Fire-and-forget ``max_tokens: 1`` copy of the prompt to ``pools[target]``."""
-        now = self.clock.now()
-        wid = request.request_id + WARM_SUFFIX  # a request is placed (and warmed) once
-        replica, _, rejection = self._route_and_add(request, wid, target, 1, 1)
-        if rejection is not None:
+        if isinstance(admission, Rejection):
             self.router.on_complete(replica, RequestId(wid))
             self._counters["warms_rejected"] += 1
             return
         self._counters["warms_fired"] += 1
         self._warm[wid] = RequestRecord(
             wid, now, replica=replica, num_prompt_tokens=len(request.prompt_token_ids),
-            session_id=request.session_id, pool=self.pool_names[target], pool_index=target,
-            requested_max_tokens=1,
+            session_id=request.session_id, pool=fire.target_pool_name,
+            pool_index=fire.target_pool_index, requested_max_tokens=1,
         )
         if replica not in self._busy:
             self._start_step(replica)
-
-    def _finished_tiered(self, record: RequestRecord, prompt_tokens: int,
-                         output_tokens: int) -> None:  # fmt: skip
-        """Completion bookkeeping: the session's usage and the cut-short counter."""
-        why = was_cut_short(record.requested_max_tokens, record.clamped_max_tokens,
-                            record.finish_reason, output_tokens)  # fmt: skip
-        if why is not None:
-            record.cut_short = why.value
-            self._counters[f"cut_short_{why.value}"] += 1
-        num_messages = self._num_messages.pop(record.request_id, None)
-        if record.session_id is not None and num_messages is not None:
-            self._session_usage[record.session_id] = (prompt_tokens, output_tokens, num_messages)
 
     def _cold_ttft(self, pool_index: int, request: WorkloadRequest,
                    digests: Sequence[BlockHash]) -> float:  # fmt: skip
@@ -862,7 +878,10 @@ class FleetSimulation:
                 if out.first_token:
                     record.first_token_s = now
                     record.num_cached_tokens = out.num_cached_tokens
-                    self.router.on_first_token(replica, RequestId(out.request_id))
+                    if warm:
+                        self.router.on_first_token(replica, RequestId(out.request_id))
+                    else:
+                        self._flights[out.request_id].walk.answered()
                 elif record.last_token_s is not None:
                     gap = now - record.last_token_s
                     for _ in out.new_token_ids:
@@ -872,13 +891,12 @@ class FleetSimulation:
             if out.finished:
                 record.finish_s = now
                 record.finish_reason = out.finish_reason
-                self.router.on_complete(replica, RequestId(out.request_id))
-                self._where.pop(out.request_id, None)
                 if warm:
+                    self.router.on_complete(replica, RequestId(out.request_id))
                     continue
-                if self._mode is not TierMode.NONE:
-                    self._finished_tiered(record, out.num_prompt_tokens, out.num_output_tokens)
-                self._release_dependents(out.request_id, now)
+                self._end(self._flights[out.request_id], now, out.finish_reason,
+                          {"prompt_tokens": out.num_prompt_tokens,
+                           "completion_tokens": out.num_output_tokens})
                 finished += 1
         if result.events:
             seq = self._event_seq[replica]
@@ -919,15 +937,7 @@ def _overflow_numbers(rejection: Rejection, *, prompt_is_text: bool) -> Overflow
     if response is None:
         return None
     overflow = parse_overflow(response.status, response.body)
-    if overflow is None:
-        return None
-    return OverflowNumbers(
-        part=OverflowPart(overflow.kind.value),
-        window=overflow.window,
-        prompt_tokens=overflow.prompt_tokens,
-        prompt_is_lower_bound=overflow.prompt_is_lower_bound,
-        requested_output_tokens=overflow.requested_output_tokens,
-    )
+    return None if overflow is None else overflow_numbers(overflow)
 
 
 def _profile_prefill_rate(profile: TimingProfile) -> float:

@@ -198,13 +198,17 @@ def test_disabled_warm_ahead_fires_none() -> None:
     assert result.warm_skips == {"disabled": len(wl)}
 
 
-def test_no_tier_mode_keeps_the_single_pool_behaviour() -> None:
+def test_no_tier_mode_walks_pool_0_alone_and_gives_up_on_what_it_cannot_hold() -> None:
+    """Without tiers the route is pool 0 alone, reactive only: an over-long prompt is
+    rejected by the engine once, and the walk, with no larger pool, gives up."""
     wl = sessions(2)
     result = run(wl, TierMode.NONE)
     assert {r.replica.split("-")[0] for r in result.records if r.replica} == {"small"}
     over = [r for r in result.records if r.num_prompt_tokens > SMALL_W]
-    assert over and all(r.rejected == "prompt_too_long" for r in over)
-    assert result.counters == {} and result.warm_skips == {}
+    assert over and all(r.rejected == "overflow_no_larger_pool" for r in over)
+    assert all(r.num_doomed_attempts == 1 for r in over)
+    assert result.counters == {"doomed_attempts": len(over), "give_ups": len(over)}
+    assert result.warm_skips == {"disabled": len(wl)}
 
 
 def test_tiered_config_is_validated() -> None:
