@@ -626,6 +626,11 @@ def _pool(name: str, data: Any) -> PoolConfig:
 
 def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteConfig:
     key = f"routes.{name}"
+    if not name or any(ord(ch) < 32 for ch in name):
+        # NOTE: the route's name is part of every session's key (core/session.session_key,
+        # control characters separate its parts).
+        raise _fail("routes", name, "must be a non-empty model name without control characters",
+                    "Name the route as clients name the model, e.g. llama-3.1-8b.")
     d = _mapping(key, data, "{pools: [small]}")
     _check_keys(key, d, ("pools", "output_floor", "tokenize_margin", "proactive"))
     names = d.get("pools")
