@@ -361,9 +361,9 @@ def test_without_a_session_nothing_is_written() -> None:
 
 def test_warm_ahead_rides_on_the_first_send_above_the_threshold() -> None:
     walker, _ = make_walker()
-    walk, send = sent_small(walker, 1500)
+    _walk, send = sent_small(walker, 1500)
     assert send.warm is not None and send.warm.target_pool_name == LARGE
-    walk2, send2 = sent_small(walker, 1500)  # same stage, same session: cooling down
+    _walk2, send2 = sent_small(walker, 1500)  # same stage, same session: cooling down
     assert send2.warm is None
 
 
@@ -379,7 +379,7 @@ def test_warm_ahead_skips_are_noted_with_their_reason() -> None:
 
 def test_a_warm_ups_request_is_built_by_the_walk_for_the_target_pool() -> None:
     walker, _ = make_walker()
-    walk, send = sent_small(walker, 1500)
+    walk, _send = sent_small(walker, 1500)
     warm = walk.route_request(LARGE, RequestId("w1"), ids(1500), expected_output_tokens=1)
     assert (warm.pool, warm.expected_output_tokens, warm.scope.tenant) == (LARGE, 1, TENANT)
 
