@@ -383,6 +383,31 @@ def test_timeout_and_no_replica() -> None:
     run(go)
 
 
+def test_a_refused_tokenize_moves_to_the_next_replica_and_takes_the_dead_one_out() -> None:
+    """Nothing listens on one replica's port: the answer comes at once, so the next healthy
+    replica is asked and the request keeps its exact tokens; the dead replica is reported
+    to discovery (out of routing at once), as a refused inference request would be."""
+
+    async def go() -> None:
+        async with fakes(2) as (a, b), clients() as session:
+            config = make_config({"p": engine_pool([a, b])})
+            rig = Rig(config, session)
+            await rig.discovery.refresh_now()
+            tok = EngineTokenizer(config.pools["p"], rig.discovery, rig.client, rig.metrics)
+            await a.stop()
+            for n in range(2):  # whichever replica the round robin starts on
+                assert await tok.token_ids(chat(f"{HELLO} {n}")) is not None
+                assert not tok.failing
+            assert rig.count("p", "refused") == 1 and rig.count("p", "ok") == 2
+            assert rig.discovery.healthy_replicas("p") == [config.pools["p"].replicas[1].name]
+            assert len(b.received) == 2
+            await b.stop()
+            assert await tok.token_ids(chat(HELLO + " again")) is None  # none left to ask
+            assert tok.failing
+
+    run(go)
+
+
 def test_approximate_mode_is_visible_in_metrics(caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
         async with fakes(2) as (a, b), clients() as session:

@@ -26,7 +26,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvroute.bench.workloads import WorkloadRequest
 from kvroute.config import RouterConfig, parse_config
 from kvroute.core.types import RequestId
 from kvroute.shell.runtime import RouterRuntime
@@ -34,7 +33,8 @@ from kvroute.sim.fleet import FleetConfig, FleetSimulation, Outage, SimPool, Tie
 from kvroute.sim.launcher import inprocess_fleet
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.server import SimServerConfig
-from kvroute.sim.tokenizer import BuiltinTokenizer
+from kvroute.sim.workload import WorkloadRequest
+from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
 
 pytestmark = pytest.mark.integration
 
@@ -47,26 +47,30 @@ TURNS = 6
 FAIL_BEFORE = 4  # the replica that served turn FAIL_BEFORE - 1 stops before this turn
 MAX_TOKENS = 32
 THINK_S = 10.0
+TOKENIZER_DIR = bundled_tokenizer_dir()
+"""The engines' tokenizer, and the router's own copy of it (``tokenizer: {local: ...}``):
+tokenizing never touches a replica, so the failed one is met by the walk itself."""
 Step = tuple[str, str]
 
 
 def words(rng: random.Random, n: int) -> str:
-    """``n`` three-letter words: one token each for the built-in tokenizer."""
+    """``n`` three-letter words (about three tokens each for the bundled tiny BPE)."""
     return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(3))
                     for _ in range(n))
 
 
 def conversation() -> list[list[dict[str, str]]]:
-    """Each turn's messages: a 1,482-word system prompt, then 260 tokens more a turn (a
-    scripted 32-word answer and a 222-word question), so turn 3 no longer fits 2,048."""
+    """Each turn's messages: a 480-word system prompt (about 1,480 tokens), then about 250
+    tokens more a turn (a scripted 10-word answer and a 70-word question), so the fourth
+    turn no longer fits 2,048."""
     rng = random.Random(5)
-    messages = [{"role": "system", "content": words(rng, 1482)},
-                {"role": "user", "content": words(rng, 10)}]
+    messages = [{"role": "system", "content": words(rng, 480)},
+                {"role": "user", "content": words(rng, 5)}]
     turns = []
     for _ in range(TURNS):
         turns.append(list(messages))
-        messages += [{"role": "assistant", "content": words(rng, MAX_TOKENS)},
-                     {"role": "user", "content": words(rng, 222)}]
+        messages += [{"role": "assistant", "content": words(rng, 10)},
+                     {"role": "user", "content": words(rng, 70)}]
     return turns
 
 
@@ -82,7 +86,7 @@ def replica_names(pool: str) -> list[str]:
 
 
 def simulate(mode: TierMode, outages: Sequence[Outage] = ()) -> list[Step]:
-    tokenizer = BuiltinTokenizer()
+    tokenizer = HFTokenizer.from_dir(TOKENIZER_DIR)
     workload = []
     for turn, messages in enumerate(conversation()):
         ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True),
@@ -110,7 +114,7 @@ def simulate(mode: TierMode, outages: Sequence[Outage] = ()) -> list[Step]:
 
 def router_config(servers: dict[str, Any], mode: TierMode) -> RouterConfig:
     pools = {
-        pool: {"model": MODELS[pool], "tokenizer": "engine",
+        pool: {"model": MODELS[pool], "tokenizer": {"local": str(TOKENIZER_DIR)},
                "replicas": [{"name": name, "url": servers[name].url}
                             for name in replica_names(pool)]}
         for pool in (SMALL, LARGE)
@@ -132,7 +136,7 @@ def router_config(servers: dict[str, Any], mode: TierMode) -> RouterConfig:
 
 async def live(mode: TierMode) -> list[Step]:
     configs = [SimServerConfig(model=MODELS[pool], max_model_len=WINDOWS[pool], profile="zero",
-                               kv_events=None)
+                               kv_events=None, tokenizer=str(TOKENIZER_DIR))
                for pool in (SMALL, LARGE) for _ in range(2)]
     names = [name for pool in (SMALL, LARGE) for name in replica_names(pool)]
     steps: list[Step] = []

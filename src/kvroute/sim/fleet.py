@@ -2,9 +2,8 @@
 
 The simulation runs the production decision code (the request walk of ``core/walk.py`` over
 ``core.router.RouterCore`` with any policy of ``core.policy``/``core.peer_policies``) against
-``engine.model.EngineModel`` engines on
-a virtual clock, with no sleeps and no asyncio, so a benchmark of the simulator measures the
-code that routes production traffic.
+``engine.model.EngineModel`` engines on a virtual clock, with no sleeps and no asyncio, so a
+benchmark of the simulator measures the code that routes production traffic.
 
 Theory of operation (a discrete-event loop over a heap of timed events):
 
@@ -83,6 +82,7 @@ from kvroute.core.hashing import BlockHasher
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.session import SessionTable, session_key
+from kvroute.core.stats import mean, percentile
 from kvroute.core.tiers import DEFAULT_OUTPUT_FLOOR, OverflowNumbers, TierPool, learn_window
 from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.core.walk import (
@@ -438,16 +438,16 @@ class FleetResult:
             "completed": len(done),
             "rejected": sum(1 for r in self.records if r.rejected),
             "unfinished": sum(1 for r in self.records if r.finish_s is None and not r.rejected),
-            "ttft_mean_s": _mean(ttfts),
-            "ttft_p50_s": _pct(ttfts, 50),
-            "ttft_p90_s": _pct(ttfts, 90),
-            "ttft_p99_s": _pct(ttfts, 99),
-            "itl_mean_s": _mean(itl),
-            "itl_p50_s": _pct(itl, 50),
-            "itl_p90_s": _pct(itl, 90),
-            "itl_p99_s": _pct(itl, 99),
-            "e2e_mean_s": _mean(e2e),
-            "e2e_p99_s": _pct(e2e, 99),
+            "ttft_mean_s": mean(ttfts, 0.0),
+            "ttft_p50_s": percentile(ttfts, 50, 0.0),
+            "ttft_p90_s": percentile(ttfts, 90, 0.0),
+            "ttft_p99_s": percentile(ttfts, 99, 0.0),
+            "itl_mean_s": mean(itl, 0.0),
+            "itl_p50_s": percentile(itl, 50, 0.0),
+            "itl_p90_s": percentile(itl, 90, 0.0),
+            "itl_p99_s": percentile(itl, 99, 0.0),
+            "e2e_mean_s": mean(e2e, 0.0),
+            "e2e_p99_s": percentile(e2e, 99, 0.0),
             "token_hit_rate": (
                 self.prefix_cache_hits / self.prefix_cache_queries
                 if self.prefix_cache_queries else 0.0
@@ -460,22 +460,10 @@ class FleetResult:
             "throughput_rps": len(done) / span,
             "output_tokens_per_s": sum(r.num_output_tokens for r in done) / span,
             "preemptions": self.preemptions,
-            "load_imbalance_mean": _mean(ratios) if ratios else 1.0,
+            "load_imbalance_mean": mean(ratios, 1.0),
             "requests_per_replica": per_replica,
             "makespan_s": span,
         }
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
-
-
-def _pct(sorted_values: Sequence[float], pct: float) -> float:
-    """Nearest-rank percentile of an ascending sequence (0.0 when empty)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, -(-len(sorted_values) * pct // 100))
-    return float(sorted_values[int(rank) - 1])
 
 
 @dataclass(slots=True)

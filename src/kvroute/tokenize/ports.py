@@ -41,6 +41,10 @@ class ReplicaDirectory(Protocol):
         """What is known about the replica's model."""
         ...
 
+    def report_failure(self, replica: str, reason: str) -> None:
+        """Nothing answers on the replica's port: take it out of routing until it does."""
+        ...
+
 
 class TokenizerMetrics(Protocol):
     """The tokenizer's counters and gauges (``shell.metrics.RouterMetrics``)."""

@@ -45,7 +45,7 @@ import msgspec
 
 from kvroute.config import PoolConfig, RouterConfig
 from kvroute.core.errors import ConfigError
-from kvroute.http.client import EngineClient, EngineClientError
+from kvroute.http.client import ConnectFailed, ConnectTimeout, EngineClient, EngineClientError
 from kvroute.tokenize.hf import ChatTemplateError, HFTokenizer
 from kvroute.tokenize.piece_check import PieceCheckThread
 from kvroute.tokenize.ports import ReplicaDirectory, TokenizerMetrics
@@ -176,10 +176,12 @@ class ApproximateTokenizer:
 class EngineTokenizer:
     """``POST /tokenize`` on one healthy replica of the pool, round-robin.
 
-    Invariant: at most one upstream call per request, bounded by ``timeout_s``; a failure is
-    never retried on another replica (the request would wait twice; approximate routing is
-    the cheaper fallback). ``failing`` is True from a failed call to the next good one, and
-    each flip is logged once.
+    Invariant: one upstream call per request, bounded by ``timeout_s``, except that a refused
+    connection (nothing listens on the port: the answer came at once) moves to the next
+    healthy replica and reports the dead one to discovery, as a refused inference request
+    does; any other failure is not retried (the request would wait twice; approximate routing
+    is the cheaper fallback). ``failing`` is True from a failed call to the next good one,
+    and each flip is logged once.
 
     Identical prompts are tokenized once: the ``/tokenize`` body (model, messages, tools,
     template options, byte for byte) keys an answer shared by calls in flight together (a
@@ -266,13 +268,23 @@ class EngineTokenizer:
         if not replicas:
             self._fail("no_replica", "no healthy replica to ask")
             return None
-        replica = replicas[self._next % len(replicas)]
+        start = self._next
         self._next += 1
-        url = self._discovery.replica_url(replica) + "/tokenize"
-        tokens = await post_tokenize(self._client, url, encoded, self._timeout_s)
-        if isinstance(tokens, TokenizeFailure):
-            self._fail(tokens.outcome, tokens.detail)
-            return None
+        for k in range(len(replicas)):
+            replica = replicas[(start + k) % len(replicas)]
+            url = self._discovery.replica_url(replica) + "/tokenize"
+            tokens = await post_tokenize(self._client, url, encoded, self._timeout_s)
+            if not isinstance(tokens, TokenizeFailure):
+                break
+            if tokens.refused:
+                self._discovery.report_failure(replica, tokens.detail)
+            if not tokens.refused or k == len(replicas) - 1:
+                self._fail(tokens.outcome, tokens.detail)
+                return None
+            # NOTE: a refused connection answers at once: the next replica costs nothing,
+            # while approximate routing would cost the request its exact prefix match.
+            self._metrics.tokenize(self.pool, "refused")
+        assert isinstance(tokens, list), "every failure returned inside the loop"
         if self.failing:
             self.failing = False
             log.warning("pool %s: engine /tokenize works again; exact routing resumed",
@@ -310,10 +322,13 @@ def tokens_of_answer(raw: bytes) -> list[int] | None:
 
 class TokenizeFailure(NamedTuple):
     """Why a ``POST /tokenize`` gave no ids: ``outcome`` (``timeout``, ``error`` or
-    ``malformed``, as counted in ``kvroute_tokenize_total``) and a message naming the URL."""
+    ``malformed``, as counted in ``kvroute_tokenize_total``) and a message naming the URL;
+    ``refused``: nothing listened on the port (the answer came at once, so asking another
+    replica costs the request nothing)."""
 
     outcome: str
     detail: str
+    refused: bool = False
 
 
 async def post_tokenize(client: EngineClient, url: str, encoded: bytes,
@@ -331,7 +346,9 @@ async def post_tokenize(client: EngineClient, url: str, encoded: bytes,
             response.close()
         return TokenizeFailure("timeout", f"POST {url} took longer than {timeout_s:g}s")
     except EngineClientError as exc:
-        return TokenizeFailure("error", f"POST {url} failed: {type(exc).__name__}: {exc}")
+        refused = isinstance(exc, ConnectFailed) and not isinstance(exc, ConnectTimeout)
+        return TokenizeFailure("error", f"POST {url} failed: {type(exc).__name__}: {exc}",
+                               refused)
     if status != 200:
         return TokenizeFailure("error", f"POST {url} answered HTTP {status}: {raw[:200]!r}")
     tokens = tokens_of_answer(raw)
