@@ -31,7 +31,7 @@ The workload is the live benchmark's: ``generated_shared_prefix`` with 32 groups
 300-token system prompt and 32-token questions, as chat messages of ``to_text`` words (the
 simulated engine's built-in tokenizer maps them back to exactly those ids). Not included: the
 HTTP server and client work of relaying the request itself (``kvroute bench live`` measures
-that end to end; the overhead anchors put a bare aiohttp relay at 0.17-0.22 CPU-ms).
+that end to end, beside a bare relay: docs/benchmarks.md, "Router CPU per request").
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ which router is behind the URL, nor about processes; ``bench/live.py`` does that
 Why the router's own lean HTTP client (``kvroute.http.client``) and not aiohttp's: the load
 generator shares the benchmark machine with the routers and engines it measures, so every
 CPU-ms it spends is taken from them, and every wake-up it is late for is added to what it
-records. Side by side against 8 simulated engines at 150 streamed req/s it spends about half
-the CPU a request that aiohttp's client did, and ``direct``'s p99 fell with it (figures and
-commands: ``docs/benchmarks.md``, "On a slower machine (2026-11-30)"). Streams are read on
+records; measured side by side it spends less CPU a request than aiohttp's client did
+(docs/benchmarks.md, "The simulated engine and the load generator"). Streams are read on
 the bytes (``StreamReading``): only events that may carry text, usage or an error are
 decoded.
 
@@ -41,8 +40,9 @@ Non-streamed requests (``build_live_requests(stream=False)``): TTFT is the whole
 whose ``choices`` carry text.
 
 NOTE: the client sets ``TCP_NODELAY`` on every connection it makes, reads it back on the
-first response and reports it, because a Nagle delay on a kept-alive connection adds ~40 ms
-to TTFT (the overhead anchors' sglang-router finding) and must never be the client's own.
+first response and reports it, because a Nagle delay on a kept-alive connection adds tens of
+milliseconds to TTFT (sglang-router's added first-chunk latency, docs/benchmarks.md) and
+must never be the client's own.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ What it does, and no more: an aiohttp server that sends each POST to the next up
 turn (round robin) through one shared keep-alive ``ClientSession``, relays the body bytes
 unparsed, returns a whole response whole and relays an event stream chunk by chunk;
 ``GET /health`` answers 200. ``TCP_NODELAY`` is on for both sides (aiohttp's default). No
-routing, no tokenization, no metrics: the reference overheads (``router-overhead-anchors``)
-put such a relay at 0.17-0.22 CPU-ms per request at saturation on this machine kind, and
-``kvroute bench overhead`` runs it beside kvroute so the two are compared in one run.
+routing, no tokenization, no metrics: the cheapest a Python relay can be, so
+``kvroute bench overhead`` runs it beside kvroute and the two are compared in one run
+(docs/benchmarks.md, "Router overhead: the verdict").
 
 Loopback only: it binds 127.0.0.1 and refuses non-loopback upstreams.
 """

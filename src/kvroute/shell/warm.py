@@ -54,13 +54,9 @@ with 12 sessions on one large engine). Three bounds, in this order, and chunking
    sessions' warm-ups waiting for the slot, between two chunks. Without exact ids
    (approximate pool, multimodal prompt, tokenizer down) a prefix of the text is not a
    prefix of the engine's tokens, and the warm-up is one request as before.
-   Why 512 (``kvroute bench tiers-live``, 12 sessions, 4 repeats): an escalation waits at
-   most one chunk plus its own uncached growth (≈300 tokens); on the 70B profile a
-   1,024-token chunk alone is 0.28 of a cold 4k prefill, and the worst escalated turn
-   stayed at 0.40; 512 brought it to 0.26 (0.17 mean); 256 did no better (0.33) and sent
-   2.4× the requests, each a fixed engine step and router CPU. With 8 sessions, where
-   warm-ups rarely meet an escalation, it gained nothing (worst 0.27 against 0.18 without;
-   single runs of this bench spread by ±0.1), so the choice rests on the crowded case.
+   Why 512: smaller chunks let an escalation in sooner but each costs an engine step and
+   router work; 512 was the best of 256, 512 and 1,024 when many sessions' warm-ups meet
+   escalations (docs/benchmarks.md, "Warm-up chunk size").
 
 The replica is known only after routing, and ``RouterCore.route`` records load and predicted
 blocks; a route that lands on a full replica is undone at once (``on_complete``; the
