@@ -9,7 +9,8 @@ What a router relies on, checked on the real thing rather than on our reading of
    and the replay socket returns the same bytes;
 3. prefix caching: a shared ~900-token system prompt gives exactly its whole-block tokens as
    ``vllm:prefix_cache_hits_total``;
-4. overflow: an over-long prompt gives the exact 400 body of contract §3.1.
+4. overflow: an over-long prompt gives the exact 400 body of
+   docs/reference/vllm-engine-contract.md §3.1.
 
 Engines come from the session fixtures in ``conftest.py`` (started once, in parallel). Every
 request uses a fresh nonce at the start of its first message, so no test depends on what an
@@ -104,7 +105,8 @@ def test_block_stored_hashes_equal_kvroute_hashes(
     with realvllm.EventTap(engine) as tap:
         tap.wait_live()
         resp = chat(engine, messages, **params)
-        # /tokenize (chat form) and the completion agree on the prompt ids (contract §3.3).
+        # /tokenize (chat form) and the completion agree on the prompt ids
+        # (docs/reference/vllm-engine-contract.md §3.3).
         assert resp["prompt_token_ids"] == prompt_ids
         output_ids = resp["choices"][0]["token_ids"]
         assert len(output_ids) == 8
@@ -138,7 +140,8 @@ def test_block_stored_hashes_equal_kvroute_hashes(
     extra = [k for s in stored for k in (s.extra_keys or (None,) * len(s.block_hashes))]
     if cache_salt is None:
         assert extra == [None] * len(got)
-    else:  # contract §1.6/§2.4: the salt enters block 0 only, untagged on the wire
+    else:  # the salt enters block 0 only, untagged on the wire (contract §1.6/§2.4 in
+        # docs/reference/vllm-engine-contract.md)
         first = extra[0]
         assert isinstance(first, list | tuple) and list(first) == [cache_salt], first
         assert extra[1:] == [None] * (len(got) - 1)

@@ -1,7 +1,7 @@
 """``kvroute bench live``: real routers on loopback in front of 4 simulated engines.
 
 The integration runs are bounded (192 hot-prefix requests; 48 distinct-prefix requests) and
-check the report's shape and the hot-spot reproduction of ``reference/peer-routers.md`` §9:
+check the report's shape and the hot-spot reproduction of ``docs/reference/peer-routers.md`` §9:
 ``cache_aware`` — the real sglang-router 0.3.2 and vllm-router 0.1.17, and kvroute's
 reimplementation — sends every request sharing a system prompt to one engine; kvroute's own
 policy is reported but not asserted (see the NOTE in the hot-spot test), and

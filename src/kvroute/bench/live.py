@@ -30,7 +30,7 @@ With a timed profile the routers' choices change the engines' work (a cache hit 
 prefill, a hot spot queues), and the difference mixes both.
 
 The peer-fidelity check (``FIDELITY_SCENARIOS``, ``run_fidelity``) runs the measured
-hot-spot scenario of ``reference/peer-routers.md`` §9 (48 concurrent requests sharing a
+hot-spot scenario of ``docs/reference/peer-routers.md`` §9 (48 concurrent requests sharing a
 ~2.3k-character system prompt over 4 engines, and 48 with distinct prefixes) through the real
 peers and through kvroute's reimplementations, and returns the per-engine distributions.
 """

@@ -21,7 +21,7 @@ Bounds (every run ends, whatever the server does):
   cancelled and counted ``deadline``;
 * open loop: request *i* starts at ``t0 + arrival_s[i] / rate_scale``; beyond
   ``max_in_flight`` concurrent requests a due request is not sent and counted
-  ``over_max_in_flight`` (the open loop stays open, as the overhead anchors' client did);
+  ``over_max_in_flight`` (the open loop stays open, as the client of docs/reference/router-overhead-anchors.md did);
 * closed loop (``concurrency=N``): N workers send back to back in workload order.
 
 A control lane (``ControlLane``): in the same stream, every ``every``-th request goes straight

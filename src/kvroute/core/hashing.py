@@ -32,8 +32,9 @@ pickler), so there is no second serialiser to keep in sync. Figures:
 ``benchmarks/micro/bench_hashing.py``,
 ``docs/benchmarks.md#micro-benchmarks-hashing-index-handler``.
 
-Pickle memo caveat (contract §1.4). Pickle writes the second occurrence of the *same* object in
-one payload as a memo reference, so identity changes the bytes. vLLM's normal inputs never
+Pickle memo caveat (docs/reference/vllm-engine-contract.md §1.4). Pickle writes the second
+occurrence of the *same* object in one payload as a memo reference, so identity changes the
+bytes. vLLM's normal inputs never
 repeat a caller-supplied string object inside one block key, so every caller-supplied string
 (LoRA name and path, salt, multimodal identifier) is re-created as an independent object before
 it enters a key (:func:`_fresh_str`). Tag literals (``"lora"``, ``"mm"``...) are interned

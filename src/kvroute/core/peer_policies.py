@@ -1,7 +1,7 @@
 """The peers' replica-selection policies, reimplemented for side-by-side comparison.
 
 Each follows the peer's published algorithm and defaults as recorded in
-``reference/peer-routers.md`` (versions: sglang-router 0.3.2, vllm-router 0.1.17, Dynamo 2026
+``docs/reference/peer-routers.md`` (versions: sglang-router 0.3.2, vllm-router 0.1.17, Dynamo 2026
 config, production-stack main of 2026-08, llm-d chart defaults). Where a peer's behaviour
 depends on list order (first minimum wins), that is kept on purpose: it is part of what the
 benchmarks must reproduce (sequential cold requests all landing on the first worker).

@@ -10,7 +10,7 @@ Two peers match prompts on text rather than on the engine's cache:
   (``ChunkHashTrie``).
 
 They are reimplemented here from the peers' documented behaviour (see
-``reference/peer-routers.md``) so that every comparison runs in one harness. Both are pure and
+``docs/reference/peer-routers.md``) so that every comparison runs in one harness. Both are pure and
 deterministic.
 """
 

@@ -5,8 +5,8 @@ Owns one ``PromptTokenizer`` per pool, chosen by ``pools.<name>.tokenizer``:
 * ``engine``: ``POST /tokenize`` on ONE healthy replica of the pool (round-robin), in vLLM's
   chat form (``messages`` + ``tools`` + ``add_generation_prompt`` + ``chat_template_kwargs``
   ... as the request has them) or completion form (``prompt``). The chat form's ids are
-  exactly the ``prompt_token_ids`` of the chat completion (contract §3.3), so the block hashes
-  match the engine's. A short timeout bounds the call; any failure returns None (the request
+  exactly the ``prompt_token_ids`` of the chat completion
+  (docs/reference/vllm-engine-contract.md §3.3), so the block hashes match the engine's. A short timeout bounds the call; any failure returns None (the request
   is routed approximately) and is counted.
 * ``local``: a Hugging Face tokenizer directory (``tokenizer.json`` through ``tokenizers``,
   the chat template of ``tokenizer_config.json`` through sandboxed ``jinja2``), loaded once at
