@@ -28,8 +28,8 @@ The SUB socket is a plain (synchronous) libzmq socket whose file descriptor the 
 watches (``add_reader``); the subscriber reads it from that callback with ``NOBLOCK``. Why
 not ``zmq.asyncio``: an awaited ``recv_multipart`` costs a future, pyzmq's own reader
 callback, flag arithmetic on Python enums and a wake-up of the subscriber's task for every
-message. At 400 requests/s a router gets about one message per request, one at a time, and
-that machinery was 15% of its CPU (``docs/benchmarks.md``, 2026-11-30, Zen 4).
+message. A router gets about one message per request, one at a time, so that machinery was
+a visible share of its CPU (docs/benchmarks.md, "KV events read without zmq.asyncio").
 
 Every message goes through the reader callback, which decodes it and carries out what the
 sequence machine decides right there when no replay is needed (the steady state, and a
@@ -62,13 +62,13 @@ each engine's whole buffer (vLLM keeps 10,000 batches). It runs beside the reque
 is serving, so it must neither stall the loop nor starve them:
 
 * the DEALER is a plain socket read with ``NOBLOCK``, like the SUB (pyzmq's asyncio ``poll``
-  and ``recv_multipart`` were four fifths of a replay's CPU, about 80 µs a batch,
-  ``docs/benchmarks.md``);
+  and ``recv_multipart`` were most of a replay's CPU: docs/benchmarks.md, "Starting beside
+  busy engines: the KV-event catch-up");
 * receiving and then delivering both yield to the loop after every ``_REPLAY_PER_TURN``
   batches, so a request waits for one such slice at most;
 * subscribers given the same ``catch_up_turns`` lock (the router gives all of its own one)
   catch up one at a time. Eight at once put eight slices back to back between two steps of
-  every request: +270 ms at p99 at 400 requests/s through such a start. Gap recoveries,
+  every request (the p99 it cost is in the same section). Gap recoveries,
   small and urgent (the live stream waits for them), do not take turns.
 
 The live stream queues meanwhile (the task has a message in hand), and ``stats.replaying``
