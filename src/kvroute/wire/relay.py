@@ -76,24 +76,51 @@ chunk (one per engine step) is passed through without being parsed."""
 class StreamWatcher:
     """Reads ``finish_reason`` and ``usage`` out of a relayed stream, cheaply.
 
-    Invariant: only pieces matching ``_FINISH_OR_USAGE`` are decoded, so a long answer costs
-    one regex scan per chunk; undecodable events are ignored (they are relayed regardless).
+    Invariants: only complete lines are looked at (a line cut between two chunks waits for
+    its end in ``_tail``, and an unterminated last line is read when the answer is asked
+    for), so any split of the same bytes gives the same answer; only text matching
+    ``_FINISH_OR_USAGE`` is decoded, so a long answer costs one ``rfind`` and one regex scan
+    per chunk; undecodable events are ignored (they are relayed regardless).
     """
 
-    __slots__ = ("_reasons", "usage")
+    __slots__ = ("_reasons", "_tail", "_usage")
 
     def __init__(self) -> None:
         self._reasons: dict[int, str] = {}
-        self.usage: Mapping[str, Any] | None = None
+        self._usage: Mapping[str, Any] | None = None
+        self._tail = b""
 
     @property
     def finish_reasons(self) -> list[str | None]:
+        """Each choice's ``finish_reason`` seen so far (None where none was)."""
+        self._read_tail()
         return [self._reasons.get(i) for i in range(max(self._reasons, default=-1) + 1)]
 
+    @property
+    def usage(self) -> Mapping[str, Any] | None:
+        """The stream's last ``usage`` object, if any."""
+        self._read_tail()
+        return self._usage
+
     def feed(self, piece: bytes) -> None:
-        if _FINISH_OR_USAGE.search(piece) is None:
-            return
-        for line in piece.splitlines():
+        if self._tail:
+            piece = self._tail + piece
+        end = piece.rfind(b"\n") + 1
+        if end < len(piece):
+            self._tail = piece[end:]
+            piece = piece[:end]
+        else:
+            self._tail = b""
+        if piece and _FINISH_OR_USAGE.search(piece) is not None:
+            self._read(piece)
+
+    def _read_tail(self) -> None:
+        tail, self._tail = self._tail, b""
+        if tail and _FINISH_OR_USAGE.search(tail) is not None:
+            self._read(tail)
+
+    def _read(self, text: bytes) -> None:
+        for line in text.splitlines():
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
@@ -107,7 +134,7 @@ class StreamWatcher:
                 _read_completion(doc, self._reasons)
                 usage = doc.get("usage")
                 if isinstance(usage, dict):
-                    self.usage = usage
+                    self._usage = usage
 
 
 def _read_completion(doc: Mapping[str, Any], reasons: dict[int, str]) -> None:
@@ -118,7 +145,9 @@ def _read_completion(doc: Mapping[str, Any], reasons: dict[int, str]) -> None:
         if not isinstance(choice, dict):
             continue
         reason = choice.get("finish_reason")
-        index = choice.get("index", pos)
+        index = choice.get("index")
+        if index is None:  # absent or null: the choice's position (as the typed read does)
+            index = pos
         if isinstance(reason, str) and isinstance(index, int):
             reasons[index] = reason
 

@@ -41,6 +41,11 @@ def test_the_typed_read_agrees_with_the_lenient_one(doc: Any) -> None:
     assert completion_of(body) == completion_of_any(body)
 
 
+def test_a_null_index_means_the_choices_position_in_both_reads() -> None:
+    body = b'{"choices": [{"index": null, "finish_reason": "stop"}]}'
+    assert completion_of(body) == completion_of_any(body) == (["stop"], None)
+
+
 def test_a_usual_answer_and_bytes_that_are_not_json() -> None:
     body = (b'{"id":"c1","choices":[{"index":0,"finish_reason":"length","message":'
             b'{"role":"assistant","content":"hi"}}],"usage":{"prompt_tokens":7}}')
