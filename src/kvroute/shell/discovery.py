@@ -84,7 +84,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import aiohttp
-import msgspec
 
 from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig, resolve_provider_keys
 from kvroute.core.clock import Clock
@@ -109,6 +108,7 @@ from kvroute.core.router import RouterCore
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
+from kvroute.wire.model_list import ModelListError, card_window, model_cards
 from kvroute.wire.prom import parse_vllm_metrics
 
 __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ExternalCatalog", "ReplicaInfo"]
@@ -116,7 +116,6 @@ __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ExternalCatalog", "ReplicaInfo
 log = logging.getLogger(__name__)
 
 _LOOP_BACKOFF_S: Final = 1.0
-_JSON: Final = msgspec.json.Decoder()
 
 
 @dataclass(slots=True)
@@ -585,12 +584,12 @@ class Discovery:
         if rep.model_problem is not None:
             log.warning("replica %s serves %r again", name, wanted)
         rep.model_problem = None
-        window = card.get("max_model_len")
+        window = card_window(card)
         old = rep.info.max_model_len
         rep.info.served_model = wanted
         root = card.get("root")
         rep.info.model_root = root if isinstance(root, str) and root else None
-        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        if window is not None:
             rep.info.max_model_len = window
             rep.window_read_s = now
             if old is not None and old != window:
@@ -598,7 +597,7 @@ class Discovery:
                             wanted, old, window)
         else:
             log.warning("replica %s: /v1/models gives no usable max_model_len for %r (%r)",
-                        name, wanted, window)
+                        name, wanted, card.get("max_model_len"))
         self._metrics.discovery(name, "models_ok")
 
     async def _get_external(self, url: str, key: str | None) -> bytes:
@@ -654,9 +653,8 @@ class Discovery:
             self._metrics.discovery(source.config.name, exc.outcome)
             log.warning("external pool %s: cannot read its catalog: %s", ext.pool.name, exc)
             return
-        windows = {model: w for model, card in cards.items()
-                   if isinstance(w := card.get("max_model_len"), int)
-                   and not isinstance(w, bool) and w > 0}
+        windows = {model: window for model, card in cards.items()
+                   if (window := card_window(card)) is not None}
         catalog = ExternalCatalog(frozenset(cards), windows, now)
         if ext.catalog is None or ext.catalog.models != catalog.models:
             log.info("external pool %s: catalog from /v1/models: %s", ext.pool.name,
@@ -812,20 +810,12 @@ def _as_int(value: float | None) -> int | None:
 
 
 def _model_cards(body: bytes) -> dict[str, Mapping[str, Any]]:
-    """``/v1/models`` body -> {model id: card}.
+    """``/v1/models`` body -> {model id: card} (``wire.model_list.model_cards``).
 
     Raises:
-        _ProbeError: the body is not an OpenAI model list.
+        _ProbeError: ``models_malformed`` when the body is not an OpenAI model list.
     """
     try:
-        doc = _JSON.decode(body)
-    except msgspec.DecodeError as exc:
-        raise _ProbeError("models_malformed", f"/v1/models is not JSON: {exc}") from exc
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        raise _ProbeError("models_malformed", "/v1/models has no 'data' list")
-    cards: dict[str, Mapping[str, Any]] = {}
-    for card in data:
-        if isinstance(card, dict) and isinstance(card.get("id"), str):
-            cards.setdefault(card["id"], card)
-    return cards
+        return model_cards(body)
+    except ModelListError as exc:
+        raise _ProbeError("models_malformed", str(exc)) from exc
