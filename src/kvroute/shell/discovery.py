@@ -81,7 +81,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import aiohttp
 
@@ -106,9 +106,10 @@ from kvroute.core.pool_hashing import (
 )
 from kvroute.core.router import RouterCore
 from kvroute.core.types import PoolName, ReplicaId
+from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
-from kvroute.wire.model_list import ModelListError, card_window, model_cards
+from kvroute.wire.model_list import card_window
 from kvroute.wire.prom import parse_vllm_metrics
 
 __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ExternalCatalog", "ReplicaInfo"]
@@ -201,15 +202,6 @@ class _Endpoint:
     pool: PoolName
     health: EndpointHealth
     last_error: str | None = None
-
-
-class _ProbeError(Exception):
-    """Internal: one probe failed; the message is the outcome word and the detail."""
-
-    def __init__(self, outcome: str, detail: str) -> None:
-        super().__init__(f"{outcome}: {detail}")
-        self.outcome = outcome
-        self.detail = detail
 
 
 class Discovery:
@@ -496,7 +488,7 @@ class Discovery:
         if schedule.claim_health(now, force=force):
             try:
                 await self._get(rep, "/health", "health")
-            except _ProbeError as exc:
+            except ProbeError as exc:
                 self._health_failed(rep, rep.health.on_failure(), str(exc))
                 return
             self._health_ok(rep)
@@ -509,23 +501,8 @@ class Discovery:
             await self._probe_metrics(rep)
 
     async def _get(self, rep: _Replica, path: str, what: str) -> bytes:
-        url = rep.config.url + path
-        try:
-            async with self._session.get(url, timeout=self._timeout) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    raise _ProbeError(
-                        f"{what}_error", f"GET {url} answered HTTP {resp.status}"
-                    )
-                return body
-        except TimeoutError as exc:
-            raise _ProbeError(
-                f"{what}_timeout", f"GET {url} took longer than {self._timeout.total}s"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise _ProbeError(
-                f"{what}_error", f"GET {url} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await probe_get(self._session, rep.config.url + path, what=what,
+                               timeout=self._timeout)
 
     def _health_ok(self, rep: _Replica) -> None:
         """``/health`` answered: count it, and say so when it brings the replica back."""
@@ -558,8 +535,8 @@ class Discovery:
         name = rep.config.name
         try:
             body = await self._get(rep, "/v1/models", "models")
-            cards = _model_cards(body)
-        except _ProbeError as exc:
+            cards = probed_model_cards(body)
+        except ProbeError as exc:
             rep.info.last_error = str(exc)
             self._metrics.discovery(name, exc.outcome)
             log.warning("replica %s: %s", name, exc)
@@ -602,22 +579,8 @@ class Discovery:
 
     async def _get_external(self, url: str, key: str | None) -> bytes:
         headers = {"Authorization": f"Bearer {key}"} if key else None
-        try:
-            async with self._session.get(url, headers=headers, timeout=self._timeout) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    hint = " (check the provider's API key)" if resp.status in (401, 403) else ""
-                    raise _ProbeError("catalog_error",
-                                      f"GET {url} answered HTTP {resp.status}{hint}")
-                return body
-        except TimeoutError as exc:
-            raise _ProbeError(
-                "catalog_timeout", f"GET {url} took longer than {self._timeout.total}s"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise _ProbeError(
-                "catalog_error", f"GET {url} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await probe_get(self._session, url, what="catalog", timeout=self._timeout,
+                               headers=headers, auth_hint=True)
 
     async def _probe_external(self, ext: _External, force: bool) -> None:
         """Bring endpoints back that answer ``/v1/models``; refresh the catalog when due."""
@@ -628,7 +591,7 @@ class Discovery:
                 continue
             try:
                 await self._get_external(endpoint.config.url + "/v1/models", ext.key)
-            except _ProbeError as exc:
+            except ProbeError as exc:
                 endpoint.last_error = str(exc)
                 self._metrics.discovery(endpoint.config.name, exc.outcome)
                 continue
@@ -646,9 +609,9 @@ class Discovery:
             return
         ext.schedule.on_attempt(now)
         try:
-            cards = _model_cards(
+            cards = probed_model_cards(
                 await self._get_external(source.config.url + "/v1/models", ext.key))
-        except _ProbeError as exc:
+        except ProbeError as exc:
             ext.last_error = str(exc)
             self._metrics.discovery(source.config.name, exc.outcome)
             log.warning("external pool %s: cannot read its catalog: %s", ext.pool.name, exc)
@@ -668,7 +631,7 @@ class Discovery:
         name = rep.config.name
         try:
             body = await self._get(rep, "/metrics", "metrics")
-        except _ProbeError as exc:
+        except ProbeError as exc:
             rep.info.last_error = str(exc)
             self._metrics.discovery(name, exc.outcome)
             log.warning("replica %s: %s", name, exc)
@@ -807,15 +770,3 @@ def _mismatch_text(pool: PoolName, mismatch: Mismatch) -> str:
 
 def _as_int(value: float | None) -> int | None:
     return None if value is None else round(value)
-
-
-def _model_cards(body: bytes) -> dict[str, Mapping[str, Any]]:
-    """``/v1/models`` body -> {model id: card} (``wire.model_list.model_cards``).
-
-    Raises:
-        _ProbeError: ``models_malformed`` when the body is not an OpenAI model list.
-    """
-    try:
-        return model_cards(body)
-    except ModelListError as exc:
-        raise _ProbeError("models_malformed", str(exc)) from exc
