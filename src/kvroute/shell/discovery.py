@@ -12,8 +12,8 @@ conclusions drawn from them:
   ``RouterCore.on_engine_metrics``.
 
 It changes core state only through those public ``RouterCore`` methods, and is their only
-caller besides the composition root (which builds the core with every pool approximate until
-discovery has read the engines).
+caller (with ``shell/external_pools.py``, which it owns) besides the composition root (which
+builds the core with every pool approximate until discovery has read the engines).
 
 Theory of operation
 -------------------
@@ -53,24 +53,10 @@ feeds them the results, applies what they decide to ``RouterCore``, and logs and
 
 ``replica_info`` and ``pool_window`` read the records and never block.
 
-External pools (an OpenAI-compatible provider, ``pools.<name>.external``)
------------------------------------------------------------------------
-
-A provider has no ``/health``, no vLLM ``/metrics``, no KV events and no block hashing, so
-none of the above applies to it. Discovery keeps two things about it instead:
-
-* its **catalog**: when ``catalog_from_models`` is on, ``GET /v1/models`` with the provider's
-  key as ``Authorization: Bearer`` (first healthy endpoint), read at start and again once it
-  is ``max(window_ttl_s - models_interval_s, window_ttl_s / 2)`` old (so the new read lands
-  before the old one expires), trusted for ``window_ttl_s`` (the window TTL, as for
-  engines' windows: a provider's catalog changes too). A failed read is retried
-  after ``models_interval_s``; an expired catalog is *unknown*, so requests stay local and
-  the log says so, rather than escalating on a list nobody has confirmed for a long time.
-  ``external_catalog`` hands it to the tier logic (``core.polling.CatalogSchedule``);
-* its **endpoints' health**: in routing from the start (a provider is judged by its
-  answers, not by probes); a refused connection reported by the proxy takes the endpoint out
-  (``report_failure``), and an authenticated ``GET /v1/models`` every ``health_interval_s``
-  brings it back (``core.health.EndpointHealth``).
+External pools (an OpenAI-compatible provider, ``pools.<name>.external``) have no
+``/health``, ``/metrics`` or block hashing: their catalogs and endpoints' health are
+``shell/external_pools.py``'s, polled in the same rounds and handed on by ``Discovery``.
+Every probe reads through ``shell/http_probe.py``.
 """
 
 from __future__ import annotations
@@ -85,16 +71,11 @@ from typing import Final
 
 import aiohttp
 
-from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig, resolve_provider_keys
+from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.errors import HashConfigError
-from kvroute.core.health import (
-    DEFAULT_HEALTHY_AFTER,
-    EndpointHealth,
-    HealthTransition,
-    ReplicaHealth,
-)
-from kvroute.core.polling import CatalogSchedule, PollIntervals, ProbeSchedule, is_fresh, stagger
+from kvroute.core.health import DEFAULT_HEALTHY_AFTER, HealthTransition, ReplicaHealth
+from kvroute.core.polling import PollIntervals, ProbeSchedule, is_fresh, stagger
 from kvroute.core.pool_hashing import (
     Hashing,
     HashingSource,
@@ -106,13 +87,14 @@ from kvroute.core.pool_hashing import (
 )
 from kvroute.core.router import RouterCore
 from kvroute.core.types import PoolName, ReplicaId
+from kvroute.shell.external_pools import ExternalCatalog, ExternalPools
 from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
 from kvroute.wire.model_list import card_window
 from kvroute.wire.prom import parse_vllm_metrics
 
-__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ExternalCatalog", "ReplicaInfo"]
+__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ReplicaInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -171,39 +153,6 @@ class _Replica:
     warned_partial: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ExternalCatalog:
-    """An external provider's ``/v1/models`` as last read.
-
-    Attributes:
-        models: the model ids it lists.
-        windows: ``max_model_len`` of the models whose cards give one (vLLM-based
-            providers do; most clouds do not).
-        fetched_at_s: clock time of the read.
-    """
-
-    models: frozenset[str]
-    windows: Mapping[str, int]
-    fetched_at_s: float
-
-
-@dataclass(slots=True)
-class _External:
-    pool: PoolConfig
-    key: str | None
-    schedule: CatalogSchedule
-    catalog: ExternalCatalog | None = None
-    last_error: str | None = None
-
-
-@dataclass(slots=True)
-class _Endpoint:
-    config: ReplicaConfig
-    pool: PoolName
-    health: EndpointHealth
-    last_error: str | None = None
-
-
 class Discovery:
     """Polls the fleet and keeps ``RouterCore`` told about health, hashing, windows and load.
 
@@ -255,19 +204,10 @@ class Discovery:
                                          healthy_after=healthy_after),
                     schedule=ProbeSchedule(self._intervals),
                 )
-        keys: Mapping[PoolName, str] | None = provider_keys
-        if keys is None and any(p.external is not None for p in config.pools.values()):
-            keys = resolve_provider_keys(config)
-        self._externals: dict[PoolName, _External] = {}
-        self._endpoints: dict[ReplicaId, _Endpoint] = {}
-        for pool in config.pools.values():
-            if pool.external is None:
-                continue
-            self._externals[pool.name] = _External(
-                pool, (keys or {}).get(pool.name), CatalogSchedule(self._intervals))
-            for rep in pool.replicas:
-                self._endpoints[rep.name] = _Endpoint(
-                    rep, pool.name, EndpointHealth(self._intervals.health_s))
+        self._external = ExternalPools(
+            config, core, session, metrics, clock=self._clock, intervals=self._intervals,
+            timeout=self._timeout, provider_keys=provider_keys,
+        )
         # Each engine pool's adopted (block_size, hash_algo) and the replicas that disagree.
         self._hashing: dict[PoolName, PoolHashing] = {name: PoolHashing() for name in self._pools}
         self._approximate: dict[PoolName, bool] = {}
@@ -315,7 +255,7 @@ class Discovery:
         Raises:
             KeyError: ``replica`` is not in the config.
         """
-        endpoint = self._endpoints.get(ReplicaId(replica))
+        endpoint = self._external.endpoint(replica)
         if endpoint is not None:
             return ReplicaInfo(healthy=endpoint.health.healthy, last_error=endpoint.last_error)
         rep = self._replicas[ReplicaId(replica)]
@@ -331,16 +271,15 @@ class Discovery:
         return info
 
     def replica_url(self, replica: str) -> str:
-        endpoint = self._endpoints.get(ReplicaId(replica))
+        endpoint = self._external.endpoint(replica)
         if endpoint is not None:
             return endpoint.config.url
         return self._replicas[ReplicaId(replica)].config.url
 
     def healthy_replicas(self, pool: str) -> list[ReplicaId]:
         """The pool's replicas currently in routing, in config order."""
-        if pool in self._externals:
-            return [e.config.name for e in self._endpoints.values()
-                    if e.pool == pool and e.health.healthy]
+        if self._external.has_pool(pool):
+            return self._external.healthy_endpoints(pool)
         return [
             rep.config.name for rep in self._replicas.values()
             if rep.pool.name == pool and rep.info.healthy
@@ -362,12 +301,7 @@ class Discovery:
         """An external pool's catalog from its ``/v1/models``; None when ``pool`` is not
         external, does not read its catalog, has not been read yet, or the last read is
         older than ``window_ttl_s``."""
-        ext = self._externals.get(PoolName(pool))
-        if ext is None or ext.catalog is None:
-            return None
-        if not ext.schedule.is_fresh(ext.catalog.fetched_at_s, self._clock.now()):
-            return None
-        return ext.catalog
+        return self._external.catalog(pool)
 
     def pool_hashing(self, pool: str) -> tuple[int, str] | None:
         """The pool's adopted ``(block_size, hash_algo)``, or None while still unknown."""
@@ -405,17 +339,7 @@ class Discovery:
         An external endpoint is taken out the same way and comes back after an
         authenticated ``/v1/models`` answers (probed every ``health_interval_s``).
         """
-        endpoint = self._endpoints.get(ReplicaId(replica))
-        if endpoint is not None:
-            endpoint.last_error = f"connect_error: {reason}"
-            was_in = endpoint.health.on_refused(self._clock.now())
-            self._metrics.discovery(replica, "connect_error")
-            if was_in:
-                self._core.set_healthy(endpoint.config.name, False)
-                self._metrics.set_replica_healthy(replica, False)
-                log.error("external endpoint %s (%s) refused a connection (%s); taken out of "
-                          "routing until its /v1/models answers again", replica,
-                          endpoint.config.url, reason)
+        if self._external.report_refused(replica, reason):
             self._wake.set()
             return
         rep = self._replicas.get(ReplicaId(replica))
@@ -473,8 +397,7 @@ class Discovery:
 
     async def _round(self, *, force: bool) -> None:
         await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()),
-                             *(self._probe_external(ext, force)
-                               for ext in self._externals.values()))  # fmt: skip
+                             self._external.probe(force=force))
         for pool in self._pools.values():
             self._settle_pool(pool)
         self.num_rounds += 1
@@ -576,56 +499,6 @@ class Discovery:
             log.warning("replica %s: /v1/models gives no usable max_model_len for %r (%r)",
                         name, wanted, card.get("max_model_len"))
         self._metrics.discovery(name, "models_ok")
-
-    async def _get_external(self, url: str, key: str | None) -> bytes:
-        headers = {"Authorization": f"Bearer {key}"} if key else None
-        return await probe_get(self._session, url, what="catalog", timeout=self._timeout,
-                               headers=headers, auth_hint=True)
-
-    async def _probe_external(self, ext: _External, force: bool) -> None:
-        """Bring endpoints back that answer ``/v1/models``; refresh the catalog when due."""
-        now = self._clock.now()
-        endpoints = [e for e in self._endpoints.values() if e.pool == ext.pool.name]
-        for endpoint in endpoints:
-            if not endpoint.health.claim_probe(now):
-                continue
-            try:
-                await self._get_external(endpoint.config.url + "/v1/models", ext.key)
-            except ProbeError as exc:
-                endpoint.last_error = str(exc)
-                self._metrics.discovery(endpoint.config.name, exc.outcome)
-                continue
-            endpoint.health.on_probe_ok()
-            endpoint.last_error = None
-            self._core.set_healthy(endpoint.config.name, True)
-            self._metrics.set_replica_healthy(endpoint.config.name, True)
-            log.warning("external endpoint %s answers again; back in routing",
-                        endpoint.config.name)
-        assert ext.pool.external is not None, "an _External always wraps an external pool"
-        if not ext.pool.external.catalog_from_models or not ext.schedule.is_due(now, force=force):
-            return
-        source = next((e for e in endpoints if e.health.healthy), None)
-        if source is None:
-            return
-        ext.schedule.on_attempt(now)
-        try:
-            cards = probed_model_cards(
-                await self._get_external(source.config.url + "/v1/models", ext.key))
-        except ProbeError as exc:
-            ext.last_error = str(exc)
-            self._metrics.discovery(source.config.name, exc.outcome)
-            log.warning("external pool %s: cannot read its catalog: %s", ext.pool.name, exc)
-            return
-        windows = {model: window for model, card in cards.items()
-                   if (window := card_window(card)) is not None}
-        catalog = ExternalCatalog(frozenset(cards), windows, now)
-        if ext.catalog is None or ext.catalog.models != catalog.models:
-            log.info("external pool %s: catalog from /v1/models: %s", ext.pool.name,
-                     ", ".join(sorted(catalog.models)) or "(empty)")
-        ext.catalog = catalog
-        ext.last_error = None
-        ext.schedule.on_read(now)
-        self._metrics.discovery(source.config.name, "catalog_ok")
 
     async def _probe_metrics(self, rep: _Replica) -> None:
         name = rep.config.name
