@@ -12,8 +12,9 @@ conclusions drawn from them:
   ``RouterCore.on_engine_metrics``.
 
 It changes core state only through those public ``RouterCore`` methods, and is their only
-caller (with ``shell/external_pools.py``, which it owns) besides the composition root (which
-builds the core with every pool approximate until discovery has read the engines).
+caller (with the two helpers it owns, ``shell/hashing_settlement.py`` and
+``shell/external_pools.py``) besides the composition root (which builds the core with every
+pool approximate until discovery has read the engines).
 
 Theory of operation
 -------------------
@@ -40,11 +41,9 @@ feeds them the results, applies what they decide to ``RouterCore``, and logs and
   that was in goes out after ``unhealthy_after`` consecutive failures (default 2: one lost
   probe is not an outage) and comes back after ``healthy_after`` consecutive successes
   (default 1).
-* A pool's hashing is never assumed (``core.pool_hashing.PoolHashing``). Until both values
-  are known (config overrides, else the engines' report) the pool routes in the declared
-  approximate mode, and says so in the log and in ``kvroute_pool_approximate``. The first
-  values read are adopted; when several replicas report in the same round, the most common
-  pair wins (ties: config order).
+* A pool's hashing is never assumed: ``shell/hashing_settlement.py`` adopts it (config
+  overrides, else what the engines report; until then the pool routes in the declared
+  approximate mode) and says which replicas disagree.
 * A replica whose hashing differs from its pool's, or that does not serve the pool's model,
   is kept out of routing (its entries would poison the pool's index, or its requests would
   404), with an error in the log and a ``discovery_total`` count, until it reports correctly.
@@ -73,21 +72,12 @@ import aiohttp
 
 from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
 from kvroute.core.clock import Clock
-from kvroute.core.errors import HashConfigError
 from kvroute.core.health import DEFAULT_HEALTHY_AFTER, HealthTransition, ReplicaHealth
 from kvroute.core.polling import PollIntervals, ProbeSchedule, is_fresh, stagger
-from kvroute.core.pool_hashing import (
-    Hashing,
-    HashingSource,
-    Mismatch,
-    MismatchChange,
-    PoolHashing,
-    approximate_reason,
-    reported_hashing,
-)
 from kvroute.core.router import RouterCore
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.external_pools import ExternalCatalog, ExternalPools
+from kvroute.shell.hashing_settlement import HashingSettlement
 from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
@@ -150,7 +140,6 @@ class _Replica:
     core_healthy: bool | None = None  # what RouterCore was last told
     window_read_s: float | None = None
     model_problem: str | None = None
-    warned_partial: bool = False
 
 
 class Discovery:
@@ -208,9 +197,7 @@ class Discovery:
             config, core, session, metrics, clock=self._clock, intervals=self._intervals,
             timeout=self._timeout, provider_keys=provider_keys,
         )
-        # Each engine pool's adopted (block_size, hash_algo) and the replicas that disagree.
-        self._hashing: dict[PoolName, PoolHashing] = {name: PoolHashing() for name in self._pools}
-        self._approximate: dict[PoolName, bool] = {}
+        self._hashing = HashingSettlement(self._pools.values(), core, metrics)
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._started = False
@@ -305,12 +292,11 @@ class Discovery:
 
     def pool_hashing(self, pool: str) -> tuple[int, str] | None:
         """The pool's adopted ``(block_size, hash_algo)``, or None while still unknown."""
-        hashing = self._hashing.get(PoolName(pool))
-        return None if hashing is None else hashing.adopted
+        return self._hashing.adopted(pool)
 
     def pool_approximate(self, pool: str) -> bool:
         """True while ``pool`` routes approximately (hashing unknown, or no tokenizer)."""
-        return self._approximate.get(PoolName(pool), True)
+        return self._hashing.approximate(pool)
 
     def invalidate_window(self, pool: str) -> None:
         """A reactive overflow said the pool's window changed: re-read ``/v1/models`` soon.
@@ -384,16 +370,7 @@ class Discovery:
             return
         self._started = True
         for pool in self._pools.values():
-            if pool.block_size is not None and pool.hash_algo is not None:
-                self._adopt(pool, (pool.block_size, pool.hash_algo), source=HashingSource.CONFIG)
-            else:
-                # Nothing adopted (PoolHashing starts unknown): the core hashes approximately.
-                spec = self._core.pool(pool.name)
-                self._core.set_pool_hashing(
-                    pool.name, block_size=spec.block_size, hash_algo=spec.hash_algo,
-                    hash_seed=spec.hash_seed, approximate=True,
-                )
-            self._set_approximate(pool)
+            self._hashing.start(pool)
 
     async def _round(self, *, force: bool) -> None:
         await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()),
@@ -532,59 +509,24 @@ class Discovery:
 
     # -- settling -------------------------------------------------------------------------
 
-    def _reported(self, rep: _Replica) -> Hashing | None:
-        """The replica's hashing as this pool would use it (config overrides win)."""
-        pool = rep.pool
-        report = reported_hashing(
-            configured_block_size=pool.block_size, configured_hash_algo=pool.hash_algo,
-            block_size=rep.info.block_size, hash_algo=rep.info.hash_algo,
-        )
-        if report is None and (rep.info.block_size is not None
-                               or rep.info.hash_algo is not None) and not rep.warned_partial:
-            rep.warned_partial = True
-            log.warning(
-                "replica %s reports block_size=%s prefix_caching_hash_algo=%s; both are "
-                "needed for exact routing: set pools.%s.block_size/hash_algo if the engine "
-                "cannot report them", rep.config.name, rep.info.block_size,
-                rep.info.hash_algo, pool.name,
-            )
-        return report
-
     def _settle_pool(self, pool: PoolConfig) -> None:
-        pool_hashing = self._hashing[pool.name]
         members = [rep for rep in self._replicas.values() if rep.pool.name == pool.name]
-        reports = {rep.config.name: self._reported(rep) if rep.health.up else None
-                   for rep in members}
-        best = pool_hashing.choose([r for r in reports.values() if r is not None])
-        if best is not None:
-            # Not known yet, or every engine that reports now reports something else (the
-            # fleet was restarted with new settings): adopt what the engines say.
-            if pool_hashing.adopted is not None:
-                log.warning("pool %s: its engines now report block_size=%d hash_algo=%s "
-                            "(was %s); re-adopting", pool.name, best[0], best[1],
-                            pool_hashing.adopted)
-            self._adopt(pool, best, source=HashingSource.ENGINES)
-        for replica, change in pool_hashing.check(reports):
-            if change is MismatchChange.CLEARED:
-                log.warning("replica %s now reports the pool's hashing %s", replica,
-                            pool_hashing.adopted)
-                continue
-            log.error("replica %s %s; kept out of routing", replica,
-                      self._hashing_problem(pool, replica))
-            self._metrics.discovery(replica, "hashing_mismatch")
+        reports = {
+            rep.config.name: self._hashing.reported(
+                pool, rep.config.name, block_size=rep.info.block_size,
+                hash_algo=rep.info.hash_algo,
+            ) if rep.health.up else None
+            for rep in members
+        }
+        self._hashing.settle(pool, reports)
         for rep in members:
             self._settle_replica(rep)
         window = self.pool_window(pool.name)
         self._metrics.set_pool_window(pool.name, window)
 
-    def _hashing_problem(self, pool: PoolConfig, replica: ReplicaId) -> str | None:
-        """Why ``replica``'s hashing keeps it out of routing, or None when it does not."""
-        mismatch = self._hashing[pool.name].mismatch(replica)
-        return None if mismatch is None else _mismatch_text(pool.name, mismatch)
-
     def _settle_replica(self, rep: _Replica) -> None:
         info = rep.info
-        info.excluded_reason = (self._hashing_problem(rep.pool, rep.config.name)
+        info.excluded_reason = (self._hashing.problem(rep.pool.name, rep.config.name)
                                 or rep.model_problem)
         info.healthy = bool(rep.health.up) and info.excluded_reason is None
         if rep.core_healthy is not info.healthy:
@@ -592,53 +534,8 @@ class Discovery:
             self._core.set_healthy(rep.config.name, info.healthy)
             self._metrics.set_replica_healthy(rep.config.name, info.healthy)
 
-    def _adopt(self, pool: PoolConfig, hashing: Hashing, *, source: HashingSource) -> None:
-        block_size, algo = hashing
-        approximate = pool.tokenizer.mode == "none"
-        try:
-            self._core.set_pool_hashing(
-                pool.name, block_size=block_size, hash_algo=algo, hash_seed=pool.hash_seed,
-                approximate=approximate,
-            )
-        except HashConfigError as exc:
-            if self._hashing[pool.name].unusable():
-                log.error("pool %s: cannot hash like its engines (block_size=%s hash_algo=%s, "
-                          "from %s): %s; routing stays approximate", pool.name, block_size, algo,
-                          source, exc)
-                self._metrics.discovery("*", "hashing_unusable")
-            self._set_approximate(pool)
-            return
-        self._hashing[pool.name].adopt(hashing, source)
-        log.info("pool %s: block_size=%d hash_algo=%s (from %s)", pool.name, block_size, algo,
-                 source)
-        self._set_approximate(pool)
-
-    def _set_approximate(self, pool: PoolConfig) -> None:
-        reason = approximate_reason(exact_tokens=pool.tokenizer.mode != "none",
-                                    hashing=self._hashing[pool.name].adopted)
-        on = reason is not None
-        if self._approximate.get(pool.name) is on:
-            return
-        self._approximate[pool.name] = on
-        self._metrics.set_approximate(pool.name, on)
-        if on:
-            log.warning("pool %s routes in APPROXIMATE mode: %s", pool.name, reason)
-        else:
-            log.info("pool %s routes on exact block hashes", pool.name)
-
     def _window_valid(self, rep: _Replica) -> bool:
         return is_fresh(rep.window_read_s, self._clock.now(), self._intervals.window_ttl_s)
-
-
-def _mismatch_text(pool: PoolName, mismatch: Mismatch) -> str:
-    """The replica's ``excluded_reason`` and log line for a hashing mismatch, with the fix."""
-    reported, expected = mismatch.reported, mismatch.expected
-    return (
-        f"reports block_size={reported[0]} hash_algo={reported[1]} but pool "
-        f"{pool!r} hashes with block_size={expected[0]} hash_algo={expected[1]}; "
-        "run every engine of a pool with the same --block-size and "
-        "--prefix-caching-hash-algo"
-    )
 
 
 def _as_int(value: float | None) -> int | None:
