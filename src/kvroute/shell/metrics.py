@@ -10,40 +10,12 @@ and content type for ``GET /metrics``.
 
 Counts are deferred: the methods called per request or per KV-event batch (``decision``,
 ``tokenize``, ``warm``, ``upstream_error``, ``retry``, ``admission_reject``, ``discovery``,
-``state_error``, ``escalation``, ``cut_short``, ``events``, ``router_time``) only add to plain Python numbers
-kept per label tuple, and those pending amounts are moved into the prometheus_client series
-when something reads the registry. The reason: prometheus_client pays for thread safety and
-generality on every update (``inc`` takes a lock, ``Histogram.observe`` walks the buckets
-under locks, ``labels()`` validates and locks), which showed in the router's CPU per request
-at saturation; a dict update costs a fraction of that
-(``docs/benchmarks.md#deferred-metric-counting``), and the move costs one ``inc`` per label
-tuple that changed since the last read (one per bucket for the histogram).
-
-Invariants:
-
-- Readers see exact, current values. The registry is a ``_FlushingRegistry``: its
-  ``collect()`` (which ``render``, ``value``, ``generate_latest``, ``get_sample_value`` and
-  any direct reader of ``registry`` go through) and its ``restricted_registry()`` move the
-  pending amounts in first. Counter increments are ints, which floats add exactly (below
-  2**53), so summing them before the ``inc`` gives the same value; a latency histogram's
-  sum is kept as the running total of the observations in arrival order, the very float
-  additions ``observe`` would have made, and its buckets are chosen by ``bisect_left`` on the
-  histogram's own bounds (the first bound >= the value, as ``observe`` picks it). Latencies
-  are finite (``perf_counter`` differences): a NaN, which ``observe`` counts in no bucket,
-  would land in the first one here.
-- Pending state is bounded: one tally per label tuple, and the label tuples are the same
-  bounded set the series hold children for (see the NOTE below); nothing grows with the
-  number of requests, so there is nothing to flush early.
-- One thread: every update and every read runs on the router's event loop. A read from
-  another thread (prometheus_client's own HTTP server, for one) could interleave a move with
-  an update and lose the update; kvroute serves ``/metrics`` from the loop.
-- The series' children are created at a label tuple's first count, not at the first move,
-  so the label values are checked at the caller and ``*_created`` is the first count's time.
-
-The histograms are written through prometheus_client's per-child ``_buckets`` (per-bucket,
-not cumulative, values) and ``_sum``: there is no public call that adds n observations at
-once. ``RouterMetrics()`` checks that layout on a probe histogram and refuses to start if a
-prometheus_client release changed it.
+``state_error``, ``escalation``, ``cut_short``, ``events``, ``router_time``) only add to
+plain Python numbers kept per label tuple, and the registry moves those pending amounts into
+the prometheus_client series whenever it is read, so readers still see exact, current values
+(why, and the invariants that make it exact: ``shell/deferred_counts.py``). Every update and
+every read runs on the router's event loop. ``RouterMetrics()`` refuses to start if
+prometheus_client's histogram internals, which the deferred histograms write through, changed.
 
 Series (all prefixed ``kvroute_``):
 
@@ -87,8 +59,6 @@ label, so cardinality stays bounded by the fleet's size.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterable
 from typing import Final
 
 from prometheus_client import (
@@ -99,8 +69,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import RestrictedRegistry
+
+from kvroute.shell.deferred_counts import (
+    DecisionTally,
+    FlushingRegistry,
+    LatencyTally,
+    PendingCounts,
+    check_histogram_layout,
+)
 
 __all__ = [
     "ROUTER_TIME_BUCKETS",
@@ -153,160 +129,6 @@ def _set_one_of(gauge: Gauge, pool: str, what: str, choices: tuple[str, ...],
         gauge.labels(pool, known).set(1 if known == value else 0)
 
 
-class _PendingCounts:
-    """One labelled ``Counter``'s increments not yet added to it, summed per label tuple.
-
-    Invariant: ``amounts`` and ``_children`` have the same keys, one per label tuple ever
-    counted; ``amounts[key]`` is what ``_children[key]`` still lacks (0 right after a flush).
-    Keys are never removed: a label tuple seen once is likely seen again, and the set is
-    bounded anyway.
-    """
-
-    __slots__ = ("_children", "_counter", "amounts")
-
-    def __init__(self, counter: Counter) -> None:
-        self._counter = counter
-        self._children: dict[tuple[str, ...], Counter] = {}
-        self.amounts: dict[tuple[str, ...], int] = {}
-
-    def add(self, key: tuple[str, ...], amount: int) -> None:
-        try:
-            self.amounts[key] += amount
-        except KeyError:
-            self.start(key, amount)
-
-    def start(self, key: tuple[str, ...], amount: int) -> None:
-        """The first count of ``key``: its child is created now (see the module docstring)."""
-        self._children[key] = self._counter.labels(*key)
-        self.amounts[key] = amount
-
-    def flush(self) -> None:
-        amounts = self.amounts
-        for key, amount in amounts.items():
-            if amount:
-                self._children[key].inc(amount)
-                amounts[key] = 0
-
-
-class _LatencyTally:
-    """One histogram child's observations not yet in it (a pool's routing latencies, a
-    stage of the router's time).
-
-    Invariant: ``counts[i]`` observations fell in bucket ``i`` (the first of ``bounds`` >=
-    the value) since the last flush; ``total`` is the sum of every observation since start
-    in arrival order, so it is the float ``observe`` would hold.
-    """
-
-    __slots__ = ("_child", "bounds", "counts", "total")
-
-    def __init__(self, child: Histogram, bounds: tuple[float, ...] = _LATENCY_BOUNDS) -> None:
-        self._child = child
-        self.bounds = bounds
-        self.counts = [0] * len(bounds)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds, seconds)] += 1
-        self.total += seconds
-
-    def flush(self) -> None:
-        counts = self.counts
-        if not any(counts):
-            return
-        buckets = self._child._buckets
-        for i, n in enumerate(counts):
-            if n:
-                buckets[i].inc(n)
-                counts[i] = 0
-        self._child._sum.set(self.total)
-
-
-class _DecisionTally:
-    """Decisions for one (pool, replica, reason, approximate) not yet in their counters.
-
-    ``prompt_tokens`` and ``cached_tokens`` go to the pool's children, which the tallies of
-    the pool's other replicas and reasons share; the pool's latencies are in ``latency``.
-    """
-
-    __slots__ = ("_cached", "_decisions", "_prompt", "cached_tokens", "count", "latency",
-                 "prompt_tokens")
-
-    def __init__(self, decisions: Counter, prompt: Counter, cached: Counter,
-                 latency: _LatencyTally) -> None:
-        self._decisions = decisions
-        self._prompt = prompt
-        self._cached = cached
-        self.latency = latency
-        self.count = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-
-    def flush(self) -> None:
-        if self.count:
-            self._decisions.inc(self.count)
-            self.count = 0
-        if self.prompt_tokens:
-            self._prompt.inc(self.prompt_tokens)
-            self.prompt_tokens = 0
-        if self.cached_tokens:
-            self._cached.inc(self.cached_tokens)
-            self.cached_tokens = 0
-
-
-class _FlushingRegistry(CollectorRegistry):
-    """A registry that calls ``before_read`` ahead of every read of its series.
-
-    ``collect()`` is the one path of ``generate_latest``, ``get_sample_value`` and direct
-    readers; ``restricted_registry()`` (prometheus_client's exposition helpers given
-    ``name[]``) reads the collectors itself, so its result gets the same hook.
-    """
-
-    def __init__(self, before_read: Callable[[], None]) -> None:
-        super().__init__(auto_describe=True)
-        self.before_read = before_read
-
-    def collect(self) -> Iterable[Metric]:
-        self.before_read()
-        return super().collect()
-
-    def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
-        return _FlushingRestrictedRegistry(names, self)
-
-
-class _FlushingRestrictedRegistry(RestrictedRegistry):
-    def __init__(self, names: Iterable[str], registry: _FlushingRegistry) -> None:
-        super().__init__(names, registry)
-        self._before_read = registry.before_read
-
-    def collect(self) -> Iterable[Metric]:
-        self._before_read()
-        return super().collect()
-
-
-def _check_histogram_layout() -> None:
-    """Refuse to run if prometheus_client's ``Histogram`` no longer keeps a child's
-    per-bucket (not cumulative) values in ``_buckets``, by ``_upper_bounds``, and its sum in
-    ``_sum``: ``_LatencyTally.flush`` writes there (see the module docstring)."""
-    expected = [2.0 if bound == 0.00005 else 0.0 for bound in _LATENCY_BOUNDS]
-    try:
-        probe = Histogram("probe", "layout check", registry=None,
-                          buckets=ROUTING_LATENCY_BUCKETS)
-        probe.observe(0.00003)
-        probe.observe(0.00003)
-        ok = (
-            tuple(probe._upper_bounds) == _LATENCY_BOUNDS
-            and [bucket.get() for bucket in probe._buckets] == expected
-            and probe._sum.get() == 0.00003 + 0.00003
-        )
-    except AttributeError:
-        ok = False
-    if not ok:
-        raise RuntimeError(
-            "prometheus_client's Histogram internals changed (_upper_bounds, _buckets, "
-            "_sum); kvroute.shell.metrics writes its routing-latency buckets through them"
-        )
-
-
 class RouterMetrics:
     """kvroute's Prometheus series, in a registry of their own.
 
@@ -319,12 +141,12 @@ class RouterMetrics:
     """
 
     def __init__(self, namespace: str = "kvroute") -> None:
-        _check_histogram_layout()
+        check_histogram_layout()
         # Pending request-path counts, by label values (see the module docstring).
-        self._decision_tallies: dict[tuple[str, str, str, bool], _DecisionTally] = {}
-        self._latencies: dict[str, _LatencyTally] = {}
-        self._pending: list[_PendingCounts] = []
-        self.registry: CollectorRegistry = _FlushingRegistry(self._flush)
+        self._decision_tallies: dict[tuple[str, str, str, bool], DecisionTally] = {}
+        self._latencies: dict[str, LatencyTally] = {}
+        self._pending: list[PendingCounts] = []
+        self.registry: CollectorRegistry = FlushingRegistry(self._flush)
         r = self.registry
         ns = namespace
         self._ns = namespace
@@ -351,7 +173,7 @@ class RouterMetrics:
             "client (after_engine), and their sum (total). Network hops not included.",
             ["stage"], namespace=ns, registry=r, buckets=ROUTER_TIME_BUCKETS,
         )
-        self._router_time = tuple(_LatencyTally(router_time.labels(stage), _ROUTER_TIME_BOUNDS)
+        self._router_time = tuple(LatencyTally(router_time.labels(stage), _ROUTER_TIME_BOUNDS)
                                   for stage in ROUTER_TIME_STAGES)
         gc_pause = Histogram(
             "gc_pause_seconds", "Garbage collections of the router's process and how long each "
@@ -359,7 +181,7 @@ class RouterMetrics:
             "the router keeps).",
             ["generation"], namespace=ns, registry=r, buckets=GC_PAUSE_BUCKETS,
         )
-        self._gc_pause = tuple(_LatencyTally(gc_pause.labels(str(g)), _GC_PAUSE_BOUNDS)
+        self._gc_pause = tuple(LatencyTally(gc_pause.labels(str(g)), _GC_PAUSE_BOUNDS)
                                for g in range(3))
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
@@ -451,8 +273,8 @@ class RouterMetrics:
             "tokens than asked).", ["pool"], namespace=ns, registry=r,
         ))
 
-    def _deferred(self, counter: Counter) -> _PendingCounts:
-        pending = _PendingCounts(counter)
+    def _deferred(self, counter: Counter) -> PendingCounts:
+        pending = PendingCounts(counter)
         self._pending.append(pending)
         return pending
 
@@ -493,12 +315,13 @@ class RouterMetrics:
             tally.cached_tokens += cached_tokens
         tally.latency.observe(routing_latency_s)
 
-    def _start_decision(self, key: tuple[str, str, str, bool]) -> _DecisionTally:
+    def _start_decision(self, key: tuple[str, str, str, bool]) -> DecisionTally:
         pool, replica, reason, approximate = key
         latency = self._latencies.get(pool)
         if latency is None:
-            latency = self._latencies[pool] = _LatencyTally(self._routing_latency.labels(pool))
-        tally = self._decision_tallies[key] = _DecisionTally(
+            latency = self._latencies[pool] = LatencyTally(self._routing_latency.labels(pool),
+                                                           _LATENCY_BOUNDS)
+        tally = self._decision_tallies[key] = DecisionTally(
             self._decisions.labels(pool, replica, reason, "true" if approximate else "false"),
             self._prompt_tokens.labels(pool),
             self._cached_tokens.labels(pool),

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import kvroute.shell.metrics as metrics_module
+from kvroute.shell import deferred_counts
 from kvroute.shell.metrics import ROUTING_LATENCY_BUCKETS, RouterMetrics
 
 Op = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -327,7 +327,7 @@ def test_refuses_a_prometheus_client_with_another_histogram_layout(
 
     make: Callable[[], RouterMetrics] = RouterMetrics
     for changed in (CumulativeHistogram, RenamedHistogram):
-        monkeypatch.setattr(metrics_module, "Histogram", changed)
+        monkeypatch.setattr(deferred_counts, "Histogram", changed)
         with pytest.raises(RuntimeError, match="Histogram internals changed"):
             make()
     monkeypatch.undo()
