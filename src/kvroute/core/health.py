@@ -2,8 +2,9 @@
 
 Owns the hysteresis of an engine replica's health (:class:`ReplicaHealth`) and the simpler
 rule for an external provider's endpoint (:class:`EndpointHealth`). Pure: no I/O, no clock
-reads (``now_s`` is an argument), no logging; ``shell/discovery.py`` probes, reports each
-result here, and logs and exports the transition it gets back.
+reads (``now_s`` is an argument), no logging; ``shell/discovery.py`` (engines) and
+``shell/external_pools.py`` (endpoints) probe, report each result here, and log and export
+the transition they get back.
 
 Why hysteresis: one lost probe is not an outage (a GC pause, a full accept queue), and
 flipping a replica out of routing drops its index entries, so a replica that was in goes out

@@ -5,7 +5,7 @@ and ``/metrics`` probes are due (:class:`ProbeSchedule`), how a fleet's probes a
 over an interval (:func:`stagger`) and so how often the loop must look
 (``PollIntervals.tick_s``), how long a read is trusted (:func:`is_fresh`), and when an
 external provider's catalog is read again (:class:`CatalogSchedule`). Pure: ``now_s`` is
-always an argument; ``shell/discovery.py`` does the reading.
+always an argument; ``shell/discovery.py`` and ``shell/external_pools.py`` do the reading.
 
 Freshness: a context window (an engine's ``max_model_len`` on ``/v1/models``) or a
 provider's catalog is trusted for ``window_ttl_s`` after it was read, and then dropped

@@ -4,8 +4,8 @@ Owns one pool's adopted ``(block_size, hash_algo)``, where it came from, and whi
 replicas report something else (:class:`PoolHashing`), plus the rules that read one
 replica's report (:func:`reported_hashing`) and pick among several (:func:`majority`).
 Pure: no I/O, no logging; ``shell/discovery.py`` reads ``vllm:cache_config_info`` from each
-engine, hands the reports here, tells ``RouterCore`` what to adopt, and logs and counts the
-changes it gets back.
+engine, and ``shell/hashing_settlement.py`` hands the reports here, tells ``RouterCore`` what
+to adopt, and logs and counts the changes it gets back.
 
 Why never assume: a router hashing with another block size or algorithm than the engine
 finds no block of the engine's events, and routes as if every cache were cold; worse, a
