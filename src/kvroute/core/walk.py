@@ -65,7 +65,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from kvroute.core.clock import Clock
 from kvroute.core.errors import NoEligibleReplica
@@ -194,7 +194,7 @@ class WalkRequest:
     route: WalkRoute
     tenant: TenantName
     session_id: str | None
-    endpoint: str
+    endpoint: Literal["chat", "completions"]
     model: str
     body: Mapping[str, Any]
     max_tokens: int | None = None

@@ -274,7 +274,7 @@ class Forwarder:
     def _headers(self, decision: RoutingDecision) -> Mapping[str, str]:
         """``X-Request-Id``, plus the provider's key as ``Authorization: Bearer`` when the
         decision's pool is external and has one (``Secrets.provider_keys``)."""
-        headers = {"X-Request-Id": decision.request.request_id}
+        headers: dict[str, str] = {"X-Request-Id": decision.request.request_id}
         key = self.secrets.provider_keys.get(decision.request.pool)
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
