@@ -6,7 +6,10 @@ Two formats are understood:
   per line with ``timestamp`` (milliseconds since the trace start), ``input_length``,
   ``output_length`` and ``hash_ids`` (chained prefix-block ids, 512 tokens per id). An optional
   ``session_id`` string (the Dynamo extension for multi-turn rows) is kept; other extra keys are
-  ignored so that traces converted by other tools still load.
+  ignored so that traces converted by other tools still load. A ``.jsonl.xz`` file is read
+  through ``lzma``. The bundled agentic trace (``claude_code_agentic_64``, Claude Code sessions
+  from kv-cache-tester) has the same four keys with **64** tokens per id
+  (:data:`BUNDLED_BLOCK_TOKENS`).
 * **Azure LLM inference 2023 CSV** (``Azure/AzurePublicDataset``): ``TIMESTAMP,ContextTokens,
   GeneratedTokens``. Arrivals and lengths only; there is no prefix identity.
 
@@ -22,9 +25,14 @@ concatenated and the list is truncated to ``input_length``. Two edge cases, hand
 
 * the last id covers a partial block (every row of the bundled Mooncake traces has
   ``len(hash_ids) == ceil(input_length / 512)``): it contributes only the remaining tokens;
-* ``input_length > len(hash_ids) * block_tokens``: Dynamo clamps ``input_length`` to that capacity
-  (its comment: the ids may cover only the cached portion), so we clamp too, and
-  :func:`trace_stats` counts such rows in ``num_clamped`` so that a replay can report them.
+* ``input_length > len(hash_ids) * block_tokens`` (floor semantics: kv-cache-tester gives the
+  tokens after the last whole block no id, so every agentic row has ``len(hash_ids) ==
+  input_length // 64``): Dynamo clamps ``input_length`` to the ids' capacity. A replay here
+  keeps the whole prompt instead: :meth:`Trace.tokens` gives the uncovered tokens one token id
+  of the request's own (``tail_token``: above every hash id of the file, one per line), so the
+  prompt is as long as the trace says and its tail never hits another request's cache.
+  :func:`mooncake_tokens` without ``tail_token`` still clamps as Dynamo does;
+  :func:`trace_stats` counts such rows in ``num_uncovered``.
   Ids beyond ``ceil(input_length / block_tokens)`` contribute nothing.
 
 Token ids are therefore *not* drawn from the 100..32000 vocabulary the generators use: they are
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import lzma
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -59,6 +68,7 @@ import msgspec
 from kvroute.core.errors import RouterError
 
 __all__ = [
+    "BUNDLED_BLOCK_TOKENS",
     "BUNDLED_TRACES",
     "MOONCAKE_BLOCK_TOKENS",
     "BlockTokens",
@@ -72,6 +82,7 @@ __all__ = [
     "mooncake_tokens",
     "read_azure_csv",
     "read_mooncake_jsonl",
+    "trace_block_tokens",
     "trace_stats",
     "verify_bundled_checksums",
 ]
@@ -86,8 +97,12 @@ BUNDLED_TRACES: Final[dict[str, tuple[str, TraceFormat]]] = {
     "mooncake_synthetic": ("mooncake_synthetic_trace.jsonl", "mooncake"),
     "azure_conv": ("azure_llm_2023_conv.csv", "azure"),
     "azure_code": ("azure_llm_2023_code.csv", "azure"),
+    "claude_code_agentic_64": ("claude_code_agentic_64.jsonl.xz", "mooncake"),
 }
 """Trace name -> (file in ``kvroute/data/traces``, format)."""
+
+BUNDLED_BLOCK_TOKENS: Final[dict[str, int]] = {"claude_code_agentic_64": 64}
+"""Bundled Mooncake-format traces whose ids are not 512 tokens: name -> tokens per id."""
 
 _AZURE_HEADER: Final = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _U32: Final = 1 << 32
@@ -129,6 +144,9 @@ class Trace:
     block_tokens: int | None
     """Tokens per hash id (Mooncake), ``None`` for formats without hash ids."""
     rate_scale: float = 1.0
+    tail_token_base: int | None = None
+    """One above every hash id of the whole file (``None`` without hash ids): the record of
+    line ``L`` gives the tokens its ids do not cover the id ``tail_token_base + L``."""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -137,14 +155,20 @@ class Trace:
         return iter(self.records)
 
     def tokens(self, record: TraceRecord, *, token_offset: int = 0) -> BlockTokens:
-        """The synthesized prompt tokens of one record (see :func:`mooncake_tokens`)."""
+        """The synthesized prompt tokens of one record (see :func:`mooncake_tokens`):
+        ``input_length`` tokens, the tail its ids do not cover in a token of its own."""
         if record.hash_ids is None or self.block_tokens is None:
             raise TraceError(
                 f"trace {self.name!r} ({self.format}) has no hash ids, so no tokens can be "
                 "synthesized from it; generate prompts instead (bench.workloads.unique_prompts)"
             )
+        tail = None if self.tail_token_base is None else self.tail_token_base + record.line
         return mooncake_tokens(
-            record.hash_ids, record.input_length, self.block_tokens, token_offset=token_offset
+            record.hash_ids,
+            record.input_length,
+            self.block_tokens,
+            token_offset=token_offset,
+            tail_token=tail,
         )
 
 
@@ -253,20 +277,34 @@ class BlockTokens(Sequence[int]):
 
 
 def mooncake_tokens(
-    hash_ids: Sequence[int], input_length: int, block_tokens: int, *, token_offset: int = 0
+    hash_ids: Sequence[int],
+    input_length: int,
+    block_tokens: int,
+    *,
+    token_offset: int = 0,
+    tail_token: int | None = None,
 ) -> BlockTokens:
     """Synthesize a Mooncake request's prompt as Dynamo's mocker does (see the module docstring).
 
     Each hash id becomes ``block_tokens`` copies of ``(h + token_offset) mod 2**32``, truncated to
     ``min(input_length, len(hash_ids) * block_tokens)`` tokens. ``token_offset`` (0 in Dynamo)
     can move the ids clear of an engine's special tokens while staying one-to-one.
+
+    With ``tail_token``, the prompt is ``input_length`` tokens whatever the ids cover: the
+    tokens beyond the ids are ``(tail_token + token_offset) mod 2**32`` (give each request its
+    own, outside the trace's ids, so that the tail is never a cache hit).
     """
     if block_tokens < 1:
         raise TraceError(f"block_tokens must be >= 1 (512 for Mooncake), got {block_tokens}")
     if input_length < 0:
         raise TraceError(f"input_length must be >= 0, got {input_length}")
-    length = min(input_length, len(hash_ids) * block_tokens)
-    return BlockTokens([(h + token_offset) % _U32 for h in hash_ids], block_tokens, length)
+    ids = [(h + token_offset) % _U32 for h in hash_ids]
+    covered = len(ids) * block_tokens
+    if tail_token is None or input_length <= covered:
+        return BlockTokens(ids, block_tokens, min(input_length, covered))
+    tail_blocks = -(-(input_length - covered) // block_tokens)
+    ids.extend(repeat((tail_token + token_offset) % _U32, tail_blocks))
+    return BlockTokens(ids, block_tokens, input_length)
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,9 +443,17 @@ def bundled_trace_path(name: str) -> Traversable:
     except KeyError:
         raise TraceError(
             f"unknown trace {name!r}; bundled traces are {sorted(BUNDLED_TRACES)}, "
-            "or pass a path to a .jsonl (Mooncake) or .csv (Azure) file"
+            "or pass a path to a .jsonl or .jsonl.xz (Mooncake) or .csv (Azure) file"
         ) from None
     return resources.files("kvroute").joinpath("data", "traces", filename)
+
+
+def trace_block_tokens(source: str | Path) -> int:
+    """Tokens per hash id a Mooncake-format trace has unless told otherwise: the bundled
+    trace's own (:data:`BUNDLED_BLOCK_TOKENS`), else Mooncake's 512."""
+    if isinstance(source, str):
+        return BUNDLED_BLOCK_TOKENS.get(source, MOONCAKE_BLOCK_TOKENS)
+    return MOONCAKE_BLOCK_TOKENS
 
 
 def verify_bundled_checksums() -> dict[str, bool]:
@@ -423,11 +469,31 @@ def verify_bundled_checksums() -> dict[str, bool]:
     return result
 
 
+def _decode(data: bytes, *, compressed: bool, source: str) -> str:
+    """A trace file's text: ``lzma``-decompressed first when its name ends in ``.xz``."""
+    if compressed:
+        try:
+            data = lzma.decompress(data)
+        except lzma.LZMAError as exc:
+            raise TraceError(
+                f"{source}: not a readable .xz file ({exc}); decompress it with xz -d and pass "
+                "the .jsonl, or re-download it"
+            ) from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{source}: not UTF-8 text ({exc})") from exc
+
+
 def _resolve(source: str | Path, fmt: TraceFormat | None) -> tuple[str, TraceFormat, str]:
-    """(name, format, text) for a bundled trace name or a file path."""
+    """(name, format, text) for a bundled trace name or a file path (``.xz`` decompressed)."""
     if isinstance(source, str) and source in BUNDLED_TRACES:
-        _, bundled_format = BUNDLED_TRACES[source]
-        text = bundled_trace_path(source).read_text(encoding="utf-8")
+        filename, bundled_format = BUNDLED_TRACES[source]
+        text = _decode(
+            bundled_trace_path(source).read_bytes(),
+            compressed=filename.endswith(".xz"),
+            source=source,
+        )
         return source, fmt or bundled_format, text
     path = Path(source)
     if not path.is_file():
@@ -435,18 +501,20 @@ def _resolve(source: str | Path, fmt: TraceFormat | None) -> tuple[str, TraceFor
             f"trace {str(source)!r} is neither a bundled trace {sorted(BUNDLED_TRACES)} "
             "nor an existing file"
         )
+    compressed = path.suffix.lower() == ".xz"
+    inner = path.with_suffix("") if compressed else path
     if fmt is None:
-        suffix = path.suffix.lower()
+        suffix = inner.suffix.lower()
         if suffix in (".jsonl", ".json"):
             fmt = "mooncake"
         elif suffix == ".csv":
             fmt = "azure"
         else:
             raise TraceError(
-                f"cannot tell the format of {str(path)!r} from its suffix; "
-                "pass format='mooncake' or format='azure'"
+                f"cannot tell the format of {str(path)!r} from its suffix (.jsonl, .jsonl.xz, "
+                ".csv); pass format='mooncake' or format='azure'"
             )
-    return path.stem, fmt, path.read_text(encoding="utf-8")
+    return inner.stem, fmt, _decode(path.read_bytes(), compressed=compressed, source=str(path))
 
 
 def load_trace(
@@ -461,11 +529,12 @@ def load_trace(
 ) -> Trace:
     """Load a bundled trace by name or a trace file by path, ready to replay.
 
-    Steps, in order: parse (validating every line); add seeded uniform jitter in
-    ``[0, jitter_s)`` to each arrival if asked (the conversation trace quantises arrivals to
-    3-s buckets, up to 28 at once); stable-sort by arrival; keep the first ``limit`` requests;
-    shift so the first arrival is 0; divide every arrival by ``rate_scale`` (2.0 = twice the
-    request rate). ``block_tokens`` defaults to 512 for Mooncake and must be ``None`` for Azure.
+    Steps, in order: parse (validating every line); add seeded uniform jitter in ``[0, jitter_s)`` to each arrival if asked (the conversation trace
+    quantises arrivals to 3-s buckets, up to 28 at once); stable-sort by arrival; keep the
+    first ``limit`` requests; shift so the first arrival is 0; divide every arrival by
+    ``rate_scale`` (2.0 = twice the request rate). ``block_tokens`` defaults to the trace's own
+    (:func:`trace_block_tokens`: 64 for the agentic trace, else 512) and must be ``None`` for
+    Azure.
     """
     if not (math.isfinite(rate_scale) and rate_scale > 0):
         raise TraceError(f"rate_scale must be a finite number > 0, got {rate_scale}")
@@ -475,11 +544,13 @@ def load_trace(
         raise TraceError(f"jitter_s must be a finite number >= 0, got {jitter_s}")
     name, fmt, text = _resolve(source, format)
     lines = text.splitlines()
+    tail_base: int | None = None
     if fmt == "mooncake":
         records = read_mooncake_jsonl(lines, source=name)
         if block_tokens is not None and block_tokens < 1:
             raise TraceError(f"block_tokens must be >= 1 (512 for Mooncake), got {block_tokens}")
-        tokens_per_id: int | None = block_tokens or MOONCAKE_BLOCK_TOKENS
+        tokens_per_id: int | None = block_tokens or trace_block_tokens(source)
+        tail_base = 1 + max(max(r.hash_ids or (0,)) for r in records)
     elif fmt == "azure":
         if block_tokens is not None:
             raise TraceError("block_tokens applies to Mooncake traces only; Azure has no hash ids")
@@ -495,7 +566,7 @@ def load_trace(
         records = records[:limit]
     start = records[0].arrival_s
     shifted = tuple(replace(r, arrival_s=(r.arrival_s - start) / rate_scale) for r in records)
-    return Trace(name, fmt, shifted, tokens_per_id, rate_scale)
+    return Trace(name, fmt, shifted, tokens_per_id, rate_scale, tail_base)
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,7 +579,9 @@ class TraceStats:
 
     ``block_repeat_fraction`` is the share of hash-id occurrences already seen in an earlier
     request (file order): for chained ids, the block hit-rate bound of one infinite cache.
-    It and ``num_clamped`` are ``None`` for formats without hash ids.
+    ``num_uncovered`` counts the rows whose ids cover fewer than ``input_length`` tokens (their
+    tail gets a token of its own, module docstring). Both are ``None`` for formats without
+    hash ids.
     """
 
     num_requests: int
@@ -517,24 +590,24 @@ class TraceStats:
     total_input_tokens: int
     total_output_tokens: int
     block_repeat_fraction: float | None
-    num_clamped: int | None
+    num_uncovered: int | None
 
 
 def trace_stats(trace: Trace) -> TraceStats:
     records = trace.records
     duration = records[-1].arrival_s - records[0].arrival_s
     repeat: float | None = None
-    clamped: int | None = None
+    uncovered: int | None = None
     if trace.block_tokens is not None:
         seen: set[int] = set()
-        total = hits = clamped = 0
+        total = hits = uncovered = 0
         for r in sorted(records, key=lambda r: r.line):
             ids = r.hash_ids or ()
             total += len(ids)
             hits += sum(1 for h in ids if h in seen)
             seen.update(ids)
             if r.input_length > len(ids) * trace.block_tokens:
-                clamped += 1
+                uncovered += 1
         repeat = hits / total if total else 0.0
     return TraceStats(
         num_requests=len(records),
@@ -543,5 +616,5 @@ def trace_stats(trace: Trace) -> TraceStats:
         total_input_tokens=sum(r.input_length for r in records),
         total_output_tokens=sum(r.output_length for r in records),
         block_repeat_fraction=repeat,
-        num_clamped=clamped,
+        num_uncovered=uncovered,
     )

@@ -418,11 +418,12 @@ def mooncake(
     jitter_s: float = 0.0,
     seed: int = 0,
 ) -> list[WorkloadRequest]:
-    """A Mooncake trace as workload requests, tokens synthesized lazily as Dynamo does.
+    """A Mooncake-format trace as workload requests, tokens synthesized lazily as Dynamo does.
 
     Options are those of :func:`~kvroute.bench.traces.load_trace`; ``token_offset`` those of
     :func:`~kvroute.bench.traces.mooncake_tokens`. ``prompt_token_ids`` is a lazy
-    ``BlockTokens`` (the whole conversation trace is 145 M tokens).
+    ``BlockTokens`` (the whole conversation trace is 145 M tokens) of exactly
+    ``input_length`` tokens.
 
     Sessions: the Mooncake files record none, so ``session_id`` is the row's ``session_id``
     when a (Dynamo-converted) trace carries one and ``None`` otherwise. Sessions are not
@@ -441,7 +442,8 @@ def mooncake(
     _require(
         loaded.format == "mooncake",
         f"mooncake() takes a Mooncake-format trace (mooncake_conversation, "
-        f"mooncake_synthetic, or a .jsonl path), got {trace!r}",
+        f"mooncake_synthetic, claude_code_agentic_64, or a .jsonl / .jsonl.xz path), "
+        f"got {trace!r}",
     )
     return [
         WorkloadRequest(

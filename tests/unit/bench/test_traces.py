@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import lzma
 import math
 from importlib import resources
 from pathlib import Path
@@ -37,6 +38,11 @@ def synthetic():
 
 
 @pytest.fixture(scope="module")
+def agentic():
+    return load_trace("claude_code_agentic_64")
+
+
+@pytest.fixture(scope="module")
 def azure_conv():
     return load_trace("azure_conv")
 
@@ -62,7 +68,8 @@ def test_checksum_file_is_recomputed_not_trusted() -> None:
 
 def test_licences_and_readme_are_bundled() -> None:
     folder = resources.files("kvroute").joinpath("data", "traces")
-    for name in ("LICENSE-mooncake.txt", "LICENSE-azure-public-dataset.txt", "README.md"):
+    for name in ("LICENSE-mooncake.txt", "LICENSE-azure-public-dataset.txt",
+                 "LICENSE-kv-cache-tester.txt", "README.md"):
         assert folder.joinpath(name).is_file(), name
 
 
@@ -103,7 +110,7 @@ def test_mooncake_stats_match_reference_numbers(conversation, synthetic) -> None
     assert (synth.total_input_tokens, synth.total_output_tokens) == (61_194_628, 595_432)
     assert round(conv.block_repeat_fraction or 0, 4) == 0.3664
     assert round(synth.block_repeat_fraction or 0, 4) == 0.6396
-    assert conv.num_clamped == synth.num_clamped == 0
+    assert conv.num_uncovered == synth.num_uncovered == 0
     assert conv.mean_rate_rps == pytest.approx(3.40, abs=0.01)
 
 
@@ -228,6 +235,29 @@ def test_azure_accepts_bom_and_whole_seconds() -> None:
     assert [r.arrival_s for r in records] == [0.0, 2.5]  # crosses midnight
 
 
+def test_agentic_trace_loads_by_name_with_64_token_ids_and_floor_rows(agentic) -> None:
+    assert agentic.format == "mooncake" and agentic.block_tokens == 64
+    assert len(agentic) == 1_924
+    assert all(len(r.hash_ids or ()) == r.input_length // 64 for r in agentic.records)
+    stats = trace_stats(agentic)
+    assert (stats.total_input_tokens, stats.total_output_tokens) == (85_533_369, 709_090)
+    assert stats.num_uncovered == 1_900
+    assert round(stats.block_repeat_fraction or 0, 3) == 0.933
+    assert agentic.records[-1].arrival_s == pytest.approx(3070.167)
+
+
+def test_agentic_prompts_keep_their_input_length_with_a_tail_of_their_own(agentic) -> None:
+    first, second = agentic.records[0], agentic.records[1]
+    a, b = agentic.tokens(first), agentic.tokens(second)
+    assert (len(a), len(b)) == (first.input_length, second.input_length) == (11_745, 12_192)
+    covered = 64 * len(first.hash_ids or ())
+    assert a[covered - 1] == (first.hash_ids or ())[-1]
+    tail_a, tail_b = a[covered], b[64 * len(second.hash_ids or ())]
+    assert a[covered:] == (tail_a,) * (11_745 - covered)
+    every_id = {h for r in agentic.records for h in r.hash_ids or ()}
+    assert tail_a != tail_b and not {tail_a, tail_b} & every_id
+
+
 def test_trace_error_is_a_router_error() -> None:
     assert issubclass(TraceError, RouterError)
 
@@ -282,6 +312,33 @@ def test_jitter_is_seeded_bounded_and_sorted(tmp_path: Path) -> None:
     assert len(set(arrivals)) == 60 and max(arrivals) < 6.0
 
 
+def test_an_xz_compressed_jsonl_reads_like_the_plain_file(tmp_path: Path) -> None:
+    lines = [_row(2000, 9, "[0, 1]"), _row(1000, 5, "[0]")]
+    plain = _write(tmp_path / "t.jsonl", lines)
+    packed = tmp_path / "t.jsonl.xz"
+    packed.write_bytes(lzma.compress(plain.read_bytes()))
+    trace = load_trace(packed)
+    assert trace.name == "t" and trace.format == "mooncake"
+    assert trace.records == load_trace(plain).records
+    assert [r.line for r in trace.records] == [2, 1]
+
+
+def test_an_unreadable_xz_file_says_so(tmp_path: Path) -> None:
+    broken = tmp_path / "t.jsonl.xz"
+    broken.write_bytes(b"not xz at all")
+    with pytest.raises(TraceError, match=r"t.jsonl.xz: not a readable .xz file"):
+        load_trace(broken)
+
+
+def test_a_path_to_a_floor_semantics_trace_keeps_every_prompt_token(tmp_path: Path) -> None:
+    path = _write(tmp_path / "floor.jsonl", [_row(0, 10, "[3, 4]"), _row(1000, 11, "[3, 4]")])
+    trace = load_trace(path, block_tokens=4)
+    a, b = (trace.tokens(r) for r in trace.records)
+    assert tuple(a) == (3, 3, 3, 3, 4, 4, 4, 4, 6, 6)  # tail id: max id + 1 + line 1
+    assert tuple(b) == (3, 3, 3, 3, 4, 4, 4, 4, 7, 7, 7)
+    assert trace_stats(trace).num_uncovered == 2
+
+
 def test_format_is_detected_or_explicit(tmp_path: Path) -> None:
     csv_path = _write(tmp_path / "a.csv", [AZ_HEADER, AZ_ROW])
     assert load_trace(csv_path).format == "azure"
@@ -327,6 +384,13 @@ def test_synthesis_is_hash_id_repeated_then_truncated() -> None:
 
 def test_synthesis_clamps_to_capacity_like_dynamo() -> None:
     assert len(mooncake_tokens([1, 2], 100, 4)) == 8
+
+
+def test_synthesis_with_a_tail_token_keeps_the_input_length() -> None:
+    assert tuple(mooncake_tokens([1, 2], 10, 4, tail_token=50)) == (1,) * 4 + (2,) * 4 + (50, 50)
+    tail = mooncake_tokens([1], 11, 4, tail_token=2**32 - 1, token_offset=2)
+    assert tuple(tail) == (3,) * 4 + (1,) * 7  # the tail spans two blocks, offset mod 2**32
+    assert tuple(mooncake_tokens([1, 2], 6, 4, tail_token=50)) == (1, 1, 1, 1, 2, 2)
 
 
 def test_synthesis_ignores_ids_past_input_length() -> None:
