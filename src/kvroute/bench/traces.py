@@ -9,7 +9,8 @@ Two formats are understood:
   ignored so that traces converted by other tools still load. A ``.jsonl.xz`` file is read
   through ``lzma``. The bundled agentic trace (``claude_code_agentic_64``, Claude Code sessions
   from kv-cache-tester) has the same four keys with **64** tokens per id
-  (:data:`BUNDLED_BLOCK_TOKENS`).
+  (:data:`BUNDLED_BLOCK_TOKENS`), and its sessions are recovered from its ids
+  (:mod:`kvroute.bench.trace_sessions`).
 * **Azure LLM inference 2023 CSV** (``Azure/AzurePublicDataset``): ``TIMESTAMP,ContextTokens,
   GeneratedTokens``. Arrivals and lengths only; there is no prefix identity.
 
@@ -65,6 +66,7 @@ from typing import Annotated, Final, Literal, overload
 
 import msgspec
 
+from kvroute.bench.trace_sessions import SessionRecoveryError, sessions_from_local_ids
 from kvroute.core.errors import RouterError
 
 __all__ = [
@@ -103,6 +105,9 @@ BUNDLED_TRACES: Final[dict[str, tuple[str, TraceFormat]]] = {
 
 BUNDLED_BLOCK_TOKENS: Final[dict[str, int]] = {"claude_code_agentic_64": 64}
 """Bundled Mooncake-format traces whose ids are not 512 tokens: name -> tokens per id."""
+
+_SESSIONS_FROM_LOCAL_IDS: Final = frozenset({"claude_code_agentic_64"})
+"""Bundled traces whose ids are numbered per session (``bench.trace_sessions``)."""
 
 _AZURE_HEADER: Final = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _U32: Final = 1 << 32
@@ -526,10 +531,14 @@ def load_trace(
     block_tokens: int | None = None,
     jitter_s: float = 0.0,
     seed: int = 0,
+    sessions: bool = True,
 ) -> Trace:
     """Load a bundled trace by name or a trace file by path, ready to replay.
 
-    Steps, in order: parse (validating every line); add seeded uniform jitter in ``[0, jitter_s)`` to each arrival if asked (the conversation trace
+    Steps, in order: parse (validating every line); recover sessions when the bundled trace's
+    ids carry them and ``sessions`` is on (``claude_code_agentic_64``, see
+    :mod:`kvroute.bench.trace_sessions`; rows that name their own session keep it); add
+    seeded uniform jitter in ``[0, jitter_s)`` to each arrival if asked (the conversation trace
     quantises arrivals to 3-s buckets, up to 28 at once); stable-sort by arrival; keep the
     first ``limit`` requests; shift so the first arrival is 0; divide every arrival by
     ``rate_scale`` (2.0 = twice the request rate). ``block_tokens`` defaults to the trace's own
@@ -551,6 +560,12 @@ def load_trace(
             raise TraceError(f"block_tokens must be >= 1 (512 for Mooncake), got {block_tokens}")
         tokens_per_id: int | None = block_tokens or trace_block_tokens(source)
         tail_base = 1 + max(max(r.hash_ids or (0,)) for r in records)
+        if (
+            sessions
+            and source in _SESSIONS_FROM_LOCAL_IDS
+            and all(r.session_id is None for r in records)
+        ):
+            records = _with_sessions(records, name)
     elif fmt == "azure":
         if block_tokens is not None:
             raise TraceError("block_tokens applies to Mooncake traces only; Azure has no hash ids")
@@ -567,6 +582,17 @@ def load_trace(
     start = records[0].arrival_s
     shifted = tuple(replace(r, arrival_s=(r.arrival_s - start) / rate_scale) for r in records)
     return Trace(name, fmt, shifted, tokens_per_id, rate_scale, tail_base)
+
+
+def _with_sessions(records: list[TraceRecord], name: str) -> list[TraceRecord]:
+    """``records`` with the sessions their ids carry (``bench.trace_sessions``)."""
+    try:
+        found = sessions_from_local_ids(
+            [(r.line, r.hash_ids or ()) for r in records], prefix=f"{name}-s"
+        )
+    except SessionRecoveryError as exc:
+        raise TraceError(f"{name}: {exc}") from exc
+    return [replace(r, session_id=s) for r, s in zip(records, found)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -417,6 +417,7 @@ def mooncake(
     token_offset: int = 0,
     jitter_s: float = 0.0,
     seed: int = 0,
+    sessions: bool = True,
 ) -> list[WorkloadRequest]:
     """A Mooncake-format trace as workload requests, tokens synthesized lazily as Dynamo does.
 
@@ -429,7 +430,10 @@ def mooncake(
     when a (Dynamo-converted) trace carries one and ``None`` otherwise. Sessions are not
     inferred from shared hash-id prefixes: that would hand session-affinity policies the very
     prefix structure that real session headers do not reveal, and every conversation-trace
-    request shares block 0 anyway. ``request_id`` is ``<trace>-<line>``.
+    request shares block 0 anyway. The bundled agentic trace is the exception: its ids are
+    numbered per session, which a coding agent's session header does reveal
+    (:mod:`kvroute.bench.trace_sessions`; ``sessions=False`` replays it unmarked).
+    ``request_id`` is ``<trace>-<line>``.
     """
     loaded = load_trace(
         trace,
@@ -438,6 +442,7 @@ def mooncake(
         block_tokens=block_tokens,
         jitter_s=jitter_s,
         seed=seed,
+        sessions=sessions,
     )
     _require(
         loaded.format == "mooncake",
