@@ -262,6 +262,8 @@ class FleetConfig:
         seed: seeds the policy's random choices.
         event_latency_s: delay between an engine step's end and its events reaching the index.
         ttft_slo_s: the TTFT objective for goodput.
+        itl_slo_s: the objective for a request's mean inter-token latency: with ``ttft_slo_s``,
+            what SLO goodput counts (``FleetResult.summary``).
         sample_interval_s: period of the per-replica load samples.
         metrics_interval_s: how often the router scrapes each engine's metrics (running,
             waiting, KV usage): at most once per interval, at the end of a step.
@@ -289,6 +291,7 @@ class FleetConfig:
     seed: int = 0
     event_latency_s: float = 0.005
     ttft_slo_s: float = 2.0
+    itl_slo_s: float = 0.030
     sample_interval_s: float = 1.0
     metrics_interval_s: float = 0.05
     hash_algo: str = "sha256"
@@ -308,8 +311,8 @@ class FleetConfig:
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ConfigError(f"num_replicas must be >= 1, got {self.num_replicas}")
-        for name in ("event_latency_s", "ttft_slo_s", "sample_interval_s", "max_virtual_s",
-                     "tokenize_rtt_s", "overflow_rtt_s"):
+        for name in ("event_latency_s", "ttft_slo_s", "itl_slo_s", "sample_interval_s",
+                     "max_virtual_s", "tokenize_rtt_s", "overflow_rtt_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ConfigError(f"FleetConfig.{name} must be >= 0, got {value!r}")
@@ -361,7 +364,13 @@ class FleetConfig:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """What happened to one request."""
+    """What happened to one request.
+
+    ``itl_sum_s`` / ``num_itl_tokens``: the request's own token gaps after its first token
+    (a step that emits ``k`` tokens counts its gap once in the sum and ``k`` times in the
+    count, as the fleet's ITL sample splits it), so ``itl_mean_s`` is the mean inter-token
+    latency this request's user saw.
+    """
 
     request_id: str
     arrival_s: float
@@ -385,10 +394,29 @@ class RequestRecord:
     first_on_larger: bool = False
     cold_ttft_s: float | None = None
     cut_short: str | None = None
+    itl_sum_s: float = 0.0
+    num_itl_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Arrival to last token; ``None`` until the request finished."""
+        return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+    @property
+    def itl_mean_s(self) -> float | None:
+        """The mean gap between this request's tokens; ``None`` with fewer than two tokens."""
+        return self.itl_sum_s / self.num_itl_tokens if self.num_itl_tokens else None
+
+    def meets_slo(self, ttft_slo_s: float, itl_slo_s: float) -> bool:
+        """Finished, first token within ``ttft_slo_s`` and mean gap within ``itl_slo_s`` (a
+        one-token answer has no gap, so only its TTFT is judged)."""
+        ttft, itl = self.ttft_s, self.itl_mean_s
+        return (self.finish_s is not None and not self.rejected and ttft is not None
+                and ttft <= ttft_slo_s and (itl is None or itl <= itl_slo_s))
 
 
 @dataclass(slots=True)
@@ -416,7 +444,15 @@ class FleetResult:
     warm_records: list[RequestRecord] = field(default_factory=list)
 
     def summary(self) -> dict[str, float | int | dict[str, int]]:
-        """The benchmark's metrics (keys as ``kvroute bench sim --json`` writes them)."""
+        """The benchmark's metrics (keys as ``kvroute bench sim --json`` writes them).
+
+        ``itl_*`` pool every token gap of every request; ``itl_request_*`` take each finished
+        request's own mean gap (``RequestRecord.itl_mean_s``) and summarise those, so a few
+        long answers cannot hide many slow ones. ``goodput_rps`` counts first tokens within
+        ``ttft_slo_s``; ``slo_goodput_*`` count finished requests within both ``ttft_slo_s``
+        and ``itl_slo_s`` (``RequestRecord.meets_slo``), per second of the run and as a
+        fraction of all requests.
+        """
         done = [r for r in self.records if r.finish_s is not None]
         ttfts = sorted(r.ttft_s for r in self.records if r.ttft_s is not None)
         e2e = sorted(r.finish_s - r.arrival_s for r in done)  # type: ignore[operator]
@@ -424,6 +460,10 @@ class FleetResult:
         start = min((r.arrival_s for r in self.records), default=0.0)
         span = max(self.end_s - start, 1e-9)
         good = sum(1 for t in ttfts if t <= self.config.ttft_slo_s)
+        request_itl = sorted(x for r in done if (x := r.itl_mean_s) is not None)
+        slo_good = sum(
+            1 for r in self.records if r.meets_slo(self.config.ttft_slo_s, self.config.itl_slo_s)
+        )
         per_replica: dict[str, int] = {name: 0 for name in self.replica_names}
         for r in self.records:
             if r.replica:
@@ -446,6 +486,8 @@ class FleetResult:
             "itl_p50_s": percentile(itl, 50, 0.0),
             "itl_p90_s": percentile(itl, 90, 0.0),
             "itl_p99_s": percentile(itl, 99, 0.0),
+            "itl_request_mean_s": mean(request_itl, 0.0),
+            "itl_request_p99_s": percentile(request_itl, 99, 0.0),
             "e2e_mean_s": mean(e2e, 0.0),
             "e2e_p99_s": percentile(e2e, 99, 0.0),
             "token_hit_rate": (
@@ -457,6 +499,8 @@ class FleetResult:
                 / max(1, sum(r.num_prompt_tokens for r in done))
             ),
             "goodput_rps": good / span,
+            "slo_goodput_rps": slo_good / span,
+            "slo_goodput_fraction": slo_good / len(self.records) if self.records else 0.0,
             "throughput_rps": len(done) / span,
             "output_tokens_per_s": sum(r.num_output_tokens for r in done) / span,
             "preemptions": self.preemptions,
@@ -874,6 +918,8 @@ class FleetSimulation:
                     gap = now - record.last_token_s
                     for _ in out.new_token_ids:
                         self._itl.append(gap / len(out.new_token_ids))
+                    record.itl_sum_s += gap
+                    record.num_itl_tokens += len(out.new_token_ids)
                 record.last_token_s = now
             record.num_output_tokens = out.num_output_tokens
             if out.finished:
