@@ -13,6 +13,7 @@ Names (selectable in config and in ``kvroute bench``): ``round_robin``, ``random
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable, Sequence
 
@@ -378,18 +379,38 @@ POLICY_FACTORIES: dict[str, Callable[..., Policy]] = {
 POLICY_NAMES: tuple[str, ...] = tuple(POLICY_FACTORIES)
 
 
+def policy_parameters(name: str) -> dict[str, str]:
+    """The parameters the policy called ``name`` takes: name -> type (``float``, ``int`` or
+    ``bool``, as its constructor annotates it), in the constructor's order.
+
+    Raises:
+        ConfigError: unknown name.
+    """
+    factory = POLICY_FACTORIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}")
+    return {
+        p.name: p.annotation if isinstance(p.annotation, str) else p.annotation.__name__
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
 def make_policy(name: str, rng: random.Random, **params: float | bool) -> Policy:
     """Build the policy called ``name`` with optional parameter overrides.
 
     Raises:
-        ConfigError: unknown name, or a parameter that policy does not take.
+        ConfigError: unknown name, a parameter that policy does not take (the message lists
+            the ones it does), or a value the policy refuses.
     """
-    factory = POLICY_FACTORIES.get(name)
-    if factory is None:
+    known = policy_parameters(name)
+    unknown = [key for key in params if key not in known]
+    if unknown:
         raise ConfigError(
-            f"unknown policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}"
+            f"policy {name!r} has no parameter {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(known) if known else 'no parameters'}"
         )
     try:
-        return factory(rng, **params)
-    except TypeError as exc:
-        raise ConfigError(f"policy {name!r} does not accept parameters {params}: {exc}") from exc
+        return POLICY_FACTORIES[name](rng, **params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"policy {name!r} refused parameters {params}: {exc}") from exc

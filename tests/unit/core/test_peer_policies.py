@@ -10,7 +10,7 @@ import pytest
 from kvroute.core.errors import ConfigError
 from kvroute.core.index import PrefixMatch
 from kvroute.core.load import ReplicaLoad
-from kvroute.core.peer_policies import POLICY_NAMES, make_policy
+from kvroute.core.peer_policies import POLICY_NAMES, make_policy, policy_parameters
 from kvroute.core.policy import Candidate, PolicyInput
 from kvroute.core.text_prefix import CharRadixTree, ChunkHashTrie, common_prefix_len
 from kvroute.core.types import ReplicaId
@@ -173,8 +173,23 @@ def test_every_policy_ranks_every_candidate() -> None:
 def test_make_policy_errors() -> None:
     with pytest.raises(ConfigError, match="unknown policy 'nope'; choose one of: kvroute"):
         make_policy("nope", random.Random(0))
-    with pytest.raises(ConfigError, match="does not accept"):
+    with pytest.raises(ConfigError, match="policy 'random' has no parameter 'bogus'; it takes "
+                       "no parameters"):
         make_policy("random", random.Random(0), bogus=1)
+    with pytest.raises(ConfigError, match="policy 'llmd' has no parameter 'work_weight'; it "
+                       "takes prefix_weight, queue_weight, kv_weight"):
+        make_policy("llmd", random.Random(0), work_weight=0.3)
+    with pytest.raises(ConfigError, match="policy 'kvroute' refused parameters"):
+        make_policy("kvroute", random.Random(0), work_weight=-1.0)
+
+
+def test_policy_parameters_name_each_constructor_option_with_its_type() -> None:
+    assert policy_parameters("dynamo")["predicted"] == "bool"
+    assert policy_parameters("prefixaware") == {"chunk_chars": "int", "min_match_chunks": "int"}
+    assert policy_parameters("round_robin") == {}
+    assert "work_weight" in policy_parameters("kvroute")
+    with pytest.raises(ConfigError, match="unknown policy 'nope'"):
+        policy_parameters("nope")
 
 
 def test_common_prefix_len() -> None:
