@@ -6,12 +6,17 @@ shared by all runs. Results are aggregated per policy over seeds (mean, with min
 the spread) and written as JSON shaped::
 
     {"policies": {NAME: {"ttft_mean_s": ..., "ttft_p50_s": ..., "ttft_p99_s": ...,
-                         "itl_p50_s": ..., "itl_p99_s": ..., "token_hit_rate": ...,
-                         "goodput_rps": ..., "preemptions": ..., "requests": ...,
+                         "itl_p50_s": ..., "itl_p99_s": ..., "itl_request_mean_s": ...,
+                         "itl_request_p99_s": ..., "e2e_mean_s": ..., "e2e_p99_s": ...,
+                         "token_hit_rate": ..., "goodput_rps": ..., "slo_goodput_rps": ...,
+                         "slo_goodput_fraction": ..., "preemptions": ..., "requests": ...,
                          "spread": {metric: [min, max]}, "by_rate": {scale: {...}}}},
      "config": {...}, "runs": [...]}
 
 ``policies`` holds the figures at the first (or only) rate scale; ``by_rate`` every scale.
+What each figure means is ``sim.fleet.FleetResult.summary``'s docstring: ``itl_*`` pool every
+token gap, ``itl_request_*`` summarise each request's own mean gap, ``slo_goodput_*`` count
+requests within both the TTFT and the ITL objective.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from kvroute.sim.workload import WorkloadRequest
 
 HEADLINE_METRICS = (
     "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_mean_s", "itl_p50_s",
-    "itl_p90_s", "itl_p99_s", "e2e_mean_s", "e2e_p99_s", "token_hit_rate",
-    "router_expected_hit_rate", "goodput_rps", "throughput_rps", "output_tokens_per_s",
+    "itl_p90_s", "itl_p99_s", "itl_request_mean_s", "itl_request_p99_s", "e2e_mean_s",
+    "e2e_p99_s", "token_hit_rate", "router_expected_hit_rate", "goodput_rps",
+    "slo_goodput_rps", "slo_goodput_fraction", "throughput_rps", "output_tokens_per_s",
     "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
 )
 
@@ -57,7 +63,8 @@ class SimBenchSpec:
         policies: policy names.
         seeds: seeds (each changes the policies' random choices and generated workloads).
         limit: the first N requests of the workload.
-        ttft_slo_s: the goodput objective.
+        ttft_slo_s: the TTFT objective (goodput, and with ``itl_slo_s`` SLO goodput).
+        itl_slo_s: the objective for each request's mean inter-token latency.
         workload_params: extra keyword arguments for a generated workload.
         jitter_s: trace replays only: seeded uniform jitter in ``[0, jitter_s)`` added to
             each arrival (the conversation trace quantises arrivals to 3-second buckets), so
@@ -74,6 +81,7 @@ class SimBenchSpec:
     seeds: tuple[int, ...] = (0,)
     limit: int | None = None
     ttft_slo_s: float = 2.0
+    itl_slo_s: float = 0.030
     workload_params: dict[str, Any] = field(default_factory=dict)
     jitter_s: float = 0.0
 
@@ -98,6 +106,9 @@ class SimBenchSpec:
                               "draw their own arrivals from --seed")
         if any(scale <= 0 for scale in self.rate_scales):
             raise ConfigError(f"rate scales must be > 0, got {self.rate_scales}")
+        for name, value in (("--ttft-slo", self.ttft_slo_s), ("--itl-slo", self.itl_slo_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value}")
         get_profile(self.profile)
 
 
@@ -141,7 +152,8 @@ def run_sim_bench(
                 if on_run_start is not None:
                     on_run_start(policy, rate, seed, len(workload))
                 config = FleetConfig(num_replicas=spec.replicas, profile=profile, policy=policy,
-                                     seed=seed, ttft_slo_s=spec.ttft_slo_s)
+                                     seed=seed, ttft_slo_s=spec.ttft_slo_s,
+                                     itl_slo_s=spec.itl_slo_s)
                 started = time.perf_counter()
                 result = FleetSimulation(config, workload, digests=digests,
                                          progress=on_progress).run()
@@ -208,25 +220,52 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
         "block_tokens": spec.block_tokens, "replicas": spec.replicas, "profile": spec.profile,
         "profile_source": profile_source, "rate_scales": list(spec.rate_scales),
         "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
-        "ttft_slo_s": spec.ttft_slo_s, "workload_params": spec.workload_params,
+        "ttft_slo_s": spec.ttft_slo_s, "itl_slo_s": spec.itl_slo_s,
+        "workload_params": spec.workload_params,
         "jitter_s": spec.jitter_s,
         "git_sha": git_sha(), "python": sys.version.split()[0], "machine": platform.machine(),
     }
 
 
-def format_table(report: dict[str, Any]) -> list[list[str]]:
-    """Rows of the printed table: one per policy at the first rate scale."""
-    rows = [["policy", "hit rate", "TTFT mean", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-             "goodput/s", "preempt", "done", "per replica"]]
+COMPACT_COLUMNS = ("policy", "hit rate", "TTFT mean", "ITL/req mean", "E2E mean", "SLO good",
+                   "done", "per replica")
+"""The columns ``format_table(compact=True)`` keeps, for narrow terminals (``kvroute demo``)."""
+
+
+def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[str]]:
+    """Rows of the printed table: one per policy at the first rate scale.
+
+    ITL columns: ``ITL`` pools every token gap, ``ITL/req`` is each request's own mean gap
+    (mean and p99 over requests); ``SLO good`` counts requests within both objectives
+    (``config.ttft_slo_s`` and ``config.itl_slo_s``, which :func:`table_title` states), per
+    second and as a share of all.
+    """
+    rows = [["policy", "hit rate", "TTFT mean", "TTFT p99", "ITL mean", "ITL p99",
+             "ITL/req mean", "ITL/req p99", "E2E mean", "E2E p99", "SLO good/s", "SLO good",
+             "preempt", "done", "per replica"]]
     for name, m in report["policies"].items():
         per = m["requests_per_replica"]
         rows.append([
             name, f"{m['token_hit_rate']:.3f}", f"{m['ttft_mean_s']:.3f}s",
-            f"{m['ttft_p50_s']:.3f}s", f"{m['ttft_p99_s']:.3f}s", f"{m['itl_p50_s'] * 1e3:.1f}ms",
-            f"{m['itl_p99_s'] * 1e3:.1f}ms", f"{m['goodput_rps']:.2f}", str(m["preemptions"]),
+            f"{m['ttft_p99_s']:.3f}s", f"{m['itl_mean_s'] * 1e3:.1f}ms",
+            f"{m['itl_p99_s'] * 1e3:.1f}ms", f"{m['itl_request_mean_s'] * 1e3:.1f}ms",
+            f"{m['itl_request_p99_s'] * 1e3:.1f}ms", f"{m['e2e_mean_s']:.2f}s",
+            f"{m['e2e_p99_s']:.2f}s", f"{m['slo_goodput_rps']:.2f}",
+            f"{m['slo_goodput_fraction']:.1%}", str(m["preemptions"]),
             f"{m['completed']:.0f}/{m['requests']}", "/".join(str(v) for v in per.values()),
         ])
+    if compact:
+        keep = [i for i, head in enumerate(rows[0]) if head in COMPACT_COLUMNS]
+        rows = [[row[i] for i in keep] for row in rows]
     return rows
+
+
+def table_title(report: dict[str, Any]) -> str:
+    """The printed table's title: the workload, the fleet, the rate and the SLO."""
+    c = report["config"]
+    name = c["trace"] if c["workload"] == "trace" else c["workload"]
+    return (f"{name}: {c['replicas']} replicas, {c['profile']}, rate x{c['rate_scales'][0]:g}, "
+            f"SLO TTFT <= {c['ttft_slo_s']:g} s and ITL/req <= {c['itl_slo_s'] * 1e3:g} ms")
 
 
 def write_plots(report: dict[str, Any], results: dict[tuple[str, float, int], FleetResult],

@@ -11,7 +11,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvroute.bench.sim_bench import SimBenchSpec, format_table, run_sim_bench, write_plots
+from kvroute.bench.sim_bench import (
+    SimBenchSpec,
+    format_table,
+    run_sim_bench,
+    table_title,
+    write_plots,
+)
 from kvroute.commands.results import exit_on_router_error, write_json_report
 from kvroute.commands.tables import rows_table, wide_console
 
@@ -33,8 +39,9 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
         raise typer.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from exc
 
 
-def print_report_table(console: Console, report: dict[str, Any], title: str) -> None:
-    console.print(rows_table(title, format_table(report), left=("policy",)))
+def print_report_table(console: Console, report: dict[str, Any], title: str, *,
+                       compact: bool = False) -> None:
+    console.print(rows_table(title, format_table(report, compact=compact), left=("policy",)))
 
 
 def _print_targets(console: Console, report: dict[str, Any]) -> None:
@@ -47,7 +54,8 @@ def _print_targets(console: Console, report: dict[str, Any]) -> None:
 @bench_app.command("sim")
 def bench_sim(
     trace: Annotated[str, typer.Option(help="Trace name (mooncake_conversation, "
-                                       "mooncake_synthetic) or a JSONL path.")] = "mooncake_conversation",
+                                       "mooncake_synthetic, claude_code_agentic_64) or a "
+                                       ".jsonl / .jsonl.xz path.")] = "mooncake_conversation",
     workload: Annotated[str, typer.Option(help="'trace', or a generated workload: "
                                           "generated_shared_prefix, unique_prompts, "
                                           "hot_prefix_bursts, sibling_fanout, growing_sessions.")] = "trace",
@@ -58,7 +66,10 @@ def bench_sim(
     policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = "kvroute,dynamo,cache_aware,least_loaded,round_robin",
     seed: Annotated[str, typer.Option(help="Seed(s), comma-separated.")] = "0",
     limit: Annotated[int | None, typer.Option(help="Only the first N requests.")] = None,
-    ttft_slo: Annotated[float, typer.Option(help="TTFT objective (s) for goodput.")] = 2.0,
+    ttft_slo: Annotated[float, typer.Option(help="TTFT objective (s) for goodput and SLO "
+                                            "goodput.")] = 2.0,
+    itl_slo: Annotated[float, typer.Option(help="Objective (s) for each request's mean "
+                                           "inter-token latency, for SLO goodput.")] = 0.030,
     param: Annotated[list[str] | None, typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write PNG plots into this directory.")] = None,
@@ -76,14 +87,16 @@ def bench_sim(
         if not sep:
             raise typer.BadParameter(f"--param takes KEY=VALUE, got {item!r}")
         params[key] = json.loads(value) if value[:1] in "0123456789-[{tf" else value
-    spec = SimBenchSpec(
-        workload=workload, trace=trace, block_tokens=block_tokens, replicas=replicas,
-        profile=profile, rate_scales=_floats(rate_scale, "--rate-scale"),
-        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
-        seeds=_ints(seed, "--seed"), limit=limit, ttft_slo_s=ttft_slo, workload_params=params,
-        jitter_s=jitter,
-    )
     console = Console(stderr=True)
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    with exit_on_router_error(console):
+        spec = SimBenchSpec(
+            workload=workload, trace=trace, block_tokens=block_tokens, replicas=replicas,
+            profile=profile, rate_scales=_floats(rate_scale, "--rate-scale"), policies=chosen,
+            seeds=_ints(seed, "--seed"), limit=limit, ttft_slo_s=ttft_slo, itl_slo_s=itl_slo,
+            workload_params=params, jitter_s=jitter,
+        )
+        spec.validate()
     if bounds:
         _print_bounds(spec, console, json_out)
         return
@@ -102,9 +115,8 @@ def bench_sim(
 
     with exit_on_router_error(console), progress:
         report, results = run_sim_bench(spec, on_run_start=on_start, on_progress=on_progress)
-    out = wide_console()
-    print_report_table(out, report, f"{workload if workload != 'trace' else trace}: "
-                       f"{replicas} replicas, {profile}, rate x{spec.rate_scales[0]:g}")
+    out = wide_console(200)
+    print_report_table(out, report, table_title(report))
     if json_out is not None:
         write_json_report(json_out, report, console)
     if plot is not None:

@@ -206,7 +206,7 @@ def _run_virtual(console: Console, out: Console, *, requests: int, replicas: int
     with progress:
         report, _ = run_sim_bench(spec, on_run_start=on_start, on_progress=on_progress)
     print_report_table(out, report, f"kvroute vs baselines, virtual time: {requests} Mooncake "
-                                    f"requests, {replicas} replicas")
+                                    f"requests, {replicas} replicas", compact=True)
     console.print("Hit rate = prompt tokens the engines served from their own prefix caches. "
                   "Times are virtual seconds of the modelled H100s. Run `kvroute bench sim "
                   "--help` for every policy and workload.")
