@@ -16,13 +16,15 @@ the spread) and written as JSON shaped::
 ``policies`` holds the figures at the first (or only) rate scale; ``by_rate`` every scale.
 What each figure means is ``sim.fleet.FleetResult.summary``'s docstring: ``itl_*`` pool every
 token gap, ``itl_request_*`` summarise each request's own mean gap, ``slo_goodput_*`` count
-requests within both the TTFT and the ITL objective.
+requests within both the TTFT and the ITL objective. ``config.policy_params`` records the
+overrides each policy ran with (``--policy-param``, ``bench.policy_params``).
 """
 
 from __future__ import annotations
 
 import math
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.bench.bounds import BoundsReport, compute_bounds
+from kvroute.bench.policy_params import PolicyParams
 from kvroute.bench.provenance import git_sha
+from kvroute.bench.traces import trace_block_tokens
 from kvroute.bench.workloads import WORKLOADS, mooncake
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
-from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.core.peer_policies import POLICY_NAMES, make_policy
 from kvroute.sim.fleet import DigestCache, FleetConfig, FleetResult, FleetSimulation
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.workload import WorkloadRequest
@@ -56,7 +60,8 @@ class SimBenchSpec:
     Attributes:
         workload: a generated workload name (``WORKLOADS``) or ``trace`` for a trace replay.
         trace: trace name or path (when ``workload == "trace"``).
-        block_tokens: tokens per trace hash id (512 for Mooncake).
+        block_tokens: tokens per trace hash id; ``None`` for the trace's own (64 for
+            ``claude_code_agentic_64``, else Mooncake's 512).
         replicas: engines in the fleet.
         profile: timing profile name.
         rate_scales: arrival-rate multipliers (one run per scale).
@@ -65,6 +70,9 @@ class SimBenchSpec:
         limit: the first N requests of the workload.
         ttft_slo_s: the TTFT objective (goodput, and with ``itl_slo_s`` SLO goodput).
         itl_slo_s: the objective for each request's mean inter-token latency.
+        policy_params: each policy's parameter overrides (``bench.policy_params``).
+        trace_sessions: trace replays: mark requests with the sessions a bundled trace's ids
+            carry (``bench.trace_sessions``; only ``claude_code_agentic_64`` has them).
         workload_params: extra keyword arguments for a generated workload.
         jitter_s: trace replays only: seeded uniform jitter in ``[0, jitter_s)`` added to
             each arrival (the conversation trace quantises arrivals to 3-second buckets), so
@@ -73,7 +81,7 @@ class SimBenchSpec:
 
     workload: str = "trace"
     trace: str = "mooncake_conversation"
-    block_tokens: int = 512
+    block_tokens: int | None = None
     replicas: int = 8
     profile: str = "llama-3.1-8b-h100"
     rate_scales: tuple[float, ...] = (1.0,)
@@ -82,6 +90,8 @@ class SimBenchSpec:
     limit: int | None = None
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.030
+    policy_params: PolicyParams = field(default_factory=dict)
+    trace_sessions: bool = True
     workload_params: dict[str, Any] = field(default_factory=dict)
     jitter_s: float = 0.0
 
@@ -109,6 +119,11 @@ class SimBenchSpec:
         for name, value in (("--ttft-slo", self.ttft_slo_s), ("--itl-slo", self.itl_slo_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value}")
+        stray = sorted(set(self.policy_params) - set(self.policies))
+        if stray:
+            raise ConfigError(f"policy parameters given for {stray}, which are not run")
+        for policy in self.policies:
+            make_policy(policy, random.Random(0), **self.policy_params.get(policy, {}))
         get_profile(self.profile)
 
 
@@ -116,7 +131,8 @@ def build_workload(spec: SimBenchSpec, *, rate_scale: float, seed: int) -> list[
     """The request stream for one (rate, seed) cell."""
     if spec.workload == "trace":
         return mooncake(spec.trace, limit=spec.limit, rate_scale=rate_scale,
-                        block_tokens=spec.block_tokens, jitter_s=spec.jitter_s, seed=seed)
+                        block_tokens=spec.block_tokens, jitter_s=spec.jitter_s, seed=seed,
+                        sessions=spec.trace_sessions)
     params = dict(spec.workload_params)
     params.setdefault("seed", seed)
     requests = WORKLOADS[spec.workload](**params)
@@ -152,6 +168,7 @@ def run_sim_bench(
                 if on_run_start is not None:
                     on_run_start(policy, rate, seed, len(workload))
                 config = FleetConfig(num_replicas=spec.replicas, profile=profile, policy=policy,
+                                     policy_params=dict(spec.policy_params.get(policy, {})),
                                      seed=seed, ttft_slo_s=spec.ttft_slo_s,
                                      itl_slo_s=spec.itl_slo_s)
                 started = time.perf_counter()
@@ -215,12 +232,16 @@ def _aggregate(runs: Sequence[dict[str, Any]], scales: Sequence[float]) -> dict[
 
 
 def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
+    trace = spec.workload == "trace"
     return {
-        "workload": spec.workload, "trace": spec.trace if spec.workload == "trace" else None,
-        "block_tokens": spec.block_tokens, "replicas": spec.replicas, "profile": spec.profile,
+        "workload": spec.workload, "trace": spec.trace if trace else None,
+        "block_tokens": (spec.block_tokens or trace_block_tokens(spec.trace)) if trace else None,
+        "trace_sessions": spec.trace_sessions if trace else None,
+        "replicas": spec.replicas, "profile": spec.profile,
         "profile_source": profile_source, "rate_scales": list(spec.rate_scales),
         "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
         "ttft_slo_s": spec.ttft_slo_s, "itl_slo_s": spec.itl_slo_s,
+        "policy_params": {p: spec.policy_params.get(p, {}) for p in spec.policies},
         "workload_params": spec.workload_params,
         "jitter_s": spec.jitter_s,
         "git_sha": git_sha(), "python": sys.version.split()[0], "machine": platform.machine(),

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvroute.bench.policy_params import parse_policy_params
 from kvroute.bench.sim_bench import (
     SimBenchSpec,
     format_table,
@@ -59,7 +60,9 @@ def bench_sim(
     workload: Annotated[str, typer.Option(help="'trace', or a generated workload: "
                                           "generated_shared_prefix, unique_prompts, "
                                           "hot_prefix_bursts, sibling_fanout, growing_sessions.")] = "trace",
-    block_tokens: Annotated[int, typer.Option(help="Tokens per trace hash id.")] = 512,
+    block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace hash id (default: "
+                                                     "the trace's own: 64 for "
+                                                     "claude_code_agentic_64, else 512).")] = None,
     replicas: Annotated[int, typer.Option(help="Engines in the simulated fleet.")] = 8,
     profile: Annotated[str, typer.Option(help="Timing profile of every engine.")] = "llama-3.1-8b-h100",
     rate_scale: Annotated[str, typer.Option(help="Arrival-rate multiplier(s), comma-separated.")] = "1",
@@ -70,6 +73,12 @@ def bench_sim(
                                             "goodput.")] = 2.0,
     itl_slo: Annotated[float, typer.Option(help="Objective (s) for each request's mean "
                                            "inter-token latency, for SLO goodput.")] = 0.030,
+    policy_param: Annotated[list[str] | None, typer.Option(
+        help="Policy parameter KEY=VALUE for every policy run, or POLICY.KEY=VALUE for one "
+             "(repeatable), e.g. kvroute.work_weight=0.3.")] = None,
+    trace_sessions: Annotated[bool, typer.Option(
+        help="Mark requests with the sessions a bundled trace's hash ids carry "
+             "(claude_code_agentic_64 only).")] = True,
     param: Annotated[list[str] | None, typer.Option(help="Workload parameter KEY=VALUE (repeatable).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write PNG plots into this directory.")] = None,
@@ -94,7 +103,8 @@ def bench_sim(
             workload=workload, trace=trace, block_tokens=block_tokens, replicas=replicas,
             profile=profile, rate_scales=_floats(rate_scale, "--rate-scale"), policies=chosen,
             seeds=_ints(seed, "--seed"), limit=limit, ttft_slo_s=ttft_slo, itl_slo_s=itl_slo,
-            workload_params=params, jitter_s=jitter,
+            policy_params=parse_policy_params(policy_param or [], chosen),
+            trace_sessions=trace_sessions, workload_params=params, jitter_s=jitter,
         )
         spec.validate()
     if bounds:
