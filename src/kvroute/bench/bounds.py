@@ -1,4 +1,5 @@
-"""What no router can beat on a workload: oracle prefix-cache hits and a zero-queue TTFT floor.
+"""What no router can beat on a workload: oracle prefix-cache hits and zero-queue TTFT and
+E2E floors.
 
 A routing policy can only choose *where* a request's prefill runs; it cannot make a prefix
 that was never computed (or was evicted everywhere) a hit, and it cannot make a prefill
@@ -39,11 +40,28 @@ StepTiming``; other requests in the step only add to it), so its TTFT is at leas
 ``llama-3.1-8b-h100`` profile (6 ms, 40 µs, 50 ns, C = 8,192), ``n = 12,000``, ``h = 2,048``:
 ``u = 9,952``, ``k = 2``, floor = 12 ms + 398.08 ms + (12,000 + 3,808)·50 ns = 410.9 ms.
 
-* ``ttft floor, unbounded hits``: each request's floor with its ``unbounded`` hits, averaged.
-  A strict lower bound on the mean TTFT of any router.
-* ``ttft floor, fleet KV``: as above, but the ``a·u`` term summed with the ``opt`` total hits
-  instead (the step counts and context terms keep the per-request ``unbounded`` values,
-  which are lower bounds too). Also strict, and tighter.
+**E2E floor.** After its first token (sampled by the last prefill step), a request of ``o``
+output tokens runs ``d = o − 1`` decode steps; at the least-loaded batch (no other request on
+its engine) step ``j`` costs ``fixed + b + c·(n + j)`` (one sequence decoding, attention
+reading its ``n + j`` computed tokens: ``engine.model.EngineModel.step``), and any other
+request in the step only adds to it. So its end-to-end latency is at least
+
+    TTFT floor + d·(fixed + b) + c·(d·n + d(d+1)/2)
+
+with ``o`` capped where the engine stops (``max_model_len − n`` tokens) and at least 1. Worked
+example, the request above with ``o = 200``: ``d = 199``, decode = 199 × 6.02 ms + 50 ns ×
+2,407,900 = 1,198.0 + 120.4 = 1,318.4 ms, E2E floor = 410.9 + 1,318.4 = 1,729.2 ms.
+
+Rows (every floor is per request, with zero queueing; means and p99s over requests, nearest
+rank as ``core.stats`` computes the simulator's figures; a percentile of per-request lower
+bounds bounds the same percentile of the real values):
+
+* ``floors: unbounded KV hits``: each request's TTFT and E2E floors with its ``unbounded``
+  hits. Strict lower bounds on the mean and p99 TTFT and E2E of any router.
+* ``floors: fleet KV hits``: the means as above, but the ``a·u`` term summed with the ``opt``
+  total hits instead (the step counts and context terms keep the per-request ``unbounded``
+  values, which are lower bounds too). Also strict, and tighter; no p99 (the ``opt`` total
+  cannot be split per request).
 
 Pure: takes workload requests and a profile, does no I/O.
 """
@@ -58,6 +76,7 @@ from dataclasses import dataclass
 
 from kvroute.bench.traces import BlockTokens
 from kvroute.core.errors import ConfigError
+from kvroute.core.stats import mean, percentile
 from kvroute.engine.model import StepTiming
 from kvroute.sim.profiles import TimingProfile
 from kvroute.sim.workload import WorkloadRequest
@@ -66,6 +85,7 @@ __all__ = [
     "BoundRow",
     "BoundsReport",
     "compute_bounds",
+    "decode_floor_s",
     "format_bounds_table",
     "lru_hits",
     "opt_hit_total",
@@ -278,6 +298,28 @@ def ttft_floor_s(num_tokens: int, hit_tokens: int, timing: StepTiming, chunk_tok
     return k * timing.fixed_s + timing.prefill_token_s * u + timing.context_token_s * context
 
 
+def decode_floor_s(num_tokens: int, output_tokens: int, timing: StepTiming,
+                   max_model_len: int | None = None) -> float:
+    """The least time from a prompt of ``num_tokens``'s first token to its last of
+    ``output_tokens`` (module docstring, "E2E floor"): ``d = o − 1`` lone decode steps,
+    ``d·(fixed + b) + c·(d·n + d(d+1)/2)``, with ``o`` capped at ``max_model_len − n`` (where
+    the engine stops) and at least 1.
+
+    Raises:
+        ConfigError: a negative count.
+    """
+    if num_tokens < 0 or output_tokens < 0:
+        raise ConfigError(
+            f"decode_floor_s needs num_tokens, output_tokens >= 0, got {num_tokens}, "
+            f"{output_tokens}"
+        )
+    if max_model_len is not None:
+        output_tokens = min(output_tokens, max_model_len - num_tokens)
+    d = max(output_tokens, 1) - 1
+    context = d * num_tokens + d * (d + 1) // 2
+    return d * (timing.fixed_s + timing.decode_seq_s) + timing.context_token_s * context
+
+
 @dataclass(frozen=True, slots=True)
 class BoundRow:
     """One line of the bounds table.
@@ -288,6 +330,8 @@ class BoundRow:
         token_hit_rate: hit tokens over prompt tokens (the sim's ``token_hit_rate``).
         ttft_mean_s: the mean TTFT floor with these hits (``None`` for hit-only rows).
         note: how it was computed, in a few words.
+        ttft_p99_s / e2e_mean_s / e2e_p99_s: the p99 TTFT floor and the E2E floor's mean and
+            p99 (``None`` where the row has none).
     """
 
     name: str
@@ -295,6 +339,9 @@ class BoundRow:
     token_hit_rate: float
     ttft_mean_s: float | None
     note: str
+    ttft_p99_s: float | None = None
+    e2e_mean_s: float | None = None
+    e2e_p99_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +361,9 @@ class BoundsReport:
             "replicas": self.replicas, "capacity_blocks": self.capacity_blocks,
             "block_size": self.block_size,
             "rows": [{"name": r.name, "kind": r.kind, "token_hit_rate": r.token_hit_rate,
-                      "ttft_mean_s": r.ttft_mean_s, "note": r.note} for r in self.rows],
+                      "ttft_mean_s": r.ttft_mean_s, "ttft_p99_s": r.ttft_p99_s,
+                      "e2e_mean_s": r.e2e_mean_s, "e2e_p99_s": r.e2e_p99_s, "note": r.note}
+                     for r in self.rows],
         }
 
 
@@ -324,7 +373,8 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
 
     Args:
         requests: the workload, in arrival order.
-        profile: block size, KV capacity, chunk budget and step timing of every engine.
+        profile: block size, KV capacity, chunk budget, window and step timing of every
+            engine.
         replicas: engines in the fleet (the pooled capacity is ``replicas × num_gpu_blocks``).
         num_gpu_blocks: per-engine KV blocks, overriding the profile's.
         with_opt: also run Belady's MIN (the slowest part: one heap operation per block).
@@ -347,14 +397,19 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
         raise ConfigError("every request has an empty prompt: there is nothing to bound")
     unb = unbounded_hits(blocks)
     floors = [ttft_floor_s(n, h, timing, chunk) for n, h in zip(blocks.num_tokens, unb)]
+    decodes = [decode_floor_s(n, r.output_tokens, timing, profile.max_model_len)
+               for n, r in zip(blocks.num_tokens, requests)]
+    e2e = [f + d for f, d in zip(floors, decodes)]
     count = len(blocks)
     unb_total = sum(unb)
     rows = [
         BoundRow("hits: unbounded KV", "bound", unb_total / n_total, None,
                  "every block any earlier request computed stays cached"),
-        BoundRow("ttft floor: unbounded KV hits", "bound", unb_total / n_total,
-                 sum(floors) / count,
-                 "own prefill only, no queueing, each request's unbounded hits"),
+        BoundRow("floors: unbounded KV hits", "bound", unb_total / n_total,
+                 mean(floors, 0.0),
+                 "own prefill, then own decode alone; no queueing; unbounded hits",
+                 ttft_p99_s=percentile(floors, 99, 0.0), e2e_mean_s=mean(e2e, 0.0),
+                 e2e_p99_s=percentile(e2e, 99, 0.0)),
     ]
     if with_opt:
         opt_total = opt_hit_total(blocks, pooled)
@@ -365,16 +420,20 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
             opt_total / n_total, None,
             "one cache of the fleet's capacity, evicting the block reused furthest ahead"))
         rows.append(BoundRow(
-            "ttft floor: fleet KV hits", "bound", opt_total / n_total,
+            "floors: fleet KV hits", "bound", opt_total / n_total,
             (sum(floors) + extra) / count,
-            "as above, with the fleet-KV hit total"))
+            "as above, with the fleet-KV hit total (means only)",
+            e2e_mean_s=(sum(e2e) + extra) / count))
     lru = lru_hits(blocks, pooled)
     lru_one = lru_hits(blocks, per_engine)
+    lru_ttft = [ttft_floor_s(n, h, timing, chunk) for n, h in zip(blocks.num_tokens, lru)]
+    lru_e2e = [f + d for f, d in zip(lru_ttft, decodes)]
     rows.append(BoundRow(
         f"hits: fleet KV, LRU ({replicas} x {per_engine:,} blocks pooled)", "estimate",
-        sum(lru) / n_total,
-        sum(ttft_floor_s(n, h, timing, chunk) for n, h in zip(blocks.num_tokens, lru)) / count,
-        "perfect affinity, no duplicates, vLLM's eviction; TTFT with no queueing"))
+        sum(lru) / n_total, mean(lru_ttft, 0.0),
+        "perfect affinity, no duplicates, vLLM's eviction; floors with no queueing",
+        ttft_p99_s=percentile(lru_ttft, 99, 0.0), e2e_mean_s=mean(lru_e2e, 0.0),
+        e2e_p99_s=percentile(lru_e2e, 99, 0.0)))
     rows.append(BoundRow(
         f"hits: one engine's KV, LRU ({per_engine:,} blocks)", "estimate",
         sum(lru_one) / n_total, None, "everything on one engine of the fleet's size"))
@@ -383,10 +442,14 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
 
 def format_bounds_table(report: BoundsReport) -> list[list[str]]:
     """Rows of the printed bounds table (header first)."""
-    rows = [["bound", "kind", "token hit rate", "TTFT mean floor", "how"]]
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3f}s"
+
+    rows = [["bound", "kind", "token hit rate", "TTFT mean floor", "TTFT p99 floor",
+             "E2E mean floor", "E2E p99 floor", "how"]]
     for r in report.rows:
         rows.append([
-            r.name, r.kind, f"{r.token_hit_rate:.3f}",
-            "—" if r.ttft_mean_s is None else f"{r.ttft_mean_s:.3f}s", r.note,
+            r.name, r.kind, f"{r.token_hit_rate:.3f}", seconds(r.ttft_mean_s),
+            seconds(r.ttft_p99_s), seconds(r.e2e_mean_s), seconds(r.e2e_p99_s), r.note,
         ])
     return rows

@@ -87,7 +87,7 @@ def bench_sim(
                                           "[0, JITTER) seconds to each arrival.")] = 0.0,
     bounds: Annotated[bool, typer.Option(help="Instead of running policies, print what no router "
                                          "can beat on this workload: oracle token hit rates and "
-                                         "the zero-queue TTFT floor.")] = False,
+                                         "the zero-queue TTFT and E2E floors.")] = False,
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
     params: dict[str, Any] = {}
@@ -142,7 +142,7 @@ def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -
 
     with exit_on_router_error(console):
         reports = run_bounds(spec)
-    out = wide_console()
+    out = wide_console(200)
     name = spec.trace if spec.workload == "trace" else spec.workload
     for run_seed, report in reports.items():
         out.print(rows_table(f"{name}: what no router can beat, {report.requests} requests, "

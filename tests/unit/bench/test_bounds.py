@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from kvroute.bench.bounds import (
     compute_bounds,
+    decode_floor_s,
     lru_hits,
     opt_hit_total,
     prompt_blocks,
@@ -21,6 +22,7 @@ from kvroute.cli import app
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.engine.model import EngineModel, EngineRequest, StepTiming
+from kvroute.sim.fleet import FleetConfig, simulate
 from kvroute.sim.profiles import get_profile
 from kvroute.sim.workload import WorkloadRequest
 
@@ -95,6 +97,42 @@ def test_ttft_floor_by_hand() -> None:
         ttft_floor_s(5, 0, timing, 0)
 
 
+def test_decode_floor_by_hand() -> None:
+    timing = StepTiming(fixed_s=1.0, prefill_token_s=0.1, decode_seq_s=5.0, context_token_s=0.01)
+    # 4 output tokens: the first comes with the prefill, then 3 lone decode steps whose
+    # attention reads 11, 12 and 13 tokens.
+    assert decode_floor_s(10, 4, timing) == pytest.approx(3 * (1.0 + 5.0) + 0.01 * 36)
+    # The engine stops at its window: 12 - 10 = 2 output tokens, one decode step.
+    assert decode_floor_s(10, 4, timing, max_model_len=12) == pytest.approx(6.0 + 0.01 * 11)
+    assert decode_floor_s(10, 1, timing) == decode_floor_s(10, 0, timing) == 0.0
+    with pytest.raises(ConfigError, match="output_tokens >= 0"):
+        decode_floor_s(10, -1, timing)
+
+
+ONE = [WorkloadRequest(0.0, "only", tuple(range(100, 1100)), 5)]
+
+
+def test_e2e_floor_of_a_one_request_workload_by_hand() -> None:
+    report = compute_bounds(ONE, H100, replicas=1)
+    rows = {r.name.split(" (")[0]: r for r in report.rows}
+    # llama-3.1-8b-h100: 6 ms, 40 us, 20 us, 50 ns. Prefill: one step of 1,000 tokens.
+    ttft = 6e-3 + 40e-6 * 1000 + 50e-9 * 1000  # 46.05 ms
+    # Then 4 decode steps reading 1,001..1,004 tokens: 4 x 6.02 ms + 50 ns x 4,010.
+    decode = 4 * (6e-3 + 20e-6) + 50e-9 * 4010  # 24.2805 ms
+    floors = rows["floors: unbounded KV hits"]
+    assert floors.ttft_mean_s == pytest.approx(ttft) and floors.ttft_p99_s == pytest.approx(ttft)
+    assert floors.e2e_mean_s == pytest.approx(ttft + decode)
+    assert floors.e2e_p99_s == pytest.approx(ttft + decode)
+    assert rows["floors: fleet KV hits"].e2e_mean_s == pytest.approx(ttft + decode)
+    assert rows["floors: fleet KV hits"].e2e_p99_s is None
+
+
+def test_a_lone_request_in_the_simulator_takes_exactly_its_e2e_floor() -> None:
+    (only,) = simulate(ONE, FleetConfig(num_replicas=1, profile=H100)).records
+    floors = {r.name: r for r in compute_bounds(ONE, H100, replicas=1).rows}
+    assert only.e2e_s == pytest.approx(floors["floors: unbounded KV hits"].e2e_mean_s)
+
+
 def test_ttft_floor_is_below_an_idle_engine_and_close_to_it() -> None:
     config = H100.engine_config()
     for n, cached in ((20_000, 0), (12_035, 4_096), (600, 0)):
@@ -121,7 +159,7 @@ def test_compute_bounds_rows_on_the_hand_trace() -> None:
     rows = {r.name.split(" (")[0]: r for r in report.rows}
     assert report.prompt_tokens == 57 and report.requests == 4
     assert rows["hits: unbounded KV"].token_hit_rate == pytest.approx(32 / 57)
-    floor = rows["ttft floor: unbounded KV hits"].ttft_mean_s
+    floor = rows["floors: unbounded KV hits"].ttft_mean_s
     t = profile.timing
     expected = sum(ttft_floor_s(n, h, t, 8) for n, h in ((16, 0), (12, 8), (13, 12), (16, 12)))
     assert floor == pytest.approx(expected / 4)
@@ -129,7 +167,7 @@ def test_compute_bounds_rows_on_the_hand_trace() -> None:
     opt = rows["hits: fleet KV, Belady"].token_hit_rate
     lru = rows["hits: fleet KV, LRU"].token_hit_rate
     assert lru <= opt <= rows["hits: unbounded KV"].token_hit_rate
-    fleet_floor = rows["ttft floor: fleet KV hits"].ttft_mean_s
+    fleet_floor = rows["floors: fleet KV hits"].ttft_mean_s
     assert fleet_floor is not None and floor is not None and fleet_floor >= floor
 
 
@@ -157,7 +195,8 @@ def test_cli_prints_the_bounds() -> None:
                                       "--rate-scale", "2.75"])
     assert result.exit_code == 0, result.output
     assert "hits: unbounded KV" in result.output
-    assert "ttft floor: fleet KV hits" in result.output
+    assert "floors: fleet KV hits" in result.output
+    assert "E2E mean floor" in result.output and "E2E p99 floor" in result.output
 
 
 def test_run_bounds_bounds_a_trace_once_unless_jittered() -> None:
