@@ -29,6 +29,23 @@ fleet, and an engine restart drops requests the router still counts. The effecti
 the larger of the router's own outstanding tokens and the engine's waiting-request count times
 the mean prompt size the router has seen there.
 
+Decoding, and what a new request would do to it: a replica's inter-token latency is one engine
+step, ``fixed + seq·(sequences decoding) + context_token·(context tokens they read)``
+(``DecodeTiming``, the engine model's step law without the prefill part). The tracker keeps,
+per replica, the decoding requests' context (prompt plus half their predicted output) and
+their predicted remaining output, which drains at the predicted inter-token latency since
+each one's first token; and it learns a per-replica factor (``itl_scale``) from every answer
+that ends with its token count: observed inter-token latency over the one the model
+predicted at its first token. The cost policy prices a new request's own decode and the
+slowdown it causes to the streams already there with these (docs/architecture.md, "The cost
+model").
+
+Learned speeds must not lock in: a replica that once looked slow would never be sent another
+request to show otherwise. A prefill rate learned *below* the configured one therefore decays
+back toward it with a half-life (``RATE_STALE_HALF_LIFE_S``) since its last sample, so an
+idle replica is tried again and re-sampled; a rate above the configured one needs no such
+care (the replica gets traffic, and samples, because it looks fast).
+
 Invariants:
     * ``outstanding_prefill_tokens`` and ``num_decoding`` never go below zero;
     * a request id is counted at most once per replica, and completing or forgetting an unknown
@@ -38,13 +55,51 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from kvroute.core.types import ReplicaId, RequestId
 
 DEFAULT_RATE_EWMA_ALPHA = 0.2
 RATE_CLAMP_FACTOR = 10.0
+RATE_STALE_HALF_LIFE_S = 30.0
+"""A prefill rate learned below the configured one is halfway back to it after this long
+without a new sample (module docstring)."""
+ITL_SCALE_BOUNDS = (0.1, 10.0)
+"""The learned inter-token factor stays within these (a sample outside is clamped)."""
+MIN_RATE_SAMPLE_S = 0.01
+"""A first token sooner than this after dispatch is mostly HTTP and a step's fixed cost, not
+prefill: it teaches no rate (one such sample would make an idle replica look many times
+faster than its peers and keep them out)."""
+MIN_ITL_SAMPLE_TOKENS = 8
+"""Answers shorter than this say little about the inter-token latency and teach nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiming:
+    """One decode step's duration, as the engine model times it without prefill:
+    ``fixed_s + seq_s · sequences + context_token_s · context tokens read``.
+
+    The defaults are the ``llama-3.1-8b-h100`` profile's (``sim/profiles.py``, derived from
+    the model's size and the GPU's bandwidth); a pool of other engines sets its own
+    (``pools.<name>.decode_timing``), and the per-replica ``itl_scale`` corrects the rest.
+    """
+
+    fixed_s: float = 6.0e-3
+    seq_s: float = 20e-6
+    context_token_s: float = 5.0e-8
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_s, self.seq_s, self.context_token_s) < 0:
+            raise ValueError(f"decode timing constants must be >= 0, got {self}")
+
+    def step_s(self, num_sequences: float, context_tokens: float) -> float:
+        """One step's duration with ``num_sequences`` decoding over ``context_tokens``."""
+        return self.fixed_s + self.seq_s * num_sequences + self.context_token_s * context_tokens
+
+
+DEFAULT_DECODE_TIMING: Final = DecodeTiming()
 
 
 class ReplicaLoad(NamedTuple):
@@ -67,6 +122,14 @@ class ReplicaLoad(NamedTuple):
         active_kv_tokens: prompt + expected output tokens of the requests in flight (the KV
             footprint Dynamo's decode term counts, in tokens).
         last_chosen_s: clock time this replica was last chosen (for least-recently-chosen ties).
+        decoding_context_tokens: context the decoding requests read each step (their prompts
+            plus half their predicted outputs).
+        decode_tokens_left: output tokens the decoding requests are predicted still to make.
+        waiting_context_tokens / waiting_output_tokens: the same for the requests still
+            waiting for their first token (they will decode beside a request sent now).
+        rate_age_s: seconds since ``prefill_rate_tps`` last learned from a sample (infinite
+            when it never did: the rate is the configured one).
+        itl_scale: learned factor on the decode step model for this replica (1: as modelled).
     """
 
     outstanding_prefill_tokens: int = 0
@@ -78,6 +141,12 @@ class ReplicaLoad(NamedTuple):
     kv_usage: float | None = None
     active_kv_tokens: int = 0
     last_chosen_s: float = float("-inf")
+    decoding_context_tokens: int = 0
+    decode_tokens_left: float = 0.0
+    itl_scale: float = 1.0
+    waiting_context_tokens: int = 0
+    waiting_output_tokens: int = 0
+    rate_age_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -86,13 +155,19 @@ class _InFlight:
     queue_ahead_tokens: int
     kv_tokens: int
     dispatched_s: float
+    context_tokens: int = 0
+    predicted_output_tokens: int = 0
     decoding: bool = False
+    first_token_s: float = 0.0
+    predicted_step_s: float = 0.0
+    prefill_mark: int = 0
 
 
 @dataclass(slots=True)
 class _ReplicaRecord:
     base_rate_tps: float
     rate_tps: float
+    timing: DecodeTiming = DEFAULT_DECODE_TIMING
     in_flight: dict[RequestId, _InFlight] = field(default_factory=dict)
     outstanding_prefill_tokens: int = 0
     num_decoding: int = 0
@@ -105,6 +180,38 @@ class _ReplicaRecord:
     last_chosen_s: float = float("-inf")
     backlog_tokens: float = 0.0
     backlog_at_s: float = 0.0
+    rate_sampled_s: float = float("-inf")
+    decoding_context_tokens: int = 0
+    decode_output_sum: int = 0
+    decode_first_token_sum: float = 0.0
+    itl_scale: float = 1.0
+    prefill_dispatched_total: int = 0
+    waiting_context_tokens: int = 0
+    waiting_output_tokens: int = 0
+
+    def effective_rate(self, now_s: float | None) -> float:
+        """The learned prefill rate; one below the configured rate decays back toward it
+        since its last sample (module docstring)."""
+        rate = self.rate_tps
+        if now_s is None or rate >= self.base_rate_tps:
+            return rate
+        age = now_s - self.rate_sampled_s
+        if age <= 0.0:
+            return rate
+        return self.base_rate_tps - (self.base_rate_tps - rate) * math.exp2(
+            -age / RATE_STALE_HALF_LIFE_S)
+
+    def step_s(self) -> float:
+        """The replica's decode step now, as modelled and learned."""
+        return self.timing.step_s(self.num_decoding, self.decoding_context_tokens) * self.itl_scale
+
+    def decode_left(self, now_s: float) -> float:
+        """Output tokens its decoding requests are predicted still to make at ``now_s``."""
+        if not self.num_decoding:
+            return 0.0
+        step = self.step_s()
+        made = (self.num_decoding * now_s - self.decode_first_token_sum) / step if step > 0 else 0.0
+        return max(0.0, self.decode_output_sum - made)
 
     def drained_backlog(self, now_s: float) -> float:
         """The backlog left at ``now_s`` if the replica kept prefilling at its learned rate."""
@@ -129,10 +236,12 @@ class LoadTracker:
 
     # -- membership -------------------------------------------------------------------------
 
-    def add_replica(self, replica: ReplicaId, *, prefill_rate_tps: float) -> None:
-        """Start tracking ``replica`` with a configured (profile) prefill rate.
+    def add_replica(self, replica: ReplicaId, *, prefill_rate_tps: float,
+                    decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING) -> None:
+        """Start tracking ``replica`` with a configured (profile) prefill rate and decode
+        step model.
 
-        Re-adding a known replica keeps its learned state and only updates the base rate.
+        Re-adding a known replica keeps its learned state and only updates the base values.
         """
         if prefill_rate_tps <= 0:
             raise ValueError(
@@ -140,9 +249,11 @@ class LoadTracker:
             )
         record = self._replicas.get(replica)
         if record is None:
-            self._replicas[replica] = _ReplicaRecord(prefill_rate_tps, prefill_rate_tps)
+            self._replicas[replica] = _ReplicaRecord(prefill_rate_tps, prefill_rate_tps,
+                                                     decode_timing)
         else:
             record.base_rate_tps = prefill_rate_tps
+            record.timing = decode_timing
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget ``replica`` and everything in flight there."""
@@ -158,6 +269,11 @@ class LoadTracker:
         record.backlog_tokens = 0.0
         record.num_decoding = 0
         record.active_kv_tokens = 0
+        record.decoding_context_tokens = 0
+        record.decode_output_sum = 0
+        record.decode_first_token_sum = 0.0
+        record.waiting_context_tokens = 0
+        record.waiting_output_tokens = 0
 
     def replicas(self) -> list[ReplicaId]:
         return list(self._replicas)
@@ -173,8 +289,14 @@ class LoadTracker:
         prompt_tokens: int,
         expected_output_tokens: int,
         now_s: float,
+        predicted_output_tokens: int | None = None,
     ) -> None:
-        """Count a request sent to ``replica`` that must still compute ``prefill_tokens``."""
+        """Count a request sent to ``replica`` that must still compute ``prefill_tokens``.
+
+        ``expected_output_tokens`` (the budget) counts in its KV footprint;
+        ``predicted_output_tokens`` (what it will likely produce; the budget when None)
+        in the decode it adds once its first token comes.
+        """
         record = self._record(replica)
         if request_id in record.in_flight:
             return
@@ -189,9 +311,16 @@ class LoadTracker:
             queue_ahead_tokens=int(ahead),
             kv_tokens=kv_tokens,
             dispatched_s=now_s,
+            context_tokens=max(0, prompt_tokens),
+            predicted_output_tokens=max(0, expected_output_tokens if predicted_output_tokens
+                                        is None else predicted_output_tokens),
         )
         backlog = ahead + prefill_tokens
+        flight = record.in_flight[request_id]
+        record.waiting_context_tokens += flight.context_tokens + flight.predicted_output_tokens // 2
+        record.waiting_output_tokens += flight.predicted_output_tokens
         record.outstanding_prefill_tokens += prefill_tokens
+        record.prefill_dispatched_total += prefill_tokens
         record.set_backlog(backlog, now_s)
         record.active_kv_tokens += kv_tokens
         record.num_prompts_seen += 1
@@ -207,24 +336,41 @@ class LoadTracker:
         if record is None or flight is None or flight.decoding:
             return
         flight.decoding = True
+        flight.first_token_s = now_s
+        flight.prefill_mark = record.prefill_dispatched_total
+        context = flight.context_tokens + flight.predicted_output_tokens // 2
+        record.waiting_context_tokens = max(0, record.waiting_context_tokens - context)
+        record.waiting_output_tokens = max(0, record.waiting_output_tokens
+                                           - flight.predicted_output_tokens)
+        record.decoding_context_tokens += context
+        record.decode_output_sum += flight.predicted_output_tokens
+        record.decode_first_token_sum += now_s
         backlog = record.drained_backlog(now_s)
         record.outstanding_prefill_tokens = max(
             0, record.outstanding_prefill_tokens - flight.prefill_tokens
         )
         record.set_backlog(backlog, now_s)
         record.num_decoding += 1
+        flight.predicted_step_s = record.timing.step_s(record.num_decoding,
+                                                       record.decoding_context_tokens)
         ttft_s = now_s - flight.dispatched_s
         work_tokens = flight.queue_ahead_tokens + flight.prefill_tokens
         # Tiny prefills are dominated by fixed step costs and say little about the rate.
-        if ttft_s > 0 and work_tokens >= 256:
+        if ttft_s >= MIN_RATE_SAMPLE_S and work_tokens >= 256:
             sample = work_tokens / ttft_s
             low = record.base_rate_tps / RATE_CLAMP_FACTOR
             high = record.base_rate_tps * RATE_CLAMP_FACTOR
             sample = min(max(sample, low), high)
             record.rate_tps += self._alpha * (sample - record.rate_tps)
+            record.rate_sampled_s = now_s
 
-    def on_complete(self, replica: ReplicaId, request_id: RequestId) -> None:
-        """The request ended (finished, failed or cancelled): release all it counted."""
+    def on_complete(self, replica: ReplicaId, request_id: RequestId, *,
+                    now_s: float | None = None, output_tokens: int | None = None) -> None:
+        """The request ended (finished, failed or cancelled): release all it counted.
+
+        With ``now_s`` and the answer's ``output_tokens``, a decoded answer also teaches the
+        replica's inter-token factor (module docstring).
+        """
         record = self._replicas.get(replica)
         flight = record.in_flight.pop(request_id, None) if record else None
         if record is None or flight is None:
@@ -232,7 +378,29 @@ class LoadTracker:
             return
         if flight.decoding:
             record.num_decoding = max(0, record.num_decoding - 1)
+            record.decoding_context_tokens = max(0, record.decoding_context_tokens - (
+                flight.context_tokens + flight.predicted_output_tokens // 2))
+            record.decode_output_sum = max(0, record.decode_output_sum
+                                           - flight.predicted_output_tokens)
+            record.decode_first_token_sum -= flight.first_token_s
+            if not record.num_decoding:
+                record.decode_first_token_sum = 0.0  # no float residue once empty
+            if (now_s is not None and output_tokens is not None
+                    and output_tokens >= MIN_ITL_SAMPLE_TOKENS and flight.predicted_step_s > 0):
+                # The prefill sent there while this answer decoded ran in the same steps: its
+                # time is the other requests' doing, not the decode model's error.
+                interference_s = ((record.prefill_dispatched_total - flight.prefill_mark)
+                                  / max(record.rate_tps, 1e-9))
+                observed = max(0.0, now_s - flight.first_token_s - interference_s) / (
+                    output_tokens - 1)
+                low, high = ITL_SCALE_BOUNDS
+                sample = min(max(observed / flight.predicted_step_s, low), high)
+                record.itl_scale += self._alpha * (sample - record.itl_scale)
         else:
+            record.waiting_context_tokens = max(0, record.waiting_context_tokens - (
+                flight.context_tokens + flight.predicted_output_tokens // 2))
+            record.waiting_output_tokens = max(0, record.waiting_output_tokens
+                                               - flight.predicted_output_tokens)
             record.outstanding_prefill_tokens = max(
                 0, record.outstanding_prefill_tokens - flight.prefill_tokens
             )
@@ -267,6 +435,9 @@ class LoadTracker:
         record = self._replicas.get(replica)
         if record is None:
             record = self._record(replica)  # raises the KeyError that names the replica
+        rate = record.effective_rate(now_s)
+        left = record.decode_left(now_s) if now_s is not None else float(
+            record.decode_output_sum)
         outstanding = record.outstanding_prefill_tokens
         if now_s is not None and outstanding:  # nothing outstanding drains to 0 anyway
             outstanding = int(record.drained_backlog(now_s))
@@ -275,9 +446,11 @@ class LoadTracker:
             # our own accounting; the engine's waiting count times a typical prompt is a floor.
             outstanding = max(outstanding, int(record.engine_waiting * record.mean_prompt_tokens))
         return ReplicaLoad(  # positional (field order): the fastest way to build one
-            outstanding, len(record.in_flight), record.num_decoding, record.rate_tps,
+            outstanding, len(record.in_flight), record.num_decoding, rate,
             record.engine_running, record.engine_waiting, record.kv_usage,
-            record.active_kv_tokens, record.last_chosen_s,
+            record.active_kv_tokens, record.last_chosen_s, record.decoding_context_tokens,
+            left, record.itl_scale, record.waiting_context_tokens, record.waiting_output_tokens,
+            float("inf") if now_s is None else now_s - record.rate_sampled_s,
         )
 
     def _record(self, replica: ReplicaId) -> _ReplicaRecord:
