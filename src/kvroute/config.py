@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 
 from kvroute.core.errors import ConfigError
+from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES
 from kvroute.core.types import PoolName, ReplicaId, TenantName
 
@@ -172,6 +173,10 @@ class PoolConfig:
         block_size / hash_algo / hash_seed: overrides of what discovery reads from the
             engines; leave unset unless the engines cannot report them.
         external: set when the pool is an external OpenAI-compatible provider.
+        decode_timing: the engines' decode step (``core/load.DecodeTiming``: ``fixed_s``,
+            ``seq_s``, ``context_token_s``); the cost policy prices decodes with it. The
+            default is Llama-3.1-8B on an H100; ``kvroute sim calibrate`` fits it to an
+            engine, and the router corrects it per replica from the answers it relays.
     """
 
     name: PoolName
@@ -182,6 +187,7 @@ class PoolConfig:
     hash_algo: str | None = None
     hash_seed: str | None = None
     external: ExternalConfig | None = None
+    decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,7 +607,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
                         "its endpoints from url.")
         return _external(_name("pools", name), d["external"])
     _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
-                         "external"))
+                         "external", "decode_timing"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
     if not isinstance(reps, list) or not reps:
@@ -621,6 +627,21 @@ def _pool(name: str, data: Any) -> PoolConfig:
         block_size=block_size,
         hash_algo=_opt_str(f"{key}.hash_algo", d.get("hash_algo"), example="sha256"),
         hash_seed=_opt_str(f"{key}.hash_seed", d.get("hash_seed"), example='"0"'),
+        decode_timing=_decode_timing(f"{key}.decode_timing", d.get("decode_timing")),
+    )
+
+
+def _decode_timing(key: str, data: Any) -> DecodeTiming:
+    if data is None:
+        return DEFAULT_DECODE_TIMING
+    d = _mapping(key, data, "{fixed_s: 0.006, seq_s: 0.00002, context_token_s: 0.00000005}")
+    _check_keys(key, d, ("fixed_s", "seq_s", "context_token_s"))
+    base = DEFAULT_DECODE_TIMING
+    return DecodeTiming(
+        fixed_s=_num(f"{key}.fixed_s", d.get("fixed_s", base.fixed_s), strict=False),
+        seq_s=_num(f"{key}.seq_s", d.get("seq_s", base.seq_s), strict=False),
+        context_token_s=_num(f"{key}.context_token_s",
+                             d.get("context_token_s", base.context_token_s), strict=False),
     )
 
 

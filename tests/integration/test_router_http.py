@@ -136,6 +136,28 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(shared_fleet: Fleet, 
     run(with_router(config_for(shared_fleet), body))
 
 
+def test_unique_prompts_sent_one_after_another_use_every_idle_replica(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    """Nothing in flight, nothing cached: every idle replica is as good as any other. A rate
+    learned once on one replica must not keep the others out (they are scored at the
+    fastest rate until they have a sample of their own), so the prompts use both. The engines
+    take no time, so the first replica's first sample says it is ten times faster than
+    configured: without that rule, it would take every prompt."""
+    fleet = make_fleet(2, timing="0,0,0,0")
+    rng = random.Random(20)
+
+    async def body(rt: RouterRuntime, c: Client) -> None:
+        served = []
+        for _ in range(12):
+            status, h, _ = await c.post(chat(words(rng, 400)))
+            assert status == 200
+            served.append(h["x-kvroute-replica"])
+        counts = {r.name: served.count(r.name) for r in fleet.replicas}
+        assert min(counts.values()) >= 4, served  # a fair share each, not one straggler
+
+    run(with_router(config_for(fleet), body), timeout_s=30.0)
+
+
 def test_a_burst_of_siblings_colocates(shared_fleet: Fleet, config_for: ConfigFor) -> None:
     rng = random.Random(2)
 

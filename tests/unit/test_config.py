@@ -240,3 +240,18 @@ def test_kv_events_bind_for_engines_that_connect() -> None:
         {"name": "r0", "url": "http://127.0.0.1:8101", "kv_events_bind": "yes"}]}}}
     with pytest.raises(ConfigError, match="kv_events_bind"):
         parse_config(bad, env={})
+
+
+def test_a_pool_names_its_engines_decode_step_or_gets_the_8b_h100_one() -> None:
+    from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
+
+    pool = {"model": "m", "replicas": [{"name": "r0", "url": "http://127.0.0.1:9"}]}
+    plain = parse_config({"pools": {"p": pool}, "routes": {"m": {"pools": ["p"]}}}, env={})
+    assert plain.pools["p"].decode_timing == DEFAULT_DECODE_TIMING
+    timed = parse_config({"pools": {"p": {**pool, "decode_timing": {"fixed_s": 0.02,
+                                                                     "context_token_s": 0}}},
+                          "routes": {"m": {"pools": ["p"]}}}, env={})
+    assert timed.pools["p"].decode_timing == DecodeTiming(0.02, DEFAULT_DECODE_TIMING.seq_s, 0.0)
+    with pytest.raises(ConfigError, match="decode_timing.seq_s"):
+        parse_config({"pools": {"p": {**pool, "decode_timing": {"seq_s": "fast"}}},
+                      "routes": {"m": {"pools": ["p"]}}}, env={})

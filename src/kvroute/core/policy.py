@@ -5,8 +5,9 @@ Every policy answers one question: given a request and the candidate replicas of
 which order should the others be tried if it fails? Policies are pure: they take a seeded
 ``random.Random`` and read time only from the request (``now_s``).
 
-kvroute's policy (``KvrouteCostPolicy``) scores each replica by the time to first token it
-would give this request, plus a small charge for the prefill work it would cause:
+kvroute's policy (``KvrouteCostPolicy``) scores each replica by the whole turn this request
+would take there (its first token, then its decode at the batch it would join), plus what it
+would cost the streams already decoding there, plus a small charge for the prefill work:
 
     credit_r    = gpu_r·1.0 + cpu_r·0.75 + storage_r·0.25 + predicted_r·1.0      (blocks)
     cached_r    = min(credit_r·B, ⌊(n−1)/B⌋·B)        a hit never covers the last token
@@ -14,15 +15,44 @@ would give this request, plus a small charge for the prefill work it would cause
     queue_r     = outstanding prefill tokens already sent to r
                   + step_tokens · (requests waiting for their first token on r)
     ttft_r      = (queue_r + prefill_r) / rate_r · (1 + decode_slowdown · decoding_r)
+    step(b, k)  = (fixed + seq·b + context_token·k) · itl_scale_r       one decode step on r
+    decode_r    = m · step(in_flight_r + 1, context_r + n + m/2)          its own decode
+    harm_r      = left_r · [step(in_flight_r + 1, …) − step(in_flight_r, context_r)]
+                  + decoding_r · prefill_r / rate_r                   the others' lost time
     cost_r      = ttft_r + work_weight · prefill_r / rate_r + inflight_cost_s · in_flight_r
-                  + waiting_cost_s · waiting_r          waiting_r: in flight, no first token yet
+                  + waiting_cost_s · waiting_r + decode_weight · decode_r + harm_weight · harm_r
 
-Worked example (B = 16, n = 1,000, every rate 10,000 tok/s, decode_slowdown 0, work_weight 0.5):
+``m`` is the output the request will likely produce (``PolicyInput.predicted_output_tokens``:
+the session's last answer, else the route's mean, at most ``max_tokens``); ``context_r`` and
+``left_r`` are the context and the predicted remaining output of every request in flight on
+r (those still prefilling will decode beside it too); ``fixed``, ``seq`` and
+``context_token`` are the pool's ``DecodeTiming`` and ``itl_scale_r`` the replica's learned
+factor on it (``core/load.py``).
+
+Worked example of the first-token part (B = 16, n = 1,000, every rate 10,000 tok/s,
+decode_slowdown 0, work_weight 0.5, no decoding anywhere, so the turn terms are equal):
 
     replica  cached  queue   prefill  ttft     cost
     A        992     9,000   8        0.9008   0.9012      holds the prefix, but deep queue
     B        0       0       1,000    0.1000   0.1500      cold and idle  ← chosen
     C        496     2,000   504      0.2504   0.2756      half cached, some queue
+
+And of the turn terms (the 8B/H100 step: 6 ms + 20 µs a sequence + 50 ns a context token;
+m = 256): a request that A holds entirely but where 5 streams decode over 400k tokens of
+context would take 26 ms a token there against 6 ms on idle B, 5.1 s more for its answer
+than the 8 ms of prefill A saves; and 25,000 uncached tokens sent to a replica with 30
+decoding streams stall each of them about a second (25,000 / 25,000 tokens/s), 30 s of other
+users' time, which is why a cold prefill goes where few streams decode.
+
+Why the whole turn and not the first token: a TTFT-only score wins the first token and loses
+the answer. On long-context, decode-heavy traffic (coding agents) it piles sessions onto the
+replicas that hold their prefixes, whose batches then read so much KV per step that every
+token of every stream there slows down, while other replicas idle. The decode term makes a
+cache hit pay for the batch it joins; the harm term makes every other user's time count like
+this request's own, at ``harm_weight`` (0.5 by default: 1 would minimise the sum of everyone's
+latency, but its tails were longer on both the Mooncake and the agentic traces, where it
+held long prefills back from replicas with many streams; docs/benchmarks.md, "The whole
+turn").
 
 Why a cost and not a rule: thresholds ("stick to the cached replica unless the gap exceeds 64
 requests and 1.5×") are what send 48 concurrent requests 48/0/0/0 in SGLang's router and
@@ -66,8 +96,13 @@ for everyone else. At 0.5 a request accepts waiting behind up to half the prefil
 a burst of about ten siblings of one prompt stays together, while distinct suffixes behind a
 shared system prompt spread as soon as their own queue builds up.
 
-Ties are broken by least-recently-chosen, then randomly; never by list order (list order is
-how peers send every cold request at low load to the first worker).
+Ties are broken by the session's pin, then least-recently-chosen, then randomly; never by list
+order (list order is how peers send every cold request at low load to the first worker).
+A replica whose prefill rate was not sampled for ``stale_rate_s`` (30 s, or never) is scored
+at the fastest candidate's rate: an estimate that has gone stale is re-sampled instead of
+keeping the replica out, so idle replicas share unique prompts sent one after another rather
+than all going to the one whose learned rate once came out a little higher.
+``tie_within_s`` (0 by default) can widen ties to costs within that much of the best.
 
 The peers' policies live in ``core/peer_policies.py`` and implement the same ``Policy`` seam.
 """
@@ -80,7 +115,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from kvroute.core.index import PrefixMatch
-from kvroute.core.load import ReplicaLoad
+from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, ReplicaLoad
 from kvroute.core.types import ReplicaId, WireHash
 
 GPU_CREDIT = 1.0
@@ -104,6 +139,9 @@ class PolicyInput:
         block_hashes: the prompt's full-block hashes in the engines' wire form (may be empty
             in approximate mode).
         expected_output_tokens: the output budget the request asked for (or a default).
+        predicted_output_tokens: the output it will likely produce (learned per route and
+            session, at most the budget); None: take the budget.
+        decode_timing: the pool's decode step model (``core/load.DecodeTiming``).
         now_s: the router clock at decision time.
         session_id: the session the request belongs to, if any.
         routing_text: the prompt as text, for text-matching peer policies (``needs_text``).
@@ -116,6 +154,8 @@ class PolicyInput:
     block_size: int
     block_hashes: Sequence[WireHash] = ()
     expected_output_tokens: int = 256
+    predicted_output_tokens: int | None = None
+    decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
     now_s: float = 0.0
     session_id: str | None = None
     routing_text: str = ""
@@ -196,13 +236,24 @@ def rank_by_cost(
     *,
     lower_is_better: bool = True,
     preferred: ReplicaId | None = None,
+    tie_within: float = 0.0,
 ) -> tuple[ReplicaId, ...]:
     """Order replicas by cost; ties go to ``preferred`` (a session pin), then to the least
     recently chosen, then at random.
 
     The random key is drawn for every candidate so that the order never depends on the
-    candidates' list order.
+    candidates' list order. ``tie_within`` (in the cost's unit, lower-is-better only): every
+    replica within that much of the best one ties with it, so that differences below what
+    the model can tell apart spread requests instead of sending them all to the replica a
+    noisy estimate favours.
     """
+    if tie_within > 0 and lower_is_better and len(candidates) > 1:
+        best = min(costs.values())
+        near = [c for c in candidates if costs[c.replica] <= best + tie_within]
+        if len(near) > 1:
+            lead = rank_by_cost({c.replica: 0.0 for c in near}, near, rng, preferred=preferred)
+            rest = [c for c in candidates if costs[c.replica] > best + tie_within]
+            return lead + rank_by_cost(costs, rest, rng, preferred=preferred) if rest else lead
     sign = 1.0 if lower_is_better else -1.0
     # Plain tuples sort natively (no key function); the replica name at the end is never
     # reached, the random draw before it being unique.
@@ -222,7 +273,9 @@ def rank_by_cost(
 
 
 class KvrouteCostPolicy:
-    """kvroute's policy: predicted time to first token plus a small work charge.
+    """kvroute's policy: the whole turn this request would take on a replica (its first
+    token, then its decode at the batch it would join), plus the time it would cost the
+    streams already decoding there, plus a small work charge.
 
     See the module docstring for the formula and a worked example.
     """
@@ -241,14 +294,20 @@ class KvrouteCostPolicy:
         step_tokens: float = 0.0,
         inflight_cost_s: float = 0.001,
         waiting_cost_s: float = 0.0,
+        decode_weight: float = 1.0,
+        harm_weight: float = 0.5,
+        tie_within_s: float = 0.0,
+        stale_rate_s: float = 30.0,
     ) -> None:
         if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s,
-               waiting_cost_s) < 0:
+               waiting_cost_s, decode_weight, harm_weight, tie_within_s, stale_rate_s) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
                 f"predicted_credit={predicted_credit}, step_tokens={step_tokens}, "
-                f"inflight_cost_s={inflight_cost_s}, waiting_cost_s={waiting_cost_s})"
+                f"inflight_cost_s={inflight_cost_s}, waiting_cost_s={waiting_cost_s}, "
+                f"decode_weight={decode_weight}, harm_weight={harm_weight}, "
+                f"tie_within_s={tie_within_s}, stale_rate_s={stale_rate_s})"
             )
         self._rng = rng
         self.work_weight = work_weight
@@ -257,6 +316,29 @@ class KvrouteCostPolicy:
         self.step_tokens = step_tokens
         self.inflight_cost_s = inflight_cost_s
         self.waiting_cost_s = waiting_cost_s
+        self.decode_weight = decode_weight
+        self.harm_weight = harm_weight
+        self.tie_within_s = tie_within_s
+        self.stale_rate_s = stale_rate_s
+
+    def turn_terms_s(self, request: PolicyInput, cand: Candidate,
+                     prefill_tokens: float) -> tuple[float, float]:
+        """``(decode_s, harm_s)``: the request's own decode on this replica, and what it
+        costs the streams already decoding there (module docstring)."""
+        timing, load = request.decode_timing, cand.load
+        m = (request.expected_output_tokens if request.predicted_output_tokens is None
+             else request.predicted_output_tokens)
+        n = request.num_prompt_tokens
+        scale = load.itl_scale
+        decoding = load.num_decoding
+        batch = load.num_in_flight  # those ahead decode beside it once it decodes
+        context = load.decoding_context_tokens + load.waiting_context_tokens
+        step_now = timing.step_s(batch, context) * scale
+        step_with = timing.step_s(batch + 1, context + n + m // 2) * scale
+        rate = max(load.prefill_rate_tps, 1e-9)
+        others_left = load.decode_tokens_left + load.waiting_output_tokens
+        harm = others_left * (step_with - step_now) + decoding * prefill_tokens / rate
+        return m * step_with, harm
 
     def predicted_ttft_s(self, request: PolicyInput, cand: Candidate) -> tuple[float, float]:
         """Return ``(ttft_s, prefill_tokens)`` this replica would give the request."""
@@ -289,6 +371,18 @@ class KvrouteCostPolicy:
         decode_slowdown, step_tokens = self.decode_slowdown, self.step_tokens
         work_weight, inflight_cost_s = self.work_weight, self.inflight_cost_s
         waiting_cost_s = self.waiting_cost_s
+        decode_weight, harm_weight = self.decode_weight, self.harm_weight
+        turn = decode_weight > 0 or harm_weight > 0
+        timing = request.decode_timing
+        t_fixed, t_seq, t_ctx = timing.fixed_s, timing.seq_s, timing.context_token_s
+        m = (request.expected_output_tokens if request.predicted_output_tokens is None
+             else request.predicted_output_tokens)
+        added_context = n + m // 2
+        # A replica whose rate has not been sampled for stale_rate_s is scored as fast as the
+        # fastest candidate, so it gets a request, and a fresh sample (learned speeds must
+        # not lock a replica out).
+        stale_rate_s = self.stale_rate_s
+        best_rate = max(cand.load.prefill_rate_tps for cand in candidates)
         costs: dict[ReplicaId, float] = {}
         cached_tokens: dict[ReplicaId, int] = {}
         for cand in candidates:
@@ -305,16 +399,29 @@ class KvrouteCostPolicy:
                 cached = min(credit * block_size, cap)
             prefill = max(float(n) - cached, 1.0)
             load = cand.load
-            rate = max(load.prefill_rate_tps, 1e-9)
+            rate = max(load.prefill_rate_tps if load.rate_age_s < stale_rate_s else best_rate,
+                       1e-9)
             in_flight = load.num_in_flight
             waiting = max(0, in_flight - load.num_decoding)
             slowdown = 1.0 + decode_slowdown * load.num_decoding
             ttft = (load.outstanding_prefill_tokens + step_tokens * waiting + prefill) / rate \
                 * slowdown
-            costs[cand.replica] = (ttft + work_weight * prefill / rate
-                                   + inflight_cost_s * in_flight + waiting_cost_s * waiting)
+            cost = (ttft + work_weight * prefill / rate
+                    + inflight_cost_s * in_flight + waiting_cost_s * waiting)
+            if turn:  # turn_terms_s written out inline (same operations, same order)
+                scale = load.itl_scale
+                context = load.decoding_context_tokens + load.waiting_context_tokens
+                step_now = (t_fixed + t_seq * in_flight + t_ctx * context) * scale
+                step_with = (t_fixed + t_seq * (in_flight + 1)
+                             + t_ctx * (context + added_context)) * scale
+                harm = ((load.decode_tokens_left + load.waiting_output_tokens)
+                        * (step_with - step_now) + load.num_decoding * prefill / rate)
+                cost += decode_weight * (m * step_with)
+                cost += harm_weight * harm
+            costs[cand.replica] = cost
             cached_tokens[cand.replica] = int(max(0.0, n - prefill))
-        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica)
+        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica,
+                               tie_within=self.tie_within_s)
         return Selection(
             ranking=ranking, expected_cached_tokens=cached_tokens, scores=costs, reason="cost"
         )

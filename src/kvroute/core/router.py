@@ -38,7 +38,7 @@ from kvroute.core.events import EventBatch
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch
-from kvroute.core.load import LoadTracker
+from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
 
@@ -66,6 +66,7 @@ class PoolSpec:
         hash_seed: the engines' ``PYTHONHASHSEED`` if they run with one.
         approximate: no exact tokenization is available for this pool; route on text
             chunks and predicted entries (declared, visible, never silent).
+        decode_timing: the engines' decode step model (``core/load.DecodeTiming``).
     """
 
     name: PoolName
@@ -74,6 +75,7 @@ class PoolSpec:
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     approximate: bool = False
+    decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,8 @@ class RouteRequest:
         lora: the LoRA adapter, if the request targets one.
         session_id: the session id, if any.
         expected_output_tokens: the output budget (for load accounting).
+        predicted_output_tokens: the output the request will likely produce (learned per
+            route and session, at most the budget); None: the budget.
         exclude: replicas not to use (already failed for this request).
         preferred_replica: the replica the session is pinned to, if any (wins ties).
     """
@@ -109,6 +113,7 @@ class RouteRequest:
     lora: LoraKey | None = None
     session_id: str | None = None
     expected_output_tokens: int = 256
+    predicted_output_tokens: int | None = None
     exclude: frozenset[ReplicaId] = frozenset()
     preferred_replica: ReplicaId | None = None
 
@@ -193,7 +198,8 @@ class RouterCore:
                         f"{spec.name!r}; replica names must be unique across pools"
                     )
                 self._pool_of[rep.name] = spec.name
-                self.load.add_replica(rep.name, prefill_rate_tps=rep.prefill_rate_tps)
+                self.load.add_replica(rep.name, prefill_rate_tps=rep.prefill_rate_tps,
+                                      decode_timing=spec.decode_timing)
             self._pools[spec.name] = _Pool(
                 spec=spec,
                 hasher=BlockHashMemo(BlockHasher(spec.hash_algo, spec.block_size,
@@ -220,8 +226,8 @@ class RouterCore:
         """Adopt the block size and hash algorithm the engines reported (discovery)."""
         entry = self._pool(pool)
         spec = entry.spec
-        new = PoolSpec(spec.name, spec.replicas, block_size, hash_algo, hash_seed,
-                       spec.approximate if approximate is None else approximate)
+        new = replace(spec, block_size=block_size, hash_algo=hash_algo, hash_seed=hash_seed,
+                      approximate=spec.approximate if approximate is None else approximate)
         if new != spec:
             entry.hasher = BlockHashMemo(BlockHasher(hash_algo, block_size, hash_seed))
             entry.spec = new
@@ -297,6 +303,8 @@ class RouterCore:
             block_size=APPROX_CHUNK_CHARS // 4 if approximate else entry.spec.block_size,
             block_hashes=hashes,
             expected_output_tokens=request.expected_output_tokens,
+            predicted_output_tokens=request.predicted_output_tokens,
+            decode_timing=entry.spec.decode_timing,
             now_s=now,
             session_id=request.session_id,
             routing_text=request.routing_text if entry.policy.needs_text else "",
@@ -349,8 +357,12 @@ class RouterCore:
     def on_first_token(self, replica: ReplicaId, request_id: RequestId) -> None:
         self.load.on_first_token(replica, request_id, now_s=self._clock.now())
 
-    def on_complete(self, replica: ReplicaId, request_id: RequestId) -> None:
-        self.load.on_complete(replica, request_id)
+    def on_complete(self, replica: ReplicaId, request_id: RequestId, *,
+                    output_tokens: int | None = None) -> None:
+        """The request ended; ``output_tokens`` (the answer's count, when known) teaches the
+        replica's inter-token factor."""
+        self.load.on_complete(replica, request_id, now_s=self._clock.now(),
+                              output_tokens=output_tokens)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -376,6 +388,7 @@ class RouterCore:
             prompt_tokens=request.num_prompt_tokens,
             expected_output_tokens=request.expected_output_tokens,
             now_s=self._clock.now(),
+            predicted_output_tokens=request.predicted_output_tokens,
         )
         if decision.block_hashes and (entry.policy.uses_predicted or decision.approximate):
             index = self.approx_index if decision.approximate else self.index

@@ -117,6 +117,7 @@ __all__ = [
     "LogLine",
     "NeedTokens",
     "Note",
+    "OutputLengths",
     "Recovered",
     "Refuse",
     "ReplicaUnreachable",
@@ -415,6 +416,40 @@ class ExternalChooser:
         return best
 
 
+class OutputLengths:
+    """What the walk predicts a request will output: the session's last answer when known,
+    else the route's recent mean, else ``DEFAULT_EXPECTED_OUTPUT_TOKENS``, never above the
+    request's own budget. The cost policy prices a request's decode with it.
+
+    The route's mean is an exponentially weighted average of the answers' ``usage``
+    (``alpha`` per answer), so it follows a route whose traffic changes.
+    """
+
+    __slots__ = ("_alpha", "_means")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"OutputLengths alpha must be in (0, 1], got {alpha}")
+        self._alpha = alpha
+        self._means: dict[str, float] = {}
+
+    def predict(self, route: str, session_last: int | None, budget: int | None) -> int:
+        """The output tokens to expect (at least 1)."""
+        if session_last is not None:
+            guess = float(session_last)
+        else:
+            guess = self._means.get(route, float(DEFAULT_EXPECTED_OUTPUT_TOKENS))
+        if budget is not None:
+            guess = min(guess, float(budget))
+        return max(1, round(guess))
+
+    def observe(self, route: str, output_tokens: int) -> None:
+        """An answer of ``route`` produced ``output_tokens``."""
+        mean = self._means.get(route)
+        self._means[route] = float(output_tokens) if mean is None else (
+            mean + self._alpha * (output_tokens - mean))
+
+
 def _zero() -> float:
     return 0.0
 
@@ -432,7 +467,8 @@ class Walker:
         recorder: told each walk's steps as text (tests; None in production).
     """
 
-    __slots__ = ("clock", "core", "external", "planner", "recorder", "settings", "timer")
+    __slots__ = ("clock", "core", "external", "outputs", "planner", "recorder", "settings",
+                 "timer")
 
     def __init__(self, core: RouterCore, planner: WarmPlanner, settings: WalkSettings,
                  clock: Clock, timer: Callable[[], float] = _zero,
@@ -443,6 +479,7 @@ class Walker:
         self.clock = clock
         self.timer = timer
         self.external = ExternalChooser()
+        self.outputs = OutputLengths()
         self.recorder = recorder
         """Told every step of every walk (``describe``), when set: both drivers of one
         scenario must tell the same story (``tests/integration/test_walk_parity.py``)."""
@@ -658,7 +695,10 @@ class RequestWalk:
             return None
         self._closed = True
         answered = self._phase is _Phase.ANSWERED
-        self._release()
+        output_tokens = _count(usage, "completion_tokens") if answered else None
+        if output_tokens is not None and self.request.n == 1:
+            self._walker.outputs.observe(self.request.route.name, output_tokens)
+        self._release(output_tokens if self.request.n == 1 else None)
         self._phase = _Phase.ENDED
         usage_record = self._usage(finish_reasons, usage) if answered else None
         if self.key is None:
@@ -842,9 +882,13 @@ class RequestWalk:
         pin = self.session.pin
         preferred = pin if pin is not None and any(
             rep.name == pin for rep in self._walker.core.pool(pool).replicas) else None
+        predicted = 1
         if expected_output_tokens is None:
             sent = self.state.max_tokens
             expected_output_tokens = sent if sent is not None else DEFAULT_EXPECTED_OUTPUT_TOKENS
+            usage = self.session.usage
+            predicted = self._walker.outputs.predict(
+                request.route.name, None if usage is None else usage.completion_tokens, sent)
         return RouteRequest(
             request_id=request_id,
             pool=pool,
@@ -856,6 +900,7 @@ class RequestWalk:
             cache_salt=request.cache_salt,
             session_id=request.session_id,
             expected_output_tokens=expected_output_tokens,
+            predicted_output_tokens=min(predicted, expected_output_tokens),
             preferred_replica=preferred,
         )
 
@@ -938,9 +983,10 @@ class RequestWalk:
             recorder(self.request.request_id, describe(step))
         return step
 
-    def _release(self) -> None:
+    def _release(self, output_tokens: int | None = None) -> None:
         if self._load_open is not None:
-            self._walker.core.on_complete(self._load_open, self.request.request_id)
+            self._walker.core.on_complete(self._load_open, self.request.request_id,
+                                          output_tokens=output_tokens)
             self._load_open = None
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
             hash_algo=pool.hash_algo or "sha256",
             hash_seed=pool.hash_seed,
             approximate=pool.tokenizer.mode == "none" or not fixed,
+            decode_timing=pool.decode_timing,
         ))
     return RouterCore(pools, policy_factory, clock=clock,
                       predicted_ttl_s=config.predicted_ttl_s,

@@ -79,6 +79,7 @@ from kvroute.core.clock import ManualClock
 from kvroute.core.errors import ConfigError
 from kvroute.core.events import EventBatch
 from kvroute.core.hashing import BlockHasher
+from kvroute.core.load import DecodeTiming
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.session import SessionTable, session_key
@@ -557,8 +558,11 @@ class FleetSimulation:
                 self.engines[name] = EngineModel(engine_config, hasher=self.hasher)
                 self.pool_of[name] = PoolName(pool.name)
             rate = _profile_prefill_rate(pool.profile)
+            timing = pool.profile.timing
             specs.append(PoolSpec(PoolName(pool.name), tuple(ReplicaSpec(n, rate) for n in names),
-                                  block_size=engine_config.block_size, hash_algo=config.hash_algo))
+                                  block_size=engine_config.block_size, hash_algo=config.hash_algo,
+                                  decode_timing=DecodeTiming(timing.fixed_s, timing.decode_seq_s,
+                                                             timing.context_token_s)))
         self.names = tuple(self.engines)
         rng = random.Random(config.seed)
         self.router = RouterCore(

@@ -33,8 +33,9 @@ def cand(name: str, *, queue: int = 0, gpu: int = 0, predicted: int = 0, rate: f
 
 
 def test_worked_example_from_the_docstring() -> None:
+    """The first-token part of the cost (no decoding anywhere: the turn terms are off)."""
     policy = KvrouteCostPolicy(random.Random(0), work_weight=0.5, decode_slowdown=0.0,
-                               step_tokens=0.0)
+                               step_tokens=0.0, decode_weight=0.0, harm_weight=0.0)
     req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
     sel = policy.select(req, [cand("A", queue=9000, gpu=62), cand("B"), cand("C", queue=2000, gpu=31)])
     assert sel.ranking == ("B", "C", "A")
@@ -105,7 +106,8 @@ def test_a_session_pin_wins_ties_but_not_costs() -> None:
 
 def test_waiting_requests_cost_a_step_each() -> None:
     """A burst of short suffixes behind a cached prefix moves on once its steps add up."""
-    policy = KvrouteCostPolicy(random.Random(0), step_tokens=64.0)
+    policy = KvrouteCostPolicy(random.Random(0), step_tokens=64.0, decode_weight=0.0,
+                               harm_weight=0.0)
     req = PolicyInput("r", num_prompt_tokens=632, block_size=16)
     # 'hot' holds 600 cached tokens; 8 requests of 32 new tokens each already wait there.
     hot = cand("hot", queue=8 * 32, gpu=37, in_flight=8)
@@ -124,14 +126,15 @@ def test_waiting_cost_charges_requests_without_a_first_token_only() -> None:
 
     req = PolicyInput("r", num_prompt_tokens=1000, block_size=16)
     policy = KvrouteCostPolicy(random.Random(0), decode_slowdown=0.0, inflight_cost_s=0.0,
-                               waiting_cost_s=0.003)
+                               waiting_cost_s=0.003, decode_weight=0.0, harm_weight=0.0)
     streams = loaded("streams", in_flight=10, decoding=10)  # ten decoding: not charged
     queued = loaded("queued", in_flight=2, decoding=0)      # two waiting: 6 ms
     sel = policy.select(req, [streams, queued])
     assert sel.replica == "streams"
     assert sel.scores[ReplicaId("queued")] - sel.scores[ReplicaId("streams")] == pytest.approx(0.006)
     # The default in-flight term charges the ten decoding streams instead.
-    default = KvrouteCostPolicy(random.Random(0), decode_slowdown=0.0)
+    default = KvrouteCostPolicy(random.Random(0), decode_slowdown=0.0, decode_weight=0.0,
+                                harm_weight=0.0)
     assert default.select(req, [streams, queued]).replica == "queued"
     with pytest.raises(ValueError, match="waiting_cost_s"):
         KvrouteCostPolicy(random.Random(0), waiting_cost_s=-0.001)
@@ -144,7 +147,7 @@ _counts = st.integers(min_value=0, max_value=200)
 @given(
     prompt=st.integers(min_value=0, max_value=5000),
     block_size=st.sampled_from([1, 16, 32]),
-    weights=st.tuples(*(st.floats(0.0, 2.0) for _ in range(6))),
+    weights=st.tuples(*(st.floats(0.0, 2.0) for _ in range(8))),
     replicas=st.lists(st.tuples(
         st.integers(0, 50_000), _counts, _counts, st.floats(1e-3, 1e6),
         st.one_of(st.none(), st.tuples(_counts, _counts, _counts, _counts))),
@@ -156,10 +159,11 @@ def test_select_scores_are_exactly_the_documented_formula(
 ) -> None:
     """``select`` computes the cost inline; it must equal ``predicted_ttft_s`` plus the
     charges to the last bit, for held and unheld (``NO_MATCH``) replicas alike."""
-    work, slow, credit, step, inflight, waiting_cost = weights
+    work, slow, credit, step, inflight, waiting_cost, decode_w, harm_w = weights
     policy = KvrouteCostPolicy(random.Random(0), work_weight=work, decode_slowdown=slow,
                                predicted_credit=credit, step_tokens=step,
-                               inflight_cost_s=inflight, waiting_cost_s=waiting_cost)
+                               inflight_cost_s=inflight, waiting_cost_s=waiting_cost,
+                               decode_weight=decode_w, harm_weight=harm_w)
     cands = []
     for i, (queue, in_flight, decoding, rate, held) in enumerate(replicas):
         load = ReplicaLoad(outstanding_prefill_tokens=queue, num_in_flight=in_flight,
@@ -174,5 +178,9 @@ def test_select_scores_are_exactly_the_documented_formula(
         waiting = max(0, c.load.num_in_flight - c.load.num_decoding)
         expected = (ttft + work * prefill / rate + inflight * c.load.num_in_flight
                     + waiting_cost * waiting)
+        if decode_w > 0 or harm_w > 0:
+            decode, harm = policy.turn_terms_s(req, c, prefill)
+            expected += decode_w * decode
+            expected += harm_w * harm
         assert sel.scores[c.replica] == expected
         assert sel.expected_cached_tokens[c.replica] == int(max(0.0, prompt - prefill))

@@ -164,7 +164,7 @@ def test_scope_is_required() -> None:
 
 def test_approximate_mode_matches_text_through_predictions_only() -> None:
     rc, _ = core(approximate=True)
-    text = "system prompt text " * 40
+    text = "system prompt text " * 400  # ~2,000 tokens: worth more than a batch seat
     first = rc.route(request("a", [], text=text + "question one"))
     assert first.approximate
     again = rc.route(request("b", [], text=text + "question two"))

@@ -21,6 +21,7 @@ from kvroute.core.walk import (
     Fail,
     FailReason,
     NeedTokens,
+    OutputLengths,
     Recovered,
     Refuse,
     ReplicaUnreachable,
@@ -423,3 +424,27 @@ def test_the_recorder_hears_every_step_as_text() -> None:
     replica = send.decision.replica
     assert steps == [("q1", "begin"), ("q1", describe(send)), ("q1", f"answered {replica}"),
                      ("q1", f"end ok pin={replica} tier=0")]
+
+
+# -- what the walk predicts a request will output ------------------------------------------------
+
+
+def test_a_sessions_last_answer_predicts_its_next_one_within_the_budget() -> None:
+    lengths = OutputLengths(alpha=0.5)
+    assert lengths.predict("chat", None, None) == 256  # nothing known yet
+    lengths.observe("chat", 100)
+    lengths.observe("chat", 300)
+    assert lengths.predict("chat", None, None) == 200  # the route's running mean
+    assert lengths.predict("chat", 40, None) == 40  # the session's own last answer
+    assert lengths.predict("chat", 900, 128) == 128  # never above the budget
+    assert lengths.predict("other", None, 0) == 1
+
+
+def test_the_walk_prices_the_predicted_output_and_learns_from_answers() -> None:
+    walker, _ = make_walker()
+    walk, send = sent_small(walker, 100, max_tokens=4000)
+    assert send.decision.request.predicted_output_tokens == 256
+    walk.answered()
+    walk.end(["stop"], {"prompt_tokens": 100, "completion_tokens": 60})
+    _walk2, send2 = sent_small(walker, 100, max_tokens=4000, session=None)
+    assert send2.decision.request.predicted_output_tokens == 60

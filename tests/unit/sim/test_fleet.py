@@ -47,15 +47,24 @@ def test_hot_prefix_burst_reproduces_the_sglang_hot_spot_and_kvroute_spreads_it(
     assert ours["ttft_p99_s"] < sglang["ttft_p99_s"]
 
 
-def test_siblings_colocate_and_save_prefill() -> None:
-    wl = W.sibling_fanout(num_prompts=8, fanout=8, prompt_tokens=4096)
-    ours = run(wl, "kvroute")
-    least = run(wl, "least_loaded")
+def test_siblings_colocate_under_load_and_spread_on_an_idle_fleet() -> None:
+    """Siblings of one prompt (parallel samples, agents) share its prefix. On an idle fleet,
+    spreading them costs no first token (siblings in one engine step cannot hit each other's
+    blocks yet) and gives each a smaller batch to decode in, so the whole-turn cost spreads
+    them like least-loaded. Once the fleet is busy, a replica's compute is worth saving (its
+    prefill stalls the streams decoding there): they co-locate, and every answer ends
+    sooner than least-loaded's."""
+    idle = W.sibling_fanout(num_prompts=8, fanout=8, prompt_tokens=4096)
+    ours, least = run(idle, "kvroute"), run(idle, "least_loaded")
+    assert ours["e2e_mean_s"] <= least["e2e_mean_s"] * 1.001
+    assert ours["ttft_mean_s"] <= least["ttft_mean_s"] * 1.001
+    busy = W.sibling_fanout(num_prompts=32, fanout=8, prompt_tokens=4096, interval_s=0.5)
+    ours, least = run(busy, "kvroute"), run(busy, "least_loaded")
     assert ours["token_hit_rate"] > least["token_hit_rate"] + 0.2
-    # Siblings scheduled in the same engine step cannot hit each other's blocks yet (vLLM
-    # caches a block once computed), so an idle fleet's TTFT is about even; the saving shows
-    # as prefill the fleet did not have to do.
-    assert ours["ttft_mean_s"] <= least["ttft_mean_s"] * 1.1
+    assert ours["e2e_mean_s"] < least["e2e_mean_s"]
+    assert ours["itl_mean_s"] < least["itl_mean_s"]
+    ttft_only = run(busy, "kvroute", policy_params={"decode_weight": 0, "harm_weight": 0})
+    assert ours["e2e_mean_s"] < ttft_only["e2e_mean_s"]  # the turn terms are what wins
 
 
 def test_unique_prompts_balance_like_least_loaded() -> None:
