@@ -559,14 +559,18 @@ def test_expected_cached_tokens_equal_engine_prefix_hits(pair: list[RealVllmEngi
         turns: Counter[int] = Counter()
         steps = workload(rng)
         # Both engines must serve part of the workload, by construction rather than by the
-        # engines' relative speed (the cost model sends sequential cold prompts to the replica
-        # it has learned to be faster, so on some machines everything went to one): the
-        # shared system prompt is first computed on r1, straight on the engine, so its
-        # requests are drawn there by the cache.
-        system = next(m for kind, m in steps if kind == "shared")[0]
-        await client.engine_chat(pair[1], [system, user("Warm the system prompt.")],
-                                 max_tokens=1)
-        await all_events_applied(rt, "r1", pair[1])
+        # engines' relative speed (learned speeds decide between two idle engines, and on
+        # some machines everything went to one): one session's opening turn is computed on
+        # each engine, straight on the engine, so each session's turns are drawn by the
+        # cache to where it began (the shared system prompt is then on both).
+        openings: list[list[dict[str, Any]]] = []
+        for kind, messages in steps:
+            if kind == "session" and all(messages is not o for o in openings):
+                openings.append(messages)
+        for (name, engine), opening in zip(((r, engines[r]) for r in ("r0", "r1")), openings,
+                                           strict=False):
+            await client.engine_chat(engine, list(opening), max_tokens=1)
+            await all_events_applied(rt, name, engine)
         started = time.perf_counter()
         for kind, messages in steps:
             sid = id(messages)

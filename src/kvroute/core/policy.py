@@ -15,7 +15,7 @@ would cost the streams already decoding there, plus a small charge for the prefi
     queue_r     = outstanding prefill tokens already sent to r
                   + step_tokens · (requests waiting for their first token on r)
     ttft_r      = (queue_r + prefill_r) / rate_r · (1 + decode_slowdown · decoding_r)
-    step(b, k)  = (fixed + seq·b + context_token·k) · itl_scale_r       one decode step on r
+    step(b, k)  = (fixed + seq·b + context_token·k) · itl_scale         one decode step on r
     decode_r    = m · step(in_flight_r + 1, context_r + n + m/2)          its own decode
     harm_r      = left_r · [step(in_flight_r + 1, …) − step(in_flight_r, context_r)]
                   + decoding_r · prefill_r / rate_r                   the others' lost time
@@ -26,8 +26,8 @@ would cost the streams already decoding there, plus a small charge for the prefi
 the session's last answer, else the route's mean, at most ``max_tokens``); ``context_r`` and
 ``left_r`` are the context and the predicted remaining output of every request in flight on
 r (those still prefilling will decode beside it too); ``fixed``, ``seq`` and
-``context_token`` are the pool's ``DecodeTiming`` and ``itl_scale_r`` the replica's learned
-factor on it (``core/load.py``).
+``context_token`` are the pool's ``DecodeTiming`` and ``itl_scale`` the mean of its replicas'
+learned factors on it (``core/load.py``).
 
 Worked example of the first-token part (B = 16, n = 1,000, every rate 10,000 tok/s,
 decode_slowdown 0, work_weight 0.5, no decoding anywhere, so the turn terms are equal):
@@ -321,15 +321,15 @@ class KvrouteCostPolicy:
         self.tie_within_s = tie_within_s
         self.stale_rate_s = stale_rate_s
 
-    def turn_terms_s(self, request: PolicyInput, cand: Candidate,
-                     prefill_tokens: float) -> tuple[float, float]:
+    def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
+                     scale: float = 1.0) -> tuple[float, float]:
         """``(decode_s, harm_s)``: the request's own decode on this replica, and what it
-        costs the streams already decoding there (module docstring)."""
+        costs the streams already decoding there (module docstring); ``scale`` is the
+        pool's learned factor on the step model (``select`` uses the candidates' mean)."""
         timing, load = request.decode_timing, cand.load
         m = (request.expected_output_tokens if request.predicted_output_tokens is None
              else request.predicted_output_tokens)
         n = request.num_prompt_tokens
-        scale = load.itl_scale
         decoding = load.num_decoding
         batch = load.num_in_flight  # those ahead decode beside it once it decodes
         context = load.decoding_context_tokens + load.waiting_context_tokens
@@ -383,6 +383,10 @@ class KvrouteCostPolicy:
         # not lock a replica out).
         stale_rate_s = self.stale_rate_s
         best_rate = max(cand.load.prefill_rate_tps for cand in candidates)
+        # NOTE: one decode factor for the pool, the candidates' mean: its replicas share an
+        # engine build and hardware, so the model's error is the pool's, and a per-replica
+        # factor from a few noisy answers would prefer one idle replica over its twin.
+        scale = sum(cand.load.itl_scale for cand in candidates) / len(candidates)
         costs: dict[ReplicaId, float] = {}
         cached_tokens: dict[ReplicaId, int] = {}
         for cand in candidates:
@@ -409,7 +413,6 @@ class KvrouteCostPolicy:
             cost = (ttft + work_weight * prefill / rate
                     + inflight_cost_s * in_flight + waiting_cost_s * waiting)
             if turn:  # turn_terms_s written out inline (same operations, same order)
-                scale = load.itl_scale
                 context = load.decoding_context_tokens + load.waiting_context_tokens
                 step_now = (t_fixed + t_seq * in_flight + t_ctx * context) * scale
                 step_with = (t_fixed + t_seq * (in_flight + 1)

@@ -86,13 +86,16 @@ def test_requests_waiting_for_their_first_token_count_in_the_batch_it_will_join(
     assert harm_queued > 0  # the queued requests' own answers get slower too
 
 
-def test_the_learned_factor_scales_a_replicas_decode() -> None:
+def test_the_pools_learned_factor_scales_the_decode_but_never_splits_twins() -> None:
+    """Two idle replicas of one pool whose learned factors differ by noise: the pool's
+    factor (their mean) prices both, so neither is preferred for it."""
     req = PolicyInput("r", num_prompt_tokens=500, block_size=16, expected_output_tokens=100)
-    slow = Candidate(ReplicaId("slow"), load(scale=2.0))
-    fast = Candidate(ReplicaId("fast"), load(scale=1.0))
-    assert policy().turn_terms_s(req, slow, 500.0)[0] == pytest.approx(
-        2 * policy().turn_terms_s(req, fast, 500.0)[0])
-    assert policy().select(req, [slow, fast]).replica == "fast"
+    a = Candidate(ReplicaId("a"), load(scale=2.0))
+    b = Candidate(ReplicaId("b"), load(scale=1.0))
+    assert policy().turn_terms_s(req, a, 500.0, scale=2.0)[0] == pytest.approx(
+        2 * policy().turn_terms_s(req, a, 500.0)[0])
+    sel = policy().select(req, [a, b])
+    assert sel.scores[ReplicaId("a")] == sel.scores[ReplicaId("b")]
 
 
 def test_the_predicted_output_prices_the_decode_not_the_budget() -> None:
@@ -127,9 +130,24 @@ def test_select_adds_exactly_the_turn_terms() -> None:
     sel = pol.select(req, cands)
     for c in cands:
         ttft, prefill = pol.predicted_ttft_s(req, c)
-        decode, harm = pol.turn_terms_s(req, c, prefill)
+        decode, harm = pol.turn_terms_s(req, c, prefill, scale=(1.3 + 1.0) / 2)
         lo = c.load
         waiting = max(0, lo.num_in_flight - lo.num_decoding)
         base = (ttft + pol.work_weight * prefill / lo.prefill_rate_tps
                 + pol.inflight_cost_s * lo.num_in_flight + pol.waiting_cost_s * waiting)
         assert sel.scores[c.replica] == base + 0.7 * decode + 0.4 * harm
+
+
+def test_a_stale_rate_is_scored_at_the_best_candidates_until_sampled_again() -> None:
+    """r1 learned it prefills fast; r0's rate was last sampled a minute ago. Scored at it,
+    r0 would never be chosen and never learn otherwise: scored at r1's, it ties and is
+    tried (it was chosen less recently)."""
+    req = PolicyInput("r", num_prompt_tokens=600, block_size=16, expected_output_tokens=16)
+    fresh = ReplicaLoad(prefill_rate_tps=80_000.0, itl_scale=0.4, last_chosen_s=5.0)
+    stale = ReplicaLoad(prefill_rate_tps=RATE, itl_scale=1.0, last_chosen_s=1.0,
+                        rate_age_s=60.0, itl_age_s=60.0)
+    cands = [Candidate(ReplicaId("r1"), fresh), Candidate(ReplicaId("r0"), stale)]
+    sel = policy().select(req, cands)
+    assert sel.scores[ReplicaId("r0")] == sel.scores[ReplicaId("r1")]
+    assert sel.replica == "r0"
+    assert policy(stale_rate_s=1e12).select(req, cands).replica == "r1"
