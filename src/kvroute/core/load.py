@@ -129,7 +129,6 @@ class ReplicaLoad(NamedTuple):
             waiting for their first token (they will decode beside a request sent now).
         rate_age_s: seconds since ``prefill_rate_tps`` last learned from a sample (infinite
             when it never did: the rate is the configured one).
-        itl_age_s: the same for ``itl_scale``.
         itl_scale: learned factor on the decode step model for this replica (1: as modelled).
     """
 
@@ -148,7 +147,6 @@ class ReplicaLoad(NamedTuple):
     waiting_context_tokens: int = 0
     waiting_output_tokens: int = 0
     rate_age_s: float = 0.0
-    itl_age_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -187,7 +185,6 @@ class _ReplicaRecord:
     decode_output_sum: int = 0
     decode_first_token_sum: float = 0.0
     itl_scale: float = 1.0
-    itl_sampled_s: float = float("-inf")
     prefill_dispatched_total: int = 0
     waiting_context_tokens: int = 0
     waiting_output_tokens: int = 0
@@ -399,7 +396,6 @@ class LoadTracker:
                 low, high = ITL_SCALE_BOUNDS
                 sample = min(max(observed / flight.predicted_step_s, low), high)
                 record.itl_scale += self._alpha * (sample - record.itl_scale)
-                record.itl_sampled_s = now_s
         else:
             record.waiting_context_tokens = max(0, record.waiting_context_tokens - (
                 flight.context_tokens + flight.predicted_output_tokens // 2))
@@ -455,7 +451,6 @@ class LoadTracker:
             record.active_kv_tokens, record.last_chosen_s, record.decoding_context_tokens,
             left, record.itl_scale, record.waiting_context_tokens, record.waiting_output_tokens,
             float("inf") if now_s is None else now_s - record.rate_sampled_s,
-            float("inf") if now_s is None else now_s - record.itl_sampled_s,
         )
 
     def _record(self, replica: ReplicaId) -> _ReplicaRecord:

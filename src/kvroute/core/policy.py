@@ -102,7 +102,6 @@ A replica whose prefill rate was not sampled for ``stale_rate_s`` (30 s, or neve
 at the fastest candidate's rate: an estimate that has gone stale is re-sampled instead of
 keeping the replica out, so idle replicas share unique prompts sent one after another rather
 than all going to the one whose learned rate once came out a little higher.
-``tie_within_s`` (0 by default) can widen ties to costs within that much of the best.
 
 The peers' policies live in ``core/peer_policies.py`` and implement the same ``Policy`` seam.
 """
@@ -236,24 +235,13 @@ def rank_by_cost(
     *,
     lower_is_better: bool = True,
     preferred: ReplicaId | None = None,
-    tie_within: float = 0.0,
 ) -> tuple[ReplicaId, ...]:
     """Order replicas by cost; ties go to ``preferred`` (a session pin), then to the least
     recently chosen, then at random.
 
     The random key is drawn for every candidate so that the order never depends on the
-    candidates' list order. ``tie_within`` (in the cost's unit, lower-is-better only): every
-    replica within that much of the best one ties with it, so that differences below what
-    the model can tell apart spread requests instead of sending them all to the replica a
-    noisy estimate favours.
+    candidates' list order.
     """
-    if tie_within > 0 and lower_is_better and len(candidates) > 1:
-        best = min(costs.values())
-        near = [c for c in candidates if costs[c.replica] <= best + tie_within]
-        if len(near) > 1:
-            lead = rank_by_cost({c.replica: 0.0 for c in near}, near, rng, preferred=preferred)
-            rest = [c for c in candidates if costs[c.replica] > best + tie_within]
-            return lead + rank_by_cost(costs, rest, rng, preferred=preferred) if rest else lead
     sign = 1.0 if lower_is_better else -1.0
     # Plain tuples sort natively (no key function); the replica name at the end is never
     # reached, the random draw before it being unique.
@@ -296,18 +284,17 @@ class KvrouteCostPolicy:
         waiting_cost_s: float = 0.0,
         decode_weight: float = 1.0,
         harm_weight: float = 0.5,
-        tie_within_s: float = 0.0,
         stale_rate_s: float = 30.0,
     ) -> None:
         if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s,
-               waiting_cost_s, decode_weight, harm_weight, tie_within_s, stale_rate_s) < 0:
+               waiting_cost_s, decode_weight, harm_weight, stale_rate_s) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
                 f"predicted_credit={predicted_credit}, step_tokens={step_tokens}, "
                 f"inflight_cost_s={inflight_cost_s}, waiting_cost_s={waiting_cost_s}, "
                 f"decode_weight={decode_weight}, harm_weight={harm_weight}, "
-                f"tie_within_s={tie_within_s}, stale_rate_s={stale_rate_s})"
+                f"stale_rate_s={stale_rate_s})"
             )
         self._rng = rng
         self.work_weight = work_weight
@@ -318,7 +305,6 @@ class KvrouteCostPolicy:
         self.waiting_cost_s = waiting_cost_s
         self.decode_weight = decode_weight
         self.harm_weight = harm_weight
-        self.tie_within_s = tie_within_s
         self.stale_rate_s = stale_rate_s
 
     def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
@@ -423,8 +409,7 @@ class KvrouteCostPolicy:
                 cost += harm_weight * harm
             costs[cand.replica] = cost
             cached_tokens[cand.replica] = int(max(0.0, n - prefill))
-        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica,
-                               tie_within=self.tie_within_s)
+        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica)
         return Selection(
             ranking=ranking, expected_cached_tokens=cached_tokens, scores=costs, reason="cost"
         )

@@ -162,6 +162,7 @@ class Forwarder:
     warm: WarmSender | None = None
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
 
     async def serve(self, request: Request, raw: bytes, parsed: ParsedRequest,
                     route: RouteConfig, tenant: TenantName, request_id: RequestId,
@@ -173,7 +174,8 @@ class Forwarder:
         if session is not None and self.state is not None:
             record = await self.state.get_session(session_key(tenant, route.name, session))
         walk_request = WalkRequest(
-            request_id=request_id, route=walk_route(route), tenant=tenant, session_id=session,
+            request_id=request_id, route=self._walk_route(route), tenant=tenant,
+            session_id=session,
             endpoint=parsed.endpoint, model=parsed.model, body=parsed.body,
             max_tokens=parsed.max_tokens, n=parsed.n,
             num_messages=None if parsed.messages is None else len(parsed.messages),
@@ -219,6 +221,13 @@ class Forwarder:
                 self._spawn(self.state.put_session(write.key, write.record,
                                                    self.config.state.session_ttl_s))
             self._log(ex)
+
+    def _walk_route(self, route: RouteConfig) -> WalkRoute:
+        """The route's settings for the walk, built once per route (the config is frozen)."""
+        found = self._walk_routes.get(route.name)
+        if found is None:
+            found = self._walk_routes[route.name] = walk_route(route)
+        return found
 
     # -- the walk's actions ---------------------------------------------------------------------
 

@@ -92,16 +92,17 @@ class TierPools:
 
     # -- windows --------------------------------------------------------------------------
 
-    def tier_pools(self, route: RouteConfig) -> list[TierPool]:
-        """The route's pools as ``core/tiers.py`` sees them now (cached ``POOLS_CACHE_S``)."""
+    def tier_pools(self, route: RouteConfig) -> tuple[TierPool, ...]:
+        """The route's pools as ``core/tiers.py`` sees them now (cached ``POOLS_CACHE_S``;
+        immutable: a walk takes its own copy to learn windows into)."""
         now = self._clock.now()
         cached = self._pools_cache.get(route.name)
         if cached is not None and now - cached[0] < POOLS_CACHE_S:
-            return list(cached[1])
+            return cached[1]
         pools = tuple(self._external_pool(name, route.name) if self.is_external(name)
                       else self._tier_pool(name, now) for name in route.pools)
         self._pools_cache[route.name] = (now, pools)
-        return list(pools)
+        return pools
 
     def _tier_pool(self, name: PoolName, now: float) -> TierPool:
         disc = self._discovery

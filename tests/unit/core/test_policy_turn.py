@@ -145,7 +145,7 @@ def test_a_stale_rate_is_scored_at_the_best_candidates_until_sampled_again() -> 
     req = PolicyInput("r", num_prompt_tokens=600, block_size=16, expected_output_tokens=16)
     fresh = ReplicaLoad(prefill_rate_tps=80_000.0, itl_scale=0.4, last_chosen_s=5.0)
     stale = ReplicaLoad(prefill_rate_tps=RATE, itl_scale=1.0, last_chosen_s=1.0,
-                        rate_age_s=60.0, itl_age_s=60.0)
+                        rate_age_s=60.0)
     cands = [Candidate(ReplicaId("r1"), fresh), Candidate(ReplicaId("r0"), stale)]
     sel = policy().select(req, cands)
     assert sel.scores[ReplicaId("r0")] == sel.scores[ReplicaId("r1")]
