@@ -12,6 +12,7 @@ from kvroute.commands import bench as bench_cmd
 from kvroute.commands import bench_overhead as bench_overhead_cmd
 from kvroute.commands import bench_soak as bench_soak_cmd
 from kvroute.commands import demo as demo_cmd
+from kvroute.commands import epp as epp_cmd
 from kvroute.commands import events as events_cmd
 from kvroute.commands import hash as hash_cmd
 from kvroute.commands import serve as serve_cmd
@@ -28,6 +29,7 @@ app = typer.Typer(
 app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
 app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
 app.command(name="serve", help=serve_cmd.HELP)(serve_cmd.serve)
+app.command(name="epp", help=epp_cmd.HELP)(epp_cmd.epp)
 bench_cmd.bench_app.command(name="overhead", help=bench_overhead_cmd.HELP)(
     bench_overhead_cmd.bench_overhead)
 bench_cmd.bench_app.command(name="soak", help=bench_soak_cmd.HELP)(bench_soak_cmd.bench_soak)

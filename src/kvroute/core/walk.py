@@ -189,6 +189,8 @@ class WalkRequest:
             them (the simulator hashes each prompt once for router and engine).
         routing_text: renders the prompt as text (called only when needed).
         cache_salt: the salt the engines hash into block 0 (tenant salt resolved).
+        exclude: replicas the request must not go to (a gateway's candidate subset, as
+            the Endpoint Picker driver receives it, leaves the others out).
     """
 
     request_id: RequestId
@@ -205,6 +207,7 @@ class WalkRequest:
     prompt_block_hashes: Sequence[WireHash] | None = None
     routing_text: Callable[[], str] = field(default=lambda: "", repr=False, compare=False)
     cache_salt: str | None = None
+    exclude: frozenset[ReplicaId] = frozenset()
 
 
 # --- what the walk tells the driver: actions -----------------------------------------------------
@@ -902,6 +905,7 @@ class RequestWalk:
             expected_output_tokens=expected_output_tokens,
             predicted_output_tokens=min(predicted, expected_output_tokens),
             preferred_replica=preferred,
+            exclude=request.exclude,
         )
 
     def _external_request(self, pool: PoolName) -> RouteRequest:

@@ -1,0 +1,280 @@
+"""kvroute as an Envoy external processor: the Endpoint Picker protocol over gRPC.
+
+Owns the gRPC side of ``kvroute epp``: the ``envoy.service.ext_proc.v3.ExternalProcessor``
+service (one bidirectional stream per HTTP request), the gRPC health service on its own port,
+and the mapping between protobuf messages and the plain values ``shell/picker.py`` works on.
+Every decision is the picker's (and so the walk's); the protocol's names and value formats
+are ``wire/endpoint_picker.py``'s.
+
+One stream, in the order Envoy sends it (processing mode: headers SEND, bodies
+``FULL_DUPLEX_STREAMED``, trailers SEND; ``BUFFERED`` bodies are answered too):
+
+* request headers: kept (and the gateway's candidate subset, from the stream's metadata);
+  nothing is answered yet, Envoy streams the body on;
+* request body: gathered up to its end of stream, then :meth:`Picker.pick`, and either an
+  ``ImmediateResponse`` (a 4xx, 503 or 429 in OpenAI's error shape) or, in this order, a
+  ``HeadersResponse`` (the destination header, ``content-length`` when the body changed,
+  ``clear_route_cache``) with the ``envoy.lb`` dynamic metadata, then the body, streamed
+  back in pieces of at most 64 KiB, then (when the request had trailers) a
+  ``TrailersResponse``;
+* response headers: the endpoint that served it (``envoy.lb`` metadata), its status, and
+  the routing headers ``kvroute serve`` adds (``x-kvroute-replica`` ...);
+* response body: every piece echoed back unchanged as it comes (tokens stream through) and
+  watched for ``finish_reason`` and ``usage``; at its end the walk ends.
+
+A stream that breaks (the client gone, Envoy reset) ends the walk as ``client_gone``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, Final
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import json_format, struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvroute.shell.picker import Picked, PickedWalk, Picker, Refused
+from kvroute.wire import endpoint_picker as epp
+from kvroute.wire.openai import error_body
+
+__all__ = ["HEALTH_SERVICES", "EppServer", "ExternalProcessor"]
+
+log = logging.getLogger("kvroute.epp")
+
+SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES: Final = ("", "liveness", "readiness", SERVICE_NAME)
+"""The gRPC health services answered, as the protocol names them ("" is the server's)."""
+
+_OVERWRITE: Final = base_pb2.HeaderValueOption.HeaderAppendAction.Value(
+    "OVERWRITE_IF_EXISTS_OR_ADD")
+_BUFFERED: Final = processing_mode_pb2.ProcessingMode.BodySendMode.Value("BUFFERED")
+
+
+def _headers_of(message: Any) -> dict[str, str]:
+    """An ``HttpHeaders`` message as a dict, names lower-cased (the first of repeats)."""
+    out: dict[str, str] = {}
+    for header in message.headers.headers:
+        value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        out.setdefault(header.key.lower(), value)
+    return out
+
+
+def _metadata_of(request: Any) -> dict[str, Any]:
+    """The stream's ``metadata_context.filter_metadata`` as plain mappings."""
+    return {name: json_format.MessageToDict(value)
+            for name, value in request.metadata_context.filter_metadata.items()}
+
+
+def _mutation(headers: Mapping[str, str], remove: tuple[str, ...] = ()) -> Any:
+    return ep.HeaderMutation(set_headers=[
+        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                   append_action=_OVERWRITE)
+        for k, v in headers.items()], remove_headers=list(remove))
+
+
+def _immediate(refused: Refused) -> Any:
+    headers = {"content-type": "application/json", **refused.headers}
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=refused.status), headers=_mutation(headers),
+        body=refused.body, details=f"kvroute_refused_{refused.status}"))
+
+
+def _destination(picked: Picked) -> Iterator[Any]:
+    """The headers answer, with the ``envoy.lb`` metadata, for a picked request."""
+    value = epp.destination_value(picked.endpoints)
+    set_headers = {epp.DESTINATION: value}
+    if picked.body_changed:
+        set_headers["content-length"] = str(len(picked.body))
+    metadata = struct_pb2.Struct()
+    metadata.update({epp.DESTINATION_NAMESPACE: {epp.DESTINATION: value}})
+    yield ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=_mutation(set_headers), clear_route_cache=True)),
+        dynamic_metadata=metadata)
+
+
+def _body_pieces(body: bytes, *, end: bool, buffered: bool, response: bool) -> Iterator[Any]:
+    """``body`` as body answers: one whole mutation in ``BUFFERED`` mode, else streamed
+    pieces, the last one carrying ``end`` as its end of stream."""
+    if buffered:
+        common = ep.CommonResponse(body_mutation=ep.BodyMutation(body=body))
+        yield _body_answer(common, response)
+        return
+    pieces = list(epp.body_chunks(body))
+    for i, piece in enumerate(pieces):
+        streamed = ep.StreamedBodyResponse(body=piece, end_of_stream=end and i == len(pieces) - 1)
+        common = ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
+        yield _body_answer(common, response)
+
+
+def _body_answer(common: Any, response: bool) -> Any:
+    if response:
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+class _Stream:
+    """One ext_proc stream: one HTTP request and its answer (module docstring)."""
+
+    __slots__ = ("_body", "_buffered_request", "_buffered_response", "_headers", "_picker",
+                 "_subset", "answered", "walk")
+
+    def __init__(self, picker: Picker) -> None:
+        self._picker = picker
+        self._headers: dict[str, str] = {}
+        self._subset: frozenset[str] | None = None
+        self._body: list[bytes] = []
+        self._buffered_request = False
+        self._buffered_response = False
+        self.answered = False  # the request's headers answer has been sent
+        self.walk: PickedWalk | None = None
+
+    async def on(self, request: Any) -> list[Any]:
+        """The answers to one message from Envoy (possibly none yet)."""
+        kind = request.WhichOneof("request")
+        if request.HasField("protocol_config"):
+            config = request.protocol_config
+            self._buffered_request = config.request_body_mode == _BUFFERED
+            self._buffered_response = config.response_body_mode == _BUFFERED
+        if kind == "request_headers":
+            self._headers = _headers_of(request.request_headers)
+            try:
+                self._subset = epp.subset_hint(_metadata_of(request))
+            except epp.EndpointError as exc:
+                return [_immediate(_bad_request(f"The gateway's endpoint subset is malformed: "
+                                                f"{exc}."))]
+            if request.request_headers.end_of_stream:
+                return await self._pick(b"", trailers=False)
+            return []
+        if kind == "request_body":
+            body = request.request_body
+            self._body.append(body.body)
+            if not body.end_of_stream:
+                return []
+            return await self._pick(b"".join(self._body), trailers=False)
+        if kind == "request_trailers":
+            out = [] if self.answered else await self._pick(b"".join(self._body), trailers=True)
+            if out and out[0].HasField("immediate_response"):
+                return out
+            return [*out, ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+        if kind == "response_headers":
+            return [self._response_headers(request)]
+        if kind == "response_body":
+            body = request.response_body
+            if self.walk is not None:
+                self.walk.response_body(body.body)
+                if body.end_of_stream:
+                    self.walk.finish()
+            return list(_body_pieces(body.body, end=body.end_of_stream,
+                                     buffered=self._buffered_response, response=True))
+        if kind == "response_trailers":
+            if self.walk is not None:
+                self.walk.finish()
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+        raise ValueError(f"ext_proc message of unknown kind {kind!r}")
+
+    async def _pick(self, body: bytes, *, trailers: bool) -> list[Any]:
+        self.answered = True
+        headers = self._headers
+        outcome = await self._picker.pick(headers.get(":path", ""), headers, body, self._subset)
+        if isinstance(outcome, Refused):
+            return [_immediate(outcome)]
+        self.walk = outcome.walk
+        return [*_destination(outcome),
+                *_body_pieces(outcome.body, end=not trailers,
+                              buffered=self._buffered_request, response=False)]
+
+    def _response_headers(self, request: Any) -> Any:
+        added: Mapping[str, str] = {}
+        if self.walk is not None:
+            headers = _headers_of(request.response_headers)
+            status_text = headers.get(":status", "0")
+            status = int(status_text) if status_text.isdigit() else 0
+            served = epp.served_endpoint(_metadata_of(request), headers)
+            added = self.walk.response_headers(status, served, headers.get("content-type", ""))
+            if request.response_headers.end_of_stream:
+                self.walk.finish()
+        # The served endpoint, when Envoy reported it as a header, is for kvroute only.
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=_mutation(added, (epp.SERVED,)))))
+
+    def close(self, broken: bool) -> None:
+        """The stream is over; a walk still open ends as ``client_gone`` when it broke."""
+        if self.walk is not None:
+            self.walk.finish("client_gone" if broken else None)
+
+
+def _bad_request(message: str) -> Refused:
+    return Refused(400, error_body(message, status=400))
+
+
+class ExternalProcessor:
+    """The ``ExternalProcessor`` gRPC service (its one method, ``Process``)."""
+
+    def __init__(self, picker: Picker) -> None:
+        self._picker = picker
+
+    async def Process(self, requests: AsyncIterator[Any],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        stream = _Stream(self._picker)
+        broken = True
+        try:
+            async for request in requests:
+                for answer in await stream.on(request):
+                    yield answer
+            broken = False
+        finally:
+            stream.close(broken)
+
+
+class EppServer:
+    """The picker's gRPC servers: ext_proc on one port, health on another.
+
+    ``start`` binds both (port 0: a free one) and returns the bound ports; health answers
+    ``NOT_SERVING`` for readiness and the ext_proc service until ``set_ready(True)``.
+    """
+
+    def __init__(self, picker: Picker) -> None:
+        self._picker = picker
+        self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+
+    async def start(self, host: str, port: int, health_port: int) -> tuple[int, int]:
+        """Listen; returns (ext_proc port, health port)."""
+        server = grpc.aio.server()
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self._picker), server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
+        health_bound = health_server.add_insecure_port(f"{host}:{health_port}")
+        if not bound or not health_bound:
+            raise OSError(f"kvroute epp could not listen on {host}:{port} (ext_proc) and "
+                          f"{host}:{health_port} (health); pick free ports")
+        self._server, self._health_server = server, health_server
+        await server.start()
+        await health_server.start()
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self.set_ready(False)
+        return bound, health_bound
+
+    async def set_ready(self, ready: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", "readiness", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop answering health, let streams in flight end (``grace_s``), close both."""
+        await self.set_ready(False)
+        for server in (self._server, self._health_server):
+            if server is not None:
+                await server.stop(grace_s)
+        self._server = self._health_server = None
