@@ -44,7 +44,7 @@ from kvroute.shell.epp_runtime import EppRuntime
 pytestmark = pytest.mark.integration
 
 ROUTE = "assistant"
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "envoy" / "epp.yaml"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envoy"
 FleetFactory = Callable[..., Fleet]
 ConfigFor = Callable[..., RouterConfig]
 
@@ -68,14 +68,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def envoy_config(path: Path, listen_port: int, epp_port: int) -> Path:
-    """The shipped example with this test's ports."""
-    doc = yaml.safe_load(EXAMPLE.read_text())
+def envoy_config(path: Path, example: str, listen_port: int, epp_port: int,
+                 engines: list[str] | None = None) -> Path:
+    """A shipped example with this test's ports (and engines, for a cluster that lists them)."""
+    doc = yaml.safe_load((EXAMPLES / example).read_text())
     resources = doc["static_resources"]
     resources["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
-    (epp_cluster,) = (c for c in resources["clusters"] if c["name"] == "kvroute_epp")
-    endpoint = epp_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-    endpoint["address"]["socket_address"]["port_value"] = epp_port
+    clusters = {c["name"]: c for c in resources["clusters"]}
+    endpoint = clusters["kvroute_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    endpoint["endpoint"]["address"]["socket_address"]["port_value"] = epp_port
+    if engines is not None:
+        hosts = clusters["engines"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        hosts[:] = [{"endpoint": {"address": {"socket_address": {
+            "address": e.rsplit(":", 1)[0], "port_value": int(e.rsplit(":", 1)[1])}}}}
+            for e in engines]
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -89,11 +95,12 @@ def spawn_envoy(config: Path, log: Path) -> subprocess.Popen[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def running_envoy(tmp_path: Path, epp_port: int) -> AsyncIterator[str]:
+async def running_envoy(tmp_path: Path, epp_port: int, example: str = "epp.yaml",
+                        engines: list[str] | None = None) -> AsyncIterator[str]:
     """A real Envoy in front of the picker; yields its base URL; always stopped."""
     assert ENVOY is not None
     port = free_port()
-    config = envoy_config(tmp_path / "envoy.yaml", port, epp_port)
+    config = envoy_config(tmp_path / "envoy.yaml", example, port, epp_port, engines)
     log = tmp_path / "envoy.log"
     proc = spawn_envoy(config, log)
     try:
@@ -257,6 +264,52 @@ def test_picker_and_serve_make_the_same_decisions(
     run(body(), timeout_s=60.0)
 
 
+@needs_envoy
+def test_envoy_falls_back_down_the_pickers_list_and_kvroute_follows(
+        make_fleet: FleetFactory, config_for: ConfigFor, tmp_path: Path) -> None:
+    """``examples/envoy/epp-fallbacks.yaml``: the cached replica answers 503 once; Envoy
+    retries on the picker's next endpoint, reports it as served, and kvroute moves the
+    request's accounting and the session's pin there."""
+    fleet = make_fleet(3, fault_injection=True)
+    config = config_for(fleet)
+    engines = [r.url.removeprefix("http://") for r in fleet.replicas]
+
+    async def body() -> None:
+        async with (EppRuntime(config, grpc_port=0, health_port=0, fallbacks=2, env={}) as rt,
+                    running_envoy(tmp_path, rt.grpc_port, "epp-fallbacks.yaml",
+                                  engines) as url,
+                    aiohttp.ClientSession() as session):
+            core = rt.router.core
+            prefix = words("f", 300)
+            status, h, _ = await post(session, url, chat(prefix))
+            assert status == 200
+            home = h["x-kvroute-replica"]
+            await wait_for(lambda: entries(core, home) > 0, "the prefix's KV events")
+            await settled(lambda: entries(core, home))
+            engine = next(r for r in fleet.replicas if r.name == home)
+            async with session.post(engine.url + "/sim/faults",
+                                    json={"fail_next": 1, "status": 503}) as resp:
+                assert resp.status == 200
+            status, h, raw = await post(session, url, chat(prefix + " again"),
+                                        headers={"x-session-id": "fb"})
+            assert status == 200, raw
+            served = h["x-kvroute-replica"]
+            assert served != home  # Envoy's retry went down kvroute's list
+            await wait_for(lambda: in_flight(core, served) == 0 and in_flight(core, home) == 0,
+                           "the walk's end")
+            assert rt.router.state is not None
+            key = session_key("default", ROUTE, "fb")
+            deadline = time.monotonic() + 5.0  # the write is in the background; a bound
+            while (record := await rt.router.state.get_session(key)) is None:
+                assert time.monotonic() < deadline, "the session was never written"
+                await asyncio.sleep(0.02)
+            assert record.pin == served
+            async with session.get(engine.url + "/sim/faults") as resp:
+                assert (await resp.json())["fired"]["requests_failed"] == 1
+
+    run(body())
+
+
 # --------------------------------------------------------------------------------------------
 # The protocol's corners, as a gateway drives them
 # --------------------------------------------------------------------------------------------
@@ -320,7 +373,7 @@ def test_subset_fallback_shedding_and_health_over_grpc(
     address = {r.name: r.url.removeprefix("http://") for r in fleet.replicas}
 
     async def body() -> None:
-        async with (EppRuntime(config, grpc_port=0, health_port=0, env={}) as rt,
+        async with (EppRuntime(config, grpc_port=0, health_port=0, fallbacks=2, env={}) as rt,
                     grpc.aio.insecure_channel(f"127.0.0.1:{rt.grpc_port}") as channel,
                     grpc.aio.insecure_channel(f"127.0.0.1:{rt.health_port}") as hchannel):
             core = rt.router.core

@@ -27,7 +27,7 @@ HELP = "Run the router as an Envoy external processor (the Endpoint Picker proto
 
 
 async def _run(config_path: Path, host: str, grpc_port: int, health_port: int,
-               http_port: int | None, fallbacks: int | None) -> None:
+               http_port: int | None, fallbacks: int) -> None:
     try:
         from kvroute.shell.epp_runtime import EppRuntime
     except ImportError as exc:
@@ -64,9 +64,9 @@ def epp(
     health_port: Annotated[int, typer.Option(help="gRPC health port (0 = a free port).")] = 9003,
     http_port: Annotated[Optional[int], typer.Option(  # noqa: UP045 (typer needs Optional)
         help="Override listen.port: /metrics, /health, /admin (0 = a free port).")] = None,
-    fallbacks: Annotated[Optional[int], typer.Option(  # noqa: UP045
-        help="Fallback endpoints after the chosen one (default retries.max_retries; 0 for "
-             "Envoy's ORIGINAL_DST cluster, which reads one endpoint).", min=0)] = None,
+    fallbacks: Annotated[int, typer.Option(
+        help="Fallback endpoints after the chosen one, at most retries.max_retries (0 for "
+             "Envoy's ORIGINAL_DST cluster, which reads one endpoint).", min=0)] = 0,
 ) -> None:
     """Run the picker until interrupted."""
     try:

@@ -32,13 +32,12 @@ class EppRuntime:
             health, admin).
         host: where the gRPC servers listen.
         grpc_port / health_port: their ports (0: a free one).
-        fallbacks: endpoints after the chosen one (``Picker.fallbacks``); None: the
-            config's ``retries.max_retries``.
+        fallbacks: endpoints after the chosen one (``Picker.fallbacks``).
         env / clock: as ``RouterRuntime`` takes them.
     """
 
     def __init__(self, config: RouterConfig, *, host: str = "127.0.0.1", grpc_port: int = 9002,
-                 health_port: int = 9003, fallbacks: int | None = None,
+                 health_port: int = 9003, fallbacks: int = 0,
                  env: Mapping[str, str] | None = None, clock: Clock | None = None) -> None:
         self.router = RouterRuntime(config, env=env, clock=clock)
         self._host = host

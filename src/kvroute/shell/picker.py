@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvroute.config import RouteConfig
+from kvroute.core.errors import ConfigError
 from kvroute.core.router import RoutingDecision
 from kvroute.core.session import session_key
 from kvroute.core.types import ReplicaId, RequestId, TenantName
@@ -114,8 +115,9 @@ class Picker(Forwarder):
     Attributes:
         admission: the HTTP router's admission (one in-flight bound for both).
         fallbacks: how many of the ranking's next replicas follow the chosen one in the
-            destination (``retries.max_retries`` by default; 0 for gateways that read one
-            endpoint only, such as Envoy's ``ORIGINAL_DST`` cluster).
+            destination, at most ``retries.max_retries`` (0, the default, for gateways
+            that read one endpoint only, such as Envoy's ``ORIGINAL_DST`` cluster; Envoy's
+            ``override_host`` load balancer tries the list in order on retries).
     """
 
     admission: Admission | None = None
@@ -125,20 +127,25 @@ class Picker(Forwarder):
     _request_ids: Iterator[str] = field(default_factory=request_ids)
 
     @classmethod
-    def of(cls, app: RouterApp, *, fallbacks: int | None = None) -> Picker:
+    def of(cls, app: RouterApp, *, fallbacks: int = 0) -> Picker:
         """A picker sharing ``app``'s walker, core, pools, state, tokenizers, warm-up sender,
         admission and metrics.
 
         Raises:
             EndpointError: a replica's URL cannot be given as ``ip:port``.
+            ConfigError: more fallbacks than ``retries.max_retries`` (the walk follows a
+                fallback as a retry, so the gateway may not try more than it allows).
         """
         router = app.router
         fwd = router.forwarder
         shared = {f.name: getattr(fwd, f.name) for f in dataclasses.fields(Forwarder)
                   if f.init and not f.name.startswith("_")}
         config = fwd.config
-        picker = cls(**shared, admission=router.admission,
-                     fallbacks=config.retries.max_retries if fallbacks is None else fallbacks)
+        if not 0 <= fallbacks <= config.retries.max_retries:
+            raise ConfigError(
+                f"--fallbacks {fallbacks} must be between 0 and retries.max_retries "
+                f"({config.retries.max_retries}); raise retries.max_retries to allow more")
+        picker = cls(**shared, admission=router.admission, fallbacks=fallbacks)
         picker._request_ids = router._request_ids
         for pool in config.pools.values():
             if pool.external is not None:
