@@ -13,7 +13,8 @@ One client, one request at a time (latency, not throughput); chat requests with 
 ~1,500-character prompt (a few shared prefixes), 8 output tokens; non-streamed (end to end)
 and streamed (time to the first content chunk). Prints a JSON report: p50/p99/mean per path
 and mode, and each path's added latency over ``direct`` with the ratio ``envoy+epp`` /
-``serve``.
+``serve``; and the CPU each process used per request (``/proc``, less sensitive to a loaded
+machine than latency): ``serve`` alone against ``envoy+epp``'s Envoy plus picker.
 
     PYTHONPATH=src python benchmarks/live/bench_epp_overhead.py --requests 200
 """
@@ -36,6 +37,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from kvroute.bench.procfs import process_cpu_s
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +153,7 @@ async def main(requests: int, seed: int) -> dict[str, Any]:
             ["epp", "-c", str(tmp / "kvroute.yaml"), "--grpc-port", "0", "--health-port", "0",
              "--fallbacks", "0"], tmp / "epp.log")
         procs.append(epp_proc)
+        cpu_pids = {"serve": serve_proc.pid, "epp": epp_proc.pid}
         async with aiohttp.ClientSession() as session:
             envoy_epp, envoy_plain = free_port(), free_port()
             picker_envoy(tmp / "epp.yaml", envoy_epp, epp["grpc_port"])
@@ -159,6 +162,7 @@ async def main(requests: int, seed: int) -> dict[str, Any]:
             plain_envoy(tmp / "plain.yaml", envoy_plain, engines)
             procs.append(start_envoy(tmp / "epp.yaml", tmp / "epp.log"))
             procs.append(start_envoy(tmp / "plain.yaml", tmp / "plain.log"))
+            cpu_pids["envoy_of_epp"], cpu_pids["envoy_plain"] = procs[-2].pid, procs[-1].pid
             await wait_port(envoy_epp)
             await wait_port(envoy_plain)
             direct = [r.url for r in fleet.replicas]
@@ -171,7 +175,10 @@ async def main(requests: int, seed: int) -> dict[str, Any]:
             report: dict[str, Any] = {"requests_per_path_and_mode": requests}
             for stream in (False, True):
                 samples: dict[str, list[float]] = {p: [] for p in paths}
+                cpu_before: dict[str, float] = {}
                 for i in range(requests + 10):  # the first 10 rounds warm up, not counted
+                    if i == 10:
+                        cpu_before = {k: process_cpu_s(pid) or 0.0 for k, pid in cpu_pids.items()}
                     content = f"{rng.choice(prefixes)} q{i}"
                     body = {"model": "assistant", "stream": stream, "max_tokens": 8,
                             "messages": [{"role": "user", "content": content}]}
@@ -191,6 +198,12 @@ async def main(requests: int, seed: int) -> dict[str, Any]:
                 for q in ("p50_ms", "mean_ms"):
                     stats[f"ratio_added_{q}_epp_over_serve"] = round(
                         stats["envoy+epp"][f"added_{q}"] / stats["serve"][f"added_{q}"], 2)
+                cpu = {k: ((process_cpu_s(pid) or 0.0) - cpu_before[k]) / requests * 1e3
+                       for k, pid in cpu_pids.items()}
+                stats["cpu_ms_per_request"] = {k: round(v, 3) for k, v in cpu.items()}
+                stats["cpu_ratio_envoy_and_epp_over_serve"] = round(
+                    (cpu["epp"] + cpu["envoy_of_epp"]) / cpu["serve"], 2)
+                stats["cpu_ratio_epp_over_serve"] = round(cpu["epp"] / cpu["serve"], 2)
                 report[mode] = stats
             return report
     finally:

@@ -391,6 +391,9 @@ def test_subset_fallback_shedding_and_health_over_grpc(
             destination = set_headers(head)["x-gateway-destination-endpoint"]
             assert destination == address["s2"]
             assert head.request_headers.response.clear_route_cache
+            assert set_headers(head)["x-request-id"]
+            # The engine never sees the client's API key (nor does it under kvroute serve).
+            assert "authorization" in head.request_headers.response.header_mutation.remove_headers
             lb = head.dynamic_metadata.fields["envoy.lb"].struct_value
             assert lb.fields["x-gateway-destination-endpoint"].string_value == destination
             piece = await ex.read()

@@ -67,7 +67,10 @@ def _headers_of(message: Any) -> dict[str, str]:
 
 
 def _metadata_of(request: Any) -> dict[str, Any]:
-    """The stream's ``metadata_context.filter_metadata`` as plain mappings."""
+    """The stream's ``metadata_context.filter_metadata`` as plain mappings (most messages
+    carry none: the conversion is skipped then)."""
+    if not request.HasField("metadata_context"):
+        return {}
     return {name: json_format.MessageToDict(value)
             for name, value in request.metadata_context.filter_metadata.items()}
 
@@ -89,14 +92,15 @@ def _immediate(refused: Refused) -> Any:
 def _destination(picked: Picked) -> Iterator[Any]:
     """The headers answer, with the ``envoy.lb`` metadata, for a picked request."""
     value = epp.destination_value(picked.endpoints)
-    set_headers = {epp.DESTINATION: value}
+    set_headers = {**picked.set_headers, epp.DESTINATION: value}
     if picked.body_changed:
         set_headers["content-length"] = str(len(picked.body))
     metadata = struct_pb2.Struct()
     metadata.update({epp.DESTINATION_NAMESPACE: {epp.DESTINATION: value}})
     yield ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=_mutation(set_headers), clear_route_cache=True)),
+            header_mutation=_mutation(set_headers, picked.remove_headers),
+            clear_route_cache=True)),
         dynamic_metadata=metadata)
 
 
@@ -168,15 +172,11 @@ class _Stream:
             return [self._response_headers(request)]
         if kind == "response_body":
             body = request.response_body
-            if self.walk is not None:
-                self.walk.response_body(body.body)
-                if body.end_of_stream:
-                    self.walk.finish()
+            self._watch(body.body, body.end_of_stream)
             return list(_body_pieces(body.body, end=body.end_of_stream,
                                      buffered=self._buffered_response, response=True))
         if kind == "response_trailers":
-            if self.walk is not None:
-                self.walk.finish()
+            self._watch(b"", True)
             return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         raise ValueError(f"ext_proc message of unknown kind {kind!r}")
 
@@ -193,17 +193,44 @@ class _Stream:
 
     def _response_headers(self, request: Any) -> Any:
         added: Mapping[str, str] = {}
-        if self.walk is not None:
+        walk = self.walk
+        if walk is not None:
             headers = _headers_of(request.response_headers)
             status_text = headers.get(":status", "0")
             status = int(status_text) if status_text.isdigit() else 0
             served = epp.served_endpoint(_metadata_of(request), headers)
-            added = self.walk.response_headers(status, served, headers.get("content-type", ""))
-            if request.response_headers.end_of_stream:
-                self.walk.finish()
+            try:
+                added = walk.response_headers(status, served, headers.get("content-type", ""))
+                if request.response_headers.end_of_stream:
+                    walk.finish()
+            except Exception:  # noqa: BLE001 - logged in _lost; the answer flows on
+                self._lost(walk)
         # The served endpoint, when Envoy reported it as a header, is for kvroute only.
         return ep.ProcessingResponse(response_headers=ep.HeadersResponse(
             response=ep.CommonResponse(header_mutation=_mutation(added, (epp.SERVED,)))))
+
+    def _watch(self, piece: bytes, end: bool) -> None:
+        """Feed a piece of the answer to the walk (and end it at the answer's end)."""
+        walk = self.walk
+        if walk is None:
+            return
+        try:
+            walk.response_body(piece)
+            if end:
+                walk.finish()
+        except Exception:  # noqa: BLE001 - logged in _lost; the answer flows on
+            self._lost(walk)
+
+    def _lost(self, walk: PickedWalk) -> None:
+        """A bug on the answer's path: the answer still flows; the walk is closed."""
+        log.exception("kvroute epp: following request %s's answer failed; the answer is "
+                      "relayed, its accounting closed", walk.ex.walk.request.request_id)
+        self.walk = None
+        try:
+            walk.finish("picker_error")
+        except Exception:  # logged; the stream goes on
+            log.exception("kvroute epp: closing request %s's walk failed too",
+                          walk.ex.walk.request.request_id)
 
     def close(self, broken: bool) -> None:
         """The stream is over; a walk still open ends as ``client_gone`` when it broke."""

@@ -90,12 +90,17 @@ class Picked:
         body: the body to forward.
         body_changed: ``body`` differs from the client's (``content-length`` must follow).
         walk: receives the response (:class:`PickedWalk`); ``finish`` it on every path.
+        set_headers: request headers to set for the engine (``x-request-id``).
+        remove_headers: request headers the engine must not see (the client's API key:
+            ``kvroute serve`` never forwards it either).
     """
 
     endpoints: tuple[str, ...]
     body: bytes
     body_changed: bool
     walk: PickedWalk
+    set_headers: Mapping[str, str] = field(default_factory=dict)
+    remove_headers: tuple[str, ...] = ("authorization",)
 
 
 def _routed_headers(decision: RoutingDecision) -> dict[str, str]:
@@ -275,7 +280,8 @@ class Picker(Forwarder):
                     and self.walker.core.is_healthy(replica)):
                 endpoints.append(self._endpoints[replica])
         picked.sent_ns = time.perf_counter_ns()
-        return Picked(tuple(endpoints), body, body is not ex.raw, picked)
+        return Picked(tuple(endpoints), body, body is not ex.raw, picked,
+                      {"x-request-id": decision.request.request_id})
 
     def served_replica(self, endpoint: str) -> ReplicaId | None:
         """The replica at ``endpoint``, if it is one of ours."""
@@ -313,40 +319,48 @@ class PickedWalk:
         """The answer's head: move to the served replica, note the first byte (2xx) or the
         failed status; returns the routing headers to add to the answer."""
         walk, picker = self.ex.walk, self._picker
-        if served is not None:
-            self._follow(served)
+        followed = served is None or self._follow(served)
         decision = walk.decision
         if decision is None:
             return {}
+        self._streamed = content_type.split(";", 1)[0].strip() == "text/event-stream"
+        if not followed:  # the walk gave up following the gateway and has ended
+            return _routed_headers(decision)
         if 200 <= status < 300:
             walk.answered()
         else:
             walk.outcome = "upstream_status"
             picker.metrics.upstream_error(decision.replica, "status")
-        self._streamed = content_type.split(";", 1)[0].strip() == "text/event-stream"
         picker._drain(walk)
         return _routed_headers(decision)
 
-    def _follow(self, served: str) -> None:
+    def _follow(self, served: str) -> bool:
         """The gateway served the request at ``served``: when that is a fallback, move the
-        walk's accounting along the ranking to it, as a failed attempt would."""
+        walk's accounting along the ranking to it, as a failed attempt would. False when the
+        walk could not follow (the replica went out of routing meanwhile, say) and ended
+        instead; its accounting is then closed."""
         walk, picker = self.ex.walk, self._picker
         replica = picker.served_replica(served)
         decision = walk.decision
         if decision is None or replica == decision.replica:
-            return
+            return True
         if replica is None or replica not in decision.ranking:
             log.warning("the gateway served request %s at %s, which is not among the "
                         "endpoints kvroute gave it; its accounting stays on %s",
                         walk.request.request_id, served, decision.replica)
-            return
-        while decision is not None and decision.replica != replica:
+            return True
+        while decision.replica != replica:
             action = walk.failed("fallback", retryable=True,
                                  detail=f"the gateway fell back to {served}")
+            picker._drain(walk)
             if not isinstance(action, Send):
-                break
+                log.warning("request %s: the gateway's fallback %s could not be followed "
+                            "(%s); its accounting ends here", walk.request.request_id, served,
+                            type(action).__name__)
+                self.finish("fallback_lost")
+                return False
             decision = action.decision
-        picker._drain(walk)
+        return True
 
     def response_body(self, piece: bytes) -> None:
         """A piece of the answer's body, as relayed."""
