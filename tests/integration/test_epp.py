@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -489,3 +491,63 @@ def test_tenant_keys_salts_and_the_gateways_model_rewrite_over_grpc(
             await ex.close()
 
     run(body())
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+KVROUTE = [sys.executable, "-c",
+           "import sys; from kvroute.cli import main; sys.argv[0] = 'kvroute'; main()"]
+
+
+def test_the_command_refuses_engines_named_by_host_name(tmp_path: Path) -> None:
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"small": {"model": "m", "replicas": [
+            {"name": "a", "url": "http://localhost:9"}]}},
+        "routes": {"assistant": {"pools": ["small"]}},
+        "discovery": {"timeout_s": 0.5}, "log_level": "error"}))
+    proc = subprocess.run(
+        [*KVROUTE, "epp", "-c", str(config), "--grpc-port", "0", "--health-port", "0"],
+        check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "names host 'localhost'" in proc.stderr and "IP address" in proc.stderr
+
+
+def test_the_command_serves_until_terminated(
+        make_fleet: FleetFactory, config_for: ConfigFor, tmp_path: Path) -> None:
+    fleet = make_fleet(1)
+    config = tmp_path / "kvroute.yaml"
+    replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events} for r in fleet.replicas]
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"small": {"model": "sim-model", "replicas": replicas}},
+        "routes": {ROUTE: {"pools": ["small"]}}, "log_level": "warning"}))
+    log = (tmp_path / "epp.log").open("wb")
+    with log, subprocess.Popen(
+            [*KVROUTE, "epp", "-c", str(config), "--grpc-port", "0", "--health-port", "0"],
+            stdout=subprocess.PIPE, stderr=log) as proc:
+        try:
+            assert proc.stdout is not None
+            ready = json.loads(proc.stdout.readline())
+            assert ready["ready"] is True and ready["grpc_port"] and ready["health_port"]
+
+            async def check() -> None:
+                target = f"127.0.0.1:{ready['health_port']}"
+                async with grpc.aio.insecure_channel(target) as channel:
+                    answer = await health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="readiness"))
+                    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+                async with aiohttp.ClientSession() as session, \
+                        session.get(ready["url"] + "/metrics") as resp:
+                    assert resp.status == 200  # the HTTP side: metrics, health, admin
+
+            run(check())
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0, (tmp_path / "epp.log").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
