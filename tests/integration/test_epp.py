@@ -410,8 +410,9 @@ def test_subset_fallback_shedding_and_health_over_grpc(
             await shed.send(*request_messages(chat("hello")))
             answer = (await shed.read()).immediate_response
             assert answer.status.code == 429
-            dropped = {h.header.key for h in answer.headers.set_headers}
-            assert {"retry-after", "x-llm-d-request-dropped-reason"} <= dropped
+            dropped = {h.header.key: h.header.raw_value for h in answer.headers.set_headers}
+            assert dropped["x-llm-d-request-dropped-reason"] == b"rejected-saturated"
+            assert dropped["retry-after"] == b"1"
             await shed.close()
             await ex.send(
                 ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=_headers(

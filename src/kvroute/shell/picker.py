@@ -199,7 +199,8 @@ class Picker(Forwarder):
         except AdmissionRejected as exc:
             self.metrics.admission_reject(exc.reason)
             return Refused(429, error_body(exc.message, status=429, code=429),
-                           {"retry-after": str(exc.retry_after_s), epp.DROPPED_REASON: exc.reason})
+                           {"retry-after": str(exc.retry_after_s),
+                            epp.DROPPED_REASON: epp.DROPPED_REASONS.get(exc.reason, exc.reason)})
         return await self._walk(request, body, parsed, route, tenant, headers, subset)
 
     def _route_of(self, parsed: ParsedRequest, headers: Mapping[str, str]) -> RouteConfig:

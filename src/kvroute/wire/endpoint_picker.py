@@ -20,6 +20,7 @@ __all__ = [
     "DESTINATION",
     "DESTINATION_NAMESPACE",
     "DROPPED_REASON",
+    "DROPPED_REASONS",
     "SERVED",
     "SUBSET",
     "SUBSET_NAMESPACE",
@@ -47,6 +48,10 @@ SUBSET: Final = "x-gateway-destination-endpoint-subset"
 """The gateway's candidate subset: the picker must choose among these endpoints only."""
 DROPPED_REASON: Final = "x-llm-d-request-dropped-reason"
 """The header llm-d's picker adds to a 429 (why the request was shed)."""
+DROPPED_REASONS: Final[Mapping[str, str]] = {
+    "queue_full": "rejected-saturated", "queue_timeout": "rejected-ttl-expired"}
+"""kvroute's admission refusals in llm-d's words for ``DROPPED_REASON`` (a full wait queue is
+saturation; a wait past ``queue_timeout_s`` is an expired TTL)."""
 
 # Request headers a gateway may send, each under its current name (``x-llm-d-*``) first and
 # its older ``x-gateway-*`` alias second (llm-d renamed them; both are read).
