@@ -36,6 +36,7 @@ from kvroute.sim.launcher import Fleet
 
 grpc = pytest.importorskip("grpc", reason="kvroute epp needs grpcio: pip install 'kvroute[epp]'")
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
@@ -44,6 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvroute.shell.epp_runtime import EppRuntime
 
 pytestmark = pytest.mark.integration
+BodySendMode = ProcessingMode.BodySendMode
 
 ROUTE = "assistant"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envoy"
@@ -71,10 +73,16 @@ def free_port() -> int:
 
 
 def envoy_config(path: Path, example: str, listen_port: int, epp_port: int,
-                 engines: list[str] | None = None) -> Path:
-    """A shipped example with this test's ports (and engines, for a cluster that lists them)."""
+                 engines: list[str] | None = None, body_mode: str | None = None) -> Path:
+    """A shipped example with this test's ports (and engines, for a cluster that lists them;
+    and another body mode for the ext_proc filter)."""
     doc = yaml.safe_load((EXAMPLES / example).read_text())
     resources = doc["static_resources"]
+    if body_mode is not None:
+        hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        (ext_proc,) = (f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        mode = ext_proc["typed_config"]["processing_mode"]
+        mode["request_body_mode"] = mode["response_body_mode"] = body_mode
     resources["listeners"][0]["address"]["socket_address"]["port_value"] = listen_port
     clusters = {c["name"]: c for c in resources["clusters"]}
     endpoint = clusters["kvroute_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
@@ -98,12 +106,14 @@ def spawn_envoy(config: Path, log: Path) -> subprocess.Popen[bytes]:
 
 @contextlib.asynccontextmanager
 async def running_envoy(tmp_path: Path, epp_port: int, example: str = "epp.yaml",
-                        engines: list[str] | None = None) -> AsyncIterator[str]:
+                        engines: list[str] | None = None,
+                        body_mode: str | None = None) -> AsyncIterator[str]:
     """A real Envoy in front of the picker; yields its base URL; always stopped."""
     assert ENVOY is not None
     port = free_port()
-    config = envoy_config(tmp_path / "envoy.yaml", example, port, epp_port, engines)
-    log = tmp_path / "envoy.log"
+    config = envoy_config(tmp_path / f"envoy-{port}.yaml", example, port, epp_port, engines,
+                          body_mode)
+    log = tmp_path / f"envoy-{port}.log"
     proc = spawn_envoy(config, log)
     try:
         deadline = time.monotonic() + 20.0  # a bound for a loaded machine
@@ -227,6 +237,20 @@ def test_envoy_sends_each_request_where_the_picker_chose(
             # Bad input ends at the picker with serve's 4xx, as an immediate response.
             status, _, raw = await post(session, url, {**chat("hi"), "model": "nope"})
             assert status == 404 and b"does not exist" in raw
+
+            # The same example with BUFFERED request and response bodies: the destination
+            # and the clamped body ride on the one body answer, the answer comes back whole.
+            async with running_envoy(tmp_path, rt.grpc_port, body_mode="BUFFERED") as buffered:
+                status, h, raw = await post(session, buffered,
+                                            chat(words("q", 200), max_tokens=1_000_000))
+                assert status == 200, raw
+                usage = json.loads(raw)["usage"]
+                assert usage["prompt_tokens"] + usage["completion_tokens"] <= 1024
+                status, h, raw = await post(session, buffered,
+                                            chat(prefix + " again", stream=True))
+                assert status == 200 and h["x-kvroute-replica"] == home
+                assert raw.rstrip().endswith(b"data: [DONE]")
+                await wait_for(lambda: in_flight(core, home) == 0, "the walks' end")
 
     run(body())
 
@@ -474,6 +498,15 @@ def test_tenant_keys_salts_and_the_gateways_model_rewrite_over_grpc(
             await ex.send(*request_messages(chat("hello")))
             refused = (await ex.read()).immediate_response
             assert refused.status.code == 401 and b"Missing API key" in refused.body
+            await ex.close()
+
+            # A filter that would send the headers on before the body is told how to fix it.
+            ex = Exchange(stub)
+            first, _ = request_messages(chat("hello"))
+            first.protocol_config.request_body_mode = BodySendMode.Value("STREAMED")
+            await ex.send(first)
+            refused = (await ex.read()).immediate_response
+            assert refused.status.code == 500 and b"FULL_DUPLEX_STREAMED" in refused.body
             await ex.close()
 
             ex = Exchange(stub)

@@ -7,7 +7,7 @@ Every decision is the picker's (and so the walk's); the protocol's names and val
 are ``wire/endpoint_picker.py``'s.
 
 One stream, in the order Envoy sends it (processing mode: headers SEND, bodies
-``FULL_DUPLEX_STREAMED``, trailers SEND; ``BUFFERED`` bodies are answered too):
+``FULL_DUPLEX_STREAMED``, trailers SEND, as the protocol asks):
 
 * request headers: kept (and the gateway's candidate subset, from the stream's metadata);
   nothing is answered yet, Envoy streams the body on;
@@ -21,6 +21,12 @@ One stream, in the order Envoy sends it (processing mode: headers SEND, bodies
   the routing headers ``kvroute serve`` adds (``x-kvroute-replica`` ...);
 * response body: every piece echoed back unchanged as it comes (tokens stream through) and
   watched for ``finish_reason`` and ``usage``; at its end the walk ends.
+
+A gateway whose filter says ``BUFFERED`` for the request body (Envoy states its modes in the
+stream's first message) gets its headers answered at once and everything else on the one
+body answer; any other response body mode is answered without mutation. A request body mode
+that would send the headers on before the body (``STREAMED``, ``NONE``) is refused with a
+500 that says how to configure the filter.
 
 A stream that breaks (the client gone, Envoy reset) ends the walk as ``client_gone``.
 """
@@ -54,7 +60,9 @@ HEALTH_SERVICES: Final = ("", "liveness", "readiness", SERVICE_NAME)
 
 _OVERWRITE: Final = base_pb2.HeaderValueOption.HeaderAppendAction.Value(
     "OVERWRITE_IF_EXISTS_OR_ADD")
-_BUFFERED: Final = processing_mode_pb2.ProcessingMode.BodySendMode.Value("BUFFERED")
+_MODES: Final = processing_mode_pb2.ProcessingMode.BodySendMode
+_BUFFERED: Final = _MODES.Value("BUFFERED")
+_DUPLEX: Final = _MODES.Value("FULL_DUPLEX_STREAMED")
 
 
 def _headers_of(message: Any) -> dict[str, str]:
@@ -89,28 +97,34 @@ def _immediate(refused: Refused) -> Any:
         body=refused.body, details=f"kvroute_refused_{refused.status}"))
 
 
-def _destination(picked: Picked) -> Iterator[Any]:
-    """The headers answer, with the ``envoy.lb`` metadata, for a picked request."""
+def _destination(picked: Picked, *, buffered: bool) -> Iterator[Any]:
+    """The answers for a picked request: the destination header (and ``content-length``,
+    ``x-request-id``), the ``envoy.lb`` metadata and the body. Streamed (``FULL_DUPLEX_
+    STREAMED``): a headers answer, then the body in pieces. ``BUFFERED``: the headers have
+    been answered already, so all of it rides on the one body answer."""
     value = epp.destination_value(picked.endpoints)
     set_headers = {**picked.set_headers, epp.DESTINATION: value}
     if picked.body_changed:
         set_headers["content-length"] = str(len(picked.body))
     metadata = struct_pb2.Struct()
     metadata.update({epp.DESTINATION_NAMESPACE: {epp.DESTINATION: value}})
+    mutation = _mutation(set_headers, picked.remove_headers)
+    if buffered:
+        yield ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=ep.CommonResponse(
+                header_mutation=mutation, body_mutation=ep.BodyMutation(body=picked.body),
+                clear_route_cache=True)),
+            dynamic_metadata=metadata)
+        return
     yield ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=_mutation(set_headers, picked.remove_headers),
-            clear_route_cache=True)),
+            header_mutation=mutation, clear_route_cache=True)),
         dynamic_metadata=metadata)
 
 
-def _body_pieces(body: bytes, *, end: bool, buffered: bool, response: bool) -> Iterator[Any]:
-    """``body`` as body answers: one whole mutation in ``BUFFERED`` mode, else streamed
-    pieces, the last one carrying ``end`` as its end of stream."""
-    if buffered:
-        common = ep.CommonResponse(body_mutation=ep.BodyMutation(body=body))
-        yield _body_answer(common, response)
-        return
+def _body_pieces(body: bytes, *, end: bool, response: bool) -> Iterator[Any]:
+    """``body`` as streamed body answers (``FULL_DUPLEX_STREAMED``), the last one carrying
+    ``end`` as its end of stream."""
     pieces = list(epp.body_chunks(body))
     for i, piece in enumerate(pieces):
         streamed = ep.StreamedBodyResponse(body=piece, end_of_stream=end and i == len(pieces) - 1)
@@ -127,17 +141,18 @@ def _body_answer(common: Any, response: bool) -> Any:
 class _Stream:
     """One ext_proc stream: one HTTP request and its answer (module docstring)."""
 
-    __slots__ = ("_body", "_buffered_request", "_buffered_response", "_headers", "_picker",
-                 "_subset", "answered", "walk")
+    __slots__ = ("_body", "_headers", "_picker", "_request_mode", "_response_mode", "_subset",
+                 "answered", "walk")
 
     def __init__(self, picker: Picker) -> None:
         self._picker = picker
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
         self._body: list[bytes] = []
-        self._buffered_request = False
-        self._buffered_response = False
-        self.answered = False  # the request's headers answer has been sent
+        # Envoy states its modes in the stream's first message; the protocol's are assumed.
+        self._request_mode = _DUPLEX
+        self._response_mode = _DUPLEX
+        self.answered = False  # the destination has been answered
         self.walk: PickedWalk | None = None
 
     async def on(self, request: Any) -> list[Any]:
@@ -145,17 +160,26 @@ class _Stream:
         kind = request.WhichOneof("request")
         if request.HasField("protocol_config"):
             config = request.protocol_config
-            self._buffered_request = config.request_body_mode == _BUFFERED
-            self._buffered_response = config.response_body_mode == _BUFFERED
+            self._request_mode = config.request_body_mode
+            self._response_mode = config.response_body_mode
         if kind == "request_headers":
             self._headers = _headers_of(request.request_headers)
             try:
                 self._subset = epp.subset_hint(_metadata_of(request))
             except epp.EndpointError as exc:
-                return [_immediate(_bad_request(f"The gateway's endpoint subset is malformed: "
-                                                f"{exc}."))]
+                return [_immediate(_refusal(400, f"The gateway's endpoint subset is malformed: "
+                                                 f"{exc}."))]
             if request.request_headers.end_of_stream:
                 return await self._pick(b"", trailers=False)
+            if self._request_mode == _BUFFERED:  # the body follows once the head is answered
+                return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+            if self._request_mode != _DUPLEX:
+                name = _MODES.Name(self._request_mode)
+                return [_immediate(_refusal(500, (
+                    f"kvroute epp needs the whole request body before the headers go on, and "
+                    f"this gateway sends it with request_body_mode {name}; configure the "
+                    "ext_proc filter with request_body_mode FULL_DUPLEX_STREAMED (with "
+                    "request_trailer_mode SEND) or BUFFERED.")))]
             return []
         if kind == "request_body":
             body = request.request_body
@@ -173,8 +197,10 @@ class _Stream:
         if kind == "response_body":
             body = request.response_body
             self._watch(body.body, body.end_of_stream)
-            return list(_body_pieces(body.body, end=body.end_of_stream,
-                                     buffered=self._buffered_response, response=True))
+            if self._response_mode == _DUPLEX:
+                return list(_body_pieces(body.body, end=body.end_of_stream, response=True))
+            # Other modes: the body goes on as it is (no mutation).
+            return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
         if kind == "response_trailers":
             self._watch(b"", True)
             return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
@@ -187,9 +213,10 @@ class _Stream:
         if isinstance(outcome, Refused):
             return [_immediate(outcome)]
         self.walk = outcome.walk
-        return [*_destination(outcome),
-                *_body_pieces(outcome.body, end=not trailers,
-                              buffered=self._buffered_request, response=False)]
+        if self._request_mode == _BUFFERED:
+            return list(_destination(outcome, buffered=True))
+        return [*_destination(outcome, buffered=False),
+                *_body_pieces(outcome.body, end=not trailers, response=False)]
 
     def _response_headers(self, request: Any) -> Any:
         added: Mapping[str, str] = {}
@@ -238,8 +265,8 @@ class _Stream:
             self.walk.finish("client_gone" if broken else None)
 
 
-def _bad_request(message: str) -> Refused:
-    return Refused(400, error_body(message, status=400))
+def _refusal(status: int, message: str) -> Refused:
+    return Refused(status, error_body(message, status=status))
 
 
 class ExternalProcessor:
