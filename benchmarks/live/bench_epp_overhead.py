@@ -132,7 +132,7 @@ def summary(samples: list[float]) -> dict[str, float]:
             "p99_ms": round(p99 * 1e3, 3), "mean_ms": round(statistics.fmean(ordered) * 1e3, 3)}
 
 
-async def main(requests: int, seed: int) -> dict[str, Any]:
+async def main(requests: int, seed: int, loop: str = "asyncio") -> dict[str, Any]:
     fleet = start_fleet([ReplicaSpec(name=f"e{i}", pool="small", model="sim-model",
                                      extra_args=("--timing", "0,0,0,0")) for i in range(2)],
                         timeout_s=30.0)
@@ -151,7 +151,7 @@ async def main(requests: int, seed: int) -> dict[str, Any]:
         procs.append(serve_proc)
         epp_proc, epp = start_kvroute(
             ["epp", "-c", str(tmp / "kvroute.yaml"), "--grpc-port", "0", "--health-port", "0",
-             "--fallbacks", "0"], tmp / "epp.log")
+             "--fallbacks", "0", "--loop", loop], tmp / "epp.log")
         procs.append(epp_proc)
         cpu_pids = {"serve": serve_proc.pid, "epp": epp_proc.pid}
         async with aiohttp.ClientSession() as session:
@@ -217,7 +217,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--epp-loop", default="asyncio", help="kvroute epp's --loop")
     args = parser.parse_args()
-    out = asyncio.run(main(args.requests, args.seed))
+    out = asyncio.run(main(args.requests, args.seed, args.epp_loop))
     json.dump(out, sys.stdout, indent=1)
     print()

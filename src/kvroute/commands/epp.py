@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvroute.commands.serve import _configure_logging
+from kvroute.commands.serve import _configure_logging, loop_factory
 from kvroute.config import load_config
 from kvroute.core.errors import ConfigError
 
@@ -67,10 +67,13 @@ def epp(
     fallbacks: Annotated[int, typer.Option(
         help="Fallback endpoints after the chosen one, at most retries.max_retries (0 for "
              "Envoy's ORIGINAL_DST cluster, which reads one endpoint).", min=0)] = 0,
+    loop: Annotated[str, typer.Option(
+        help="Event loop: asyncio (default), uvloop, or auto (uvloop when installed).")] = "asyncio",
 ) -> None:
     """Run the picker until interrupted."""
     try:
-        asyncio.run(_run(config, host, grpc_port, health_port, http_port, fallbacks))
+        with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+            runner.run(_run(config, host, grpc_port, health_port, http_port, fallbacks))
     except ConfigError as exc:
         typer.echo(f"kvroute: configuration error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
