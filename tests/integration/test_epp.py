@@ -398,7 +398,8 @@ def set_headers(response: Any) -> dict[str, str]:
 def test_subset_fallback_shedding_and_health_over_grpc(
         make_fleet: FleetFactory, config_for: ConfigFor) -> None:
     fleet = make_fleet(3)
-    config = config_for(fleet, admission={"max_in_flight": 1, "max_queue": 0})
+    config = config_for(fleet, admission={"max_in_flight": 1, "max_queue": 0},
+                        max_body_bytes=16_384)
     address = {r.name: r.url.removeprefix("http://") for r in fleet.replicas}
 
     async def body() -> None:
@@ -447,6 +448,19 @@ def test_subset_fallback_shedding_and_health_over_grpc(
             assert echoed.body == b"{}" and echoed.end_of_stream
             await ex.close()
             await wait_for(lambda: in_flight(core, "s2") == 0, "the first walk's end")
+
+            # A body over max_body_bytes, in pieces: counted, not kept, refused with a 413.
+            ex = Exchange(stub)
+            head, whole = request_messages(chat(words("big", 5000)))
+            raw = whole.request_body.body
+            assert len(raw) > 16_384
+            third = len(raw) // 3
+            await ex.send(head, *(ep.ProcessingRequest(request_body=ep.HttpBody(
+                body=raw[i:i + third], end_of_stream=i + third >= len(raw)))
+                for i in range(0, len(raw), third)))
+            refused = (await ex.read()).immediate_response
+            assert refused.status.code == 413 and str(len(raw)).encode() in refused.body
+            await ex.close()
 
             # No endpoint of the subset is ours: 503, as the protocol says.
             ex = Exchange(stub)

@@ -141,14 +141,15 @@ def _body_answer(common: Any, response: bool) -> Any:
 class _Stream:
     """One ext_proc stream: one HTTP request and its answer (module docstring)."""
 
-    __slots__ = ("_body", "_headers", "_picker", "_request_mode", "_response_mode", "_subset",
-                 "answered", "walk")
+    __slots__ = ("_body", "_body_size", "_headers", "_picker", "_request_mode",
+                 "_response_mode", "_subset", "answered", "walk")
 
     def __init__(self, picker: Picker) -> None:
         self._picker = picker
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
         self._body: list[bytes] = []
+        self._body_size = 0  # pieces past the router's max_body_bytes are counted, not kept
         # Envoy states its modes in the stream's first message; the protocol's are assumed.
         self._request_mode = _DUPLEX
         self._response_mode = _DUPLEX
@@ -183,7 +184,9 @@ class _Stream:
             return []
         if kind == "request_body":
             body = request.request_body
-            self._body.append(body.body)
+            self._body_size += len(body.body)
+            if self._body_size <= self._picker.config.max_body_bytes:
+                self._body.append(body.body)
             if not body.end_of_stream:
                 return []
             return await self._pick(b"".join(self._body), trailers=False)
@@ -209,7 +212,8 @@ class _Stream:
     async def _pick(self, body: bytes, *, trailers: bool) -> list[Any]:
         self.answered = True
         headers = self._headers
-        outcome = await self._picker.pick(headers.get(":path", ""), headers, body, self._subset)
+        outcome = await self._picker.pick(headers.get(":path", ""), headers, body, self._subset,
+                                          body_size=self._body_size)
         if isinstance(outcome, Refused):
             return [_immediate(outcome)]
         self.walk = outcome.walk

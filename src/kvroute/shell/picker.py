@@ -161,19 +161,18 @@ class Picker(Forwarder):
                 picker._replicas[address] = rep.name
         return picker
 
-    def endpoint(self, replica: ReplicaId) -> str:
-        """The replica's ``ip:port``."""
-        return self._endpoints[replica]
-
     async def pick(self, path: str, headers: Mapping[str, str], body: bytes,
-                   subset: frozenset[str] | None) -> Picked | Refused:
+                   subset: frozenset[str] | None, *, body_size: int | None = None,
+                   ) -> Picked | Refused:
         """Walk one request to its destination (module docstring).
 
         Args:
             path: the request's ``:path`` (query string allowed).
             headers: its headers, names lower-cased.
-            body: its whole body.
+            body: its whole body (or what was kept of it: see ``body_size``).
             subset: the gateway's candidate endpoints, or None for every replica.
+            body_size: the body's size when the caller stopped keeping it past
+                ``max_body_bytes`` (it is then refused with a 413).
         """
         assert self.admission is not None, "Picker.of sets the admission"
         endpoint = _PATHS.get(path.split("?", 1)[0])
@@ -184,9 +183,10 @@ class Picker(Forwarder):
         request = Request(None, "POST", path, "", dict(headers), "HTTP/1.1", True)
         try:
             tenant = tenant_of(request, self.secrets)
-            if len(body) > self.config.max_body_bytes:
+            size = len(body) if body_size is None else body_size
+            if size > self.config.max_body_bytes:
                 raise RequestError(
-                    f"Request body is {len(body)} bytes, over this router's limit of "
+                    f"Request body is {size} bytes, over this router's limit of "
                     f"{self.config.max_body_bytes} bytes. Send a shorter prompt, or raise the "
                     "router's max_body_bytes setting.", status=413)
             parsed = parse_request(body, endpoint, max_body_bytes=self.config.max_body_bytes)
