@@ -53,7 +53,7 @@ async def _run(config_path: Path, host: str, grpc_port: int, health_port: int,
                               "health_port": runtime.health_port, "url": runtime.router.url}),
                   flush=True)
             await stop.wait()
-    except EndpointError as exc:
+    except (EndpointError, OSError) as exc:
         raise ConfigError(str(exc)) from exc
 
 

@@ -55,8 +55,10 @@ __all__ = ["HEALTH_SERVICES", "EppServer", "ExternalProcessor"]
 log = logging.getLogger("kvroute.epp")
 
 SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
-HEALTH_SERVICES: Final = ("", "liveness", "readiness", SERVICE_NAME)
-"""The gRPC health services answered, as the protocol names them ("" is the server's)."""
+_READINESS: Final = ("", "readiness", SERVICE_NAME)
+HEALTH_SERVICES: Final = ("liveness", *_READINESS)
+"""The gRPC health services answered, as the protocol names them ("" is the server's):
+``liveness`` serves while the process runs, the others while it takes requests."""
 
 _OVERWRITE: Final = base_pb2.HeaderValueOption.HeaderAppendAction.Value(
     "OVERWRITE_IF_EXISTS_OR_ADD")
@@ -292,6 +294,24 @@ class ExternalProcessor:
             stream.close(broken)
 
 
+def _listen(server: grpc.aio.Server, host: str, port: int, what: str, option: str) -> int:
+    """Bind ``server`` to ``host:port``; the bound port.
+
+    Raises:
+        OSError: the address is taken or cannot be bound (gRPC says so as a RuntimeError
+            or a port of 0, depending on its version).
+    """
+    try:
+        bound = int(server.add_insecure_port(f"{host}:{port}"))
+    except RuntimeError as exc:
+        raise OSError(f"kvroute epp cannot listen for {what} on {host}:{port} ({exc}); "
+                      f"choose another {option}") from exc
+    if not bound:
+        raise OSError(f"kvroute epp cannot listen for {what} on {host}:{port}; "
+                      f"choose another {option}")
+    return bound
+
+
 class EppServer:
     """The picker's gRPC servers: ext_proc on one port, health on another.
 
@@ -309,13 +329,10 @@ class EppServer:
         """Listen; returns (ext_proc port, health port)."""
         server = grpc.aio.server()
         ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self._picker), server)
-        bound = server.add_insecure_port(f"{host}:{port}")
         health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, health_server)
-        health_bound = health_server.add_insecure_port(f"{host}:{health_port}")
-        if not bound or not health_bound:
-            raise OSError(f"kvroute epp could not listen on {host}:{port} (ext_proc) and "
-                          f"{host}:{health_port} (health); pick free ports")
+        bound = _listen(server, host, port, "ext_proc", "--grpc-port")
+        health_bound = _listen(health_server, host, health_port, "gRPC health", "--health-port")
         self._server, self._health_server = server, health_server
         await server.start()
         await health_server.start()
@@ -326,7 +343,7 @@ class EppServer:
     async def set_ready(self, ready: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if ready
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for service in ("", "readiness", SERVICE_NAME):
+        for service in _READINESS:
             await self.health.set(service, status)
 
     async def stop(self, grace_s: float = 5.0) -> None:
