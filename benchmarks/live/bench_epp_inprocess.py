@@ -74,7 +74,7 @@ async def main(requests: int) -> dict[str, float]:
                 answers += [a for m in response for a in await stream.on(m)]
                 for answer in answers:
                     answer.SerializeToString()
-                stream.close(False)
+                stream.close()
 
             for _ in range(50):
                 await cycle()

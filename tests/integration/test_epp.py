@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -182,7 +183,9 @@ async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 
 
 @needs_envoy
 def test_envoy_sends_each_request_where_the_picker_chose(
-        make_fleet: FleetFactory, config_for: ConfigFor, tmp_path: Path) -> None:
+        make_fleet: FleetFactory, config_for: ConfigFor, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvroute.decision")
     fleet = make_fleet(3, max_model_len=1024)
     config = config_for(fleet)
 
@@ -216,6 +219,20 @@ def test_envoy_sends_each_request_where_the_picker_chose(
             assert events[-1] == b"[DONE]"
             assert len(events) >= 3  # role, tokens..., [DONE]: streamed, not one blob
             await wait_for(lambda: in_flight(core, home) == 0, "the walk's end")
+
+            # A client that leaves mid-stream: Envoy ends the ext_proc stream, the walk ends
+            # (its load released) without waiting for an answer nobody reads.
+            async with session.post(url + "/v1/chat/completions",
+                                    json=chat(prefix + " long", max_tokens=600,
+                                              stream=True)) as resp:
+                assert resp.status == 200
+                await resp.content.readline()
+                assert in_flight(core, home) == 1
+                resp.close()
+            await wait_for(lambda: in_flight(core, home) == 0, "the abandoned walk's end")
+            outcomes = [json.loads(r.getMessage())["outcome"] for r in caplog.records
+                        if r.name == "kvroute.decision"]
+            assert outcomes[-1] == "gateway_closed"
 
             # max_tokens far over the window: the picker clamps it and fixes content-length;
             # unchanged, the engine would refuse it as too long.
@@ -488,7 +505,7 @@ def test_subset_fallback_shedding_and_health_over_grpc(
                 await ex.read()).response_headers.response.header_mutation.set_headers}
             assert added["x-kvroute-replica"] == second
             assert in_flight(core, first) == 0 and in_flight(core, second) == 1
-            await ex.close()  # the stream breaks off: the walk ends all the same
+            await ex.close()  # the exchange ends before the answer: the walk ends all the same
             await wait_for(lambda: in_flight(core, second) == 0, "the broken walk's end")
 
     run(body())

@@ -28,7 +28,8 @@ body answer; any other response body mode is answered without mutation. A reques
 that would send the headers on before the body (``STREAMED``, ``NONE``) is refused with a
 500 that says how to configure the filter.
 
-A stream that breaks (the client gone, Envoy reset) ends the walk as ``client_gone``.
+A stream that ends before the answer does (the client gone, the engine's answer broken
+off: Envoy closes the exchange either way) ends the walk as ``gateway_closed``.
 """
 
 from __future__ import annotations
@@ -265,10 +266,12 @@ class _Stream:
             log.exception("kvroute epp: closing request %s's walk failed too",
                           walk.ex.walk.request.request_id)
 
-    def close(self, broken: bool) -> None:
-        """The stream is over; a walk still open ends as ``client_gone`` when it broke."""
+    def close(self) -> None:
+        """The stream is over. A walk whose answer has not ended ends here as
+        ``gateway_closed``: Envoy closes the exchange (cleanly) when the client leaves, and
+        when the engine's answer breaks off."""
         if self.walk is not None:
-            self.walk.finish("client_gone" if broken else None)
+            self.walk.finish("gateway_closed")  # a no-op when the answer's end finished it
 
 
 def _refusal(status: int, message: str) -> Refused:
@@ -284,14 +287,12 @@ class ExternalProcessor:
     async def Process(self, requests: AsyncIterator[Any],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         stream = _Stream(self._picker)
-        broken = True
         try:
             async for request in requests:
                 for answer in await stream.on(request):
                     yield answer
-            broken = False
         finally:
-            stream.close(broken)
+            stream.close()
 
 
 def _listen(server: grpc.aio.Server, host: str, port: int, what: str, option: str) -> int:

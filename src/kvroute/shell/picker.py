@@ -372,7 +372,8 @@ class PickedWalk:
 
     def finish(self, outcome: str | None = None) -> None:
         """End the walk: release its load and admission slot, write the session, log the
-        decision. ``outcome`` overrides the walk's (``client_gone``, ``stream_cut``)."""
+        decision. ``outcome`` overrides the walk's (``gateway_closed``, ``fallback_lost``);
+        the answer's ``finish_reason`` and ``usage`` are read only when it ended normally."""
         if self._finished:
             return
         self._finished = True
