@@ -137,10 +137,11 @@ async def main(requests: int, seed: int, loop: str = "asyncio") -> dict[str, Any
                                      extra_args=("--timing", "0,0,0,0")) for i in range(2)],
                         timeout_s=30.0)
     procs: list[subprocess.Popen[bytes]] = []
+    scratch = tempfile.TemporaryDirectory(prefix="kvroute-epp-bench-")
     try:
         replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
                      "kv_replay": r.kv_replay} for r in fleet.replicas]
-        tmp = Path(tempfile.mkdtemp(prefix="kvroute-epp-bench-"))
+        tmp = Path(scratch.name)
         (tmp / "kvroute.yaml").write_text(yaml.safe_dump({
             "listen": {"host": "127.0.0.1", "port": 0},
             "pools": {"small": {"model": "sim-model", "replicas": replicas}},
@@ -196,14 +197,17 @@ async def main(requests: int, seed: int, loop: str = "asyncio") -> dict[str, Any
                     for q in ("p50_ms", "mean_ms", "p99_ms"):
                         stats[name][f"added_{q}"] = round(stats[name][q] - base[q], 3)
                 for q in ("p50_ms", "mean_ms"):
+                    serve_added = stats["serve"][f"added_{q}"] or float("nan")
                     stats[f"ratio_added_{q}_epp_over_serve"] = round(
-                        stats["envoy+epp"][f"added_{q}"] / stats["serve"][f"added_{q}"], 2)
+                        stats["envoy+epp"][f"added_{q}"] / serve_added, 2)
                 cpu = {k: ((process_cpu_s(pid) or 0.0) - cpu_before[k]) / requests * 1e3
                        for k, pid in cpu_pids.items()}
                 stats["cpu_ms_per_request"] = {k: round(v, 3) for k, v in cpu.items()}
+                # /proc counts CPU in clock ticks: a short run may show none for serve.
+                serve_cpu = cpu["serve"] or float("nan")
                 stats["cpu_ratio_envoy_and_epp_over_serve"] = round(
-                    (cpu["epp"] + cpu["envoy_of_epp"]) / cpu["serve"], 2)
-                stats["cpu_ratio_epp_over_serve"] = round(cpu["epp"] / cpu["serve"], 2)
+                    (cpu["epp"] + cpu["envoy_of_epp"]) / serve_cpu, 2)
+                stats["cpu_ratio_epp_over_serve"] = round(cpu["epp"] / serve_cpu, 2)
                 report[mode] = stats
             return report
     finally:
@@ -211,6 +215,7 @@ async def main(requests: int, seed: int, loop: str = "asyncio") -> dict[str, Any
             proc.terminate()
             proc.wait(5)
         fleet.stop()
+        scratch.cleanup()
 
 
 if __name__ == "__main__":
