@@ -825,3 +825,47 @@ def test_drop_events_makes_a_gap_on_pub_that_replay_fills() -> None:
         assert state["drop_events"] == 0 and state["fired"]["events_dropped"] == 2
 
     run(config(fault_injection=True), body)
+
+
+def test_natural_answers_end_with_stop_like_a_model_and_max_tokens_still_caps() -> None:
+    """Issue #25: a one-word chat used to generate to the window (131K tokens)."""
+    from kvroute.sim.answer_lengths import AnswerLengths
+
+    lengths = AnswerLengths(seed=3)
+    hello = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+
+    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
+        status, out = await post(session, server, "/v1/chat/completions", hello)
+        assert status == 200 and out["choices"][0]["finish_reason"] == "stop"
+        n = out["usage"]["completion_tokens"]
+        assert 1 <= n < 4000
+        status, again = await post(session, server, "/v1/chat/completions", hello)
+        assert again["usage"]["completion_tokens"] == n  # deterministic per request
+        capped = await post(session, server, "/v1/chat/completions", {**hello, "max_tokens": 2})
+        assert capped[1]["choices"][0]["finish_reason"] == "length"
+        assert capped[1]["usage"]["completion_tokens"] == 2
+        # vLLM's ignore_eos: run to max_tokens whatever the drawn length.
+        long = max(n + 5, 20)
+        status, ignored = await post(session, server, "/v1/chat/completions",
+                                     {**hello, "max_tokens": long, "ignore_eos": True})
+        assert ignored["choices"][0]["finish_reason"] == "length"
+        assert ignored["usage"]["completion_tokens"] == long
+        events = await stream_events(session, server, "/v1/chat/completions",
+                                     {**hello, "stream": True})
+        finishes = [e["choices"][0]["finish_reason"] for e in events
+                    if isinstance(e, dict) and e.get("choices")]
+        assert finishes[-1] == "stop"
+
+    run(config(max_model_len=8192, num_gpu_blocks=2048, answer_lengths=lengths), body)
+
+
+def test_eos_after_wins_over_natural_lengths() -> None:
+    from kvroute.sim.answer_lengths import AnswerLengths
+
+    async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
+        status, out = await post(session, server, "/v1/chat/completions",
+                                 {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert out["choices"][0]["finish_reason"] == "stop"
+        assert out["usage"]["completion_tokens"] == 7
+
+    run(config(answer_lengths=AnswerLengths(), eos_after_tokens=7), body)

@@ -33,6 +33,7 @@ import typer
 
 from kvroute.core.errors import ConfigError, RouterError
 from kvroute.engine.model import StepTiming
+from kvroute.sim.answer_lengths import ANSWER_LENGTH_MODES, AnswerLengths
 from kvroute.sim.calibrate import CalibrationPlan, calibrate
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
 from kvroute.sim.profiles import profile_names
@@ -74,6 +75,8 @@ def serve(
     enable_prompt_tokens_details: Annotated[bool, typer.Option(help="Report usage.prompt_tokens_details.cached_tokens.")] = False,
     no_render: Annotated[bool, typer.Option(help="Answer the /render routes with vLLM's 403, as vLLM without --enable-scale-out.")] = False,
     eos_after: Annotated[int | None, typer.Option(help="Every request stops ('stop') after this many tokens.")] = None,
+    answer_length: Annotated[str, typer.Option(help="'natural': each answer ends ('stop') at a length drawn per request (median 180 tokens, long tail; sim.answer_lengths); 'max-tokens': run to max_tokens or the window, as vLLM with ignore_eos.")] = "natural",
+    answer_seed: Annotated[int, typer.Option(help="Seed of the natural answer lengths.")] = 0,
     vocab_size: Annotated[int, typer.Option(help="Built-in tokenizer vocabulary.")] = 32000,
     timing: Annotated[str | None, typer.Option(help="Override the profile's step constants: FIXED_S,PREFILL_TOKEN_S,DECODE_SEQ_S,CONTEXT_TOKEN_S.")] = None,
     root: Annotated[str | None, typer.Option(help="'root' of the /v1/models card, vLLM's model path (default: --tokenizer if given, else --model).")] = None,
@@ -93,6 +96,7 @@ def serve(
             error_style=error_style, hash_algo=hash_algo,
             enable_prompt_tokens_details=enable_prompt_tokens_details,
             render_endpoints=not no_render, eos_after_tokens=eos_after, timing=step_timing,
+            answer_lengths=_answer_lengths(answer_length, answer_seed),
             kv_events_socket=kv_events_socket,  # type: ignore[arg-type]  # checked by the config
             root=root, max_chars_per_token=max_chars_per_token, fault_injection=fault_injection,
         )
@@ -104,6 +108,13 @@ def serve(
         run_sim_server(config, on_ready=ready)
     except (RouterError, ValueError, OSError) as exc:
         raise _fail(exc) from exc
+
+
+def _answer_lengths(mode: str, seed: int) -> AnswerLengths | None:
+    if mode not in ANSWER_LENGTH_MODES:
+        raise ConfigError(f"--answer-length must be one of {', '.join(ANSWER_LENGTH_MODES)}, "
+                          f"got {mode!r}")
+    return AnswerLengths(seed=seed) if mode == "natural" else None
 
 
 def _parse_timing(text: str) -> StepTiming:
@@ -149,14 +160,21 @@ def fleet(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for every replica.")] = 60.0,
     kv_events_socket: Annotated[str, typer.Option(help="'bind' or 'vllm' (connect to base-port endpoints; needs --base-port > 0 and subscribers bound there).")] = "bind",
     fault_injection: Annotated[bool, typer.Option(help="Every replica serves /sim/faults.")] = False,
+    answer_length: Annotated[str, typer.Option(help="'natural' (answers end like a model's) or 'max-tokens' (run to max_tokens, as vLLM with ignore_eos).")] = "natural",
+    prompt_tokens_details: Annotated[bool, typer.Option(help="Engines report usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details), which kvroute checks its predictions against.")] = True,
 ) -> None:
     """Start a fleet of simulated engines and keep it up until Ctrl-C / SIGTERM."""
     if kv_events_socket not in ("bind", "vllm"):
         raise typer.BadParameter(f"--kv-events-socket must be 'bind' or 'vllm', got {kv_events_socket!r}")
+    if answer_length not in ANSWER_LENGTH_MODES:
+        raise typer.BadParameter(f"--answer-length must be one of {', '.join(ANSWER_LENGTH_MODES)}, "
+                                 f"got {answer_length!r}")
     specs: list[ReplicaSpec] = []
     common = {"block_size": block_size, "num_gpu_blocks": num_gpu_blocks,
               "error_style": error_style, "tokenizer": tokenizer,
-              "kv_events_socket": kv_events_socket, "fault_injection": fault_injection}
+              "kv_events_socket": kv_events_socket, "fault_injection": fault_injection,
+              "answer_length": answer_length,
+              "enable_prompt_tokens_details": prompt_tokens_details}
     if pool:
         for text in pool:
             name, count, pool_model, window, pool_profile = _parse_pool(text)

@@ -72,6 +72,9 @@ class ReplicaSpec:
         root: the ``root`` of the model card (``kvroute sim serve --root``).
         fault_injection: serve ``/sim/faults`` (``SimFaults``).
         max_chars_per_token: bound for vLLM's character pre-check (``--max-chars-per-token``).
+        answer_length: ``"max-tokens"`` (default here: harnesses that launch replicas give
+            each request its own length) or ``"natural"`` (answers end like a model's;
+            ``kvroute sim fleet``'s default), ``sim.answer_lengths``.
         extra_args: further ``kvroute sim serve`` options, passed as given.
     """
 
@@ -94,6 +97,7 @@ class ReplicaSpec:
     root: str | None = None
     fault_injection: bool = False
     max_chars_per_token: int | None = None
+    answer_length: str = "max-tokens"
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -110,6 +114,7 @@ class ReplicaSpec:
             "serve", "--host", host, "--port", str(port), "--model", self.model,
             "--profile", self.profile, "--error-style", self.error_style,
             "--kv-events", kv_events, "--kv-events-socket", self.kv_events_socket,
+            "--answer-length", self.answer_length,
         ]  # fmt: skip
         if self.replay:
             args += ["--kv-replay", f"tcp://{host}:{replay_port}"]

@@ -54,10 +54,14 @@ one token), so without the option it skips the pre-check.
 Completions accept one prompt per request (a string, token ids, or a one-element list of
 either); a batch of several prompts is refused with a 400 that says so.
 
-Generation: the engine never samples EOS, so a request runs to its ``max_tokens`` (vLLM with
-``ignore_eos``) unless ``eos_after_tokens`` makes every request stop after that many tokens
-(finish ``"stop"``). Chat without ``max_tokens`` otherwise generates to the window, as vLLM
-does.
+Generation: the engine never samples EOS; a request ends (finish ``"stop"``) at the length
+``answer_lengths`` draws for it (``sim.answer_lengths``: seeded, the same for the same
+request), or after ``eos_after_tokens`` tokens when that is set, and with ``"length"`` at its
+``max_tokens`` when that comes first. A request with vLLM's ``ignore_eos: true``, or any
+request when ``answer_lengths`` is None (the in-process default, which the tests and
+benchmark harnesses that fix their own lengths rely on), runs to its ``max_tokens``; chat
+without ``max_tokens`` then generates to the window, as vLLM does. ``kvroute sim serve`` and
+``kvroute sim fleet`` end answers naturally unless ``--answer-length max-tokens``.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ from kvroute.engine.model import (
 from kvroute.http.server import Handler, HttpServer, Request, Response, StreamResponse
 from kvroute.shell.heap import freeze_startup_heap
 from kvroute.sim import openai_answers as answers
+from kvroute.sim.answer_lengths import AnswerLengths
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.profiles import get_profile
@@ -173,7 +178,10 @@ class SimServerConfig:
         hash_algo / hash_seed: ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``.
         enable_prompt_tokens_details: fill ``usage.prompt_tokens_details.cached_tokens``.
         render_endpoints: serve the ``/render`` routes (vLLM: ``--enable-scale-out``).
-        eos_after_tokens: every request "emits EOS" after this many tokens (None: never).
+        eos_after_tokens: every request "emits EOS" after this many tokens (None: never);
+            it wins over ``answer_lengths``.
+        answer_lengths: where each answer's length is drawn from when the request does not
+            fix it (``sim.answer_lengths``); None runs every request to its ``max_tokens``.
         sleep_scale: multiplies modelled step durations (1.0 = real time).
         timing: step constants that replace the profile's (calibration tests, what-ifs).
         max_chars_per_token: the factor of vLLM's character pre-check; None takes the
@@ -206,6 +214,7 @@ class SimServerConfig:
     enable_prompt_tokens_details: bool = False
     render_endpoints: bool = True
     eos_after_tokens: int | None = None
+    answer_lengths: AnswerLengths | None = None
     sleep_scale: float = 1.0
     timing: StepTiming | None = None
     data_parallel_rank: int = 0
@@ -835,7 +844,7 @@ class SimServer:
                 prompt_token_ids=prep.prompt_ids,
                 max_tokens=prep.max_tokens,
                 endpoint=parsed.endpoint,
-                output_length=self.config.eos_after_tokens,
+                output_length=self._answer_length(prep, seed, i),
                 cache_salt=parsed.cache_salt,
                 seed=(seed + i) & ((1 << 64) - 1) if seed is not None else None,
                 prompt_block_hashes=hashes,
@@ -846,6 +855,16 @@ class SimServer:
         if isinstance(result, Rejection):
             raise self._rejection(result, parsed.max_tokens_param or "max_tokens")
         return result
+
+    def _answer_length(self, prep: _Prepared, seed: int | None, choice: int) -> int | None:
+        """When this choice "emits EOS" (module docstring, Generation); None: never."""
+        config = self.config
+        if config.eos_after_tokens is not None:
+            return config.eos_after_tokens
+        if config.answer_lengths is None or prep.parsed.body.get("ignore_eos") is True:
+            return None
+        return config.answer_lengths.length_for(prep.prompt_ids, request_seed=seed,
+                                                choice=choice)
 
     async def _generate(self, request: Request, endpoint: oa.Endpoint) -> Response | StreamResponse:
         try:
