@@ -865,7 +865,7 @@ def test_eos_after_wins_over_natural_lengths() -> None:
     async def body(server: SimServer, session: aiohttp.ClientSession) -> None:
         status, out = await post(session, server, "/v1/chat/completions",
                                  {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-        assert out["choices"][0]["finish_reason"] == "stop"
+        assert status == 200 and out["choices"][0]["finish_reason"] == "stop"
         assert out["usage"]["completion_tokens"] == 7
 
     run(config(answer_lengths=AnswerLengths(), eos_after_tokens=7), body)
