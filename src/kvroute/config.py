@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 
+from kvroute.core.cache_drift import CacheDriftSettings
 from kvroute.core.errors import ConfigError
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES
@@ -359,6 +360,7 @@ class RouterConfig:
     admission: AdmissionConfig = AdmissionConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     warm_ahead: WarmAheadConfig = WarmAheadConfig()
+    cache_drift: CacheDriftSettings = field(default_factory=CacheDriftSettings)
     predicted_ttl_s: float = 2.0
     approx_predicted_ttl_s: float = 120.0
     max_body_bytes: int = 16 * 1024 * 1024
@@ -479,7 +481,7 @@ def _zmq_endpoint(key: str, value: Any) -> str | None:
 _TOP_KEYS: Final = (
     "listen", "pools", "routes", "policy", "state", "tenants", "admin_key_env",
     "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
-    "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
+    "cache_drift", "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
 )
 
 
@@ -798,6 +800,30 @@ def _discovery(data: Any) -> DiscoveryConfig:
     )
 
 
+def _cache_drift(data: Any) -> CacheDriftSettings:
+    """``cache_drift:`` (``core/cache_drift.py``; docs/observability.md, the drift alarm)."""
+    d = _mapping("cache_drift", data, "{threshold: 0.5}")
+    base = CacheDriftSettings()
+    _check_keys("cache_drift", d, ("enabled", "threshold", "window", "min_samples",
+                                   "tolerance_blocks", "tolerance_fraction",
+                                   "approximate_on_alarm"))
+
+    def get(key: str) -> Any:
+        return d.get(key, getattr(base, key))
+
+    return CacheDriftSettings(
+        enabled=_bool("cache_drift.enabled", get("enabled")),
+        threshold=_num("cache_drift.threshold", get("threshold")),
+        window=_int("cache_drift.window", get("window"), minimum=1),
+        min_samples=_int("cache_drift.min_samples", get("min_samples"), minimum=1),
+        tolerance_blocks=_int("cache_drift.tolerance_blocks", get("tolerance_blocks")),
+        tolerance_fraction=_num("cache_drift.tolerance_fraction", get("tolerance_fraction"),
+                                strict=False),
+        approximate_on_alarm=_bool("cache_drift.approximate_on_alarm",
+                                   get("approximate_on_alarm")),
+    )
+
+
 def _warm_ahead(data: Any, env: Mapping[str, str]) -> WarmAheadConfig:
     d = _mapping("warm_ahead", data, "{enabled: true, fraction: 0.6, cooldown_s: 300}")
     _check_keys("warm_ahead", d, ("enabled", "fraction", "cooldown_s", "rewarm_fraction",
@@ -930,6 +956,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         admission=_admission(data.get("admission")),
         discovery=_discovery(data.get("discovery")),
         warm_ahead=_warm_ahead(data.get("warm_ahead"), env),
+        cache_drift=_cache_drift(data.get("cache_drift")),
         predicted_ttl_s=_num("predicted_ttl_s", data.get("predicted_ttl_s", 2.0)),
         approx_predicted_ttl_s=_num("approx_predicted_ttl_s", data.get("approx_predicted_ttl_s", 120.0)),
         max_body_bytes=_int("max_body_bytes", data.get("max_body_bytes", 16 * 1024 * 1024), minimum=1024),

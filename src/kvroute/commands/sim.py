@@ -77,6 +77,7 @@ def serve(
     eos_after: Annotated[int | None, typer.Option(help="Every request stops ('stop') after this many tokens.")] = None,
     answer_length: Annotated[str, typer.Option(help="'natural': each answer ends ('stop') at a length drawn per request (median 180 tokens, long tail; sim.answer_lengths); 'max-tokens': run to max_tokens or the window, as vLLM with ignore_eos.")] = "natural",
     answer_seed: Annotated[int, typer.Option(help="Seed of the natural answer lengths.")] = 0,
+    prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="vLLM's prefix caching (on by default).")] = True,
     vocab_size: Annotated[int, typer.Option(help="Built-in tokenizer vocabulary.")] = 32000,
     timing: Annotated[str | None, typer.Option(help="Override the profile's step constants: FIXED_S,PREFILL_TOKEN_S,DECODE_SEQ_S,CONTEXT_TOKEN_S.")] = None,
     root: Annotated[str | None, typer.Option(help="'root' of the /v1/models card, vLLM's model path (default: --tokenizer if given, else --model).")] = None,
@@ -97,6 +98,7 @@ def serve(
             enable_prompt_tokens_details=enable_prompt_tokens_details,
             render_endpoints=not no_render, eos_after_tokens=eos_after, timing=step_timing,
             answer_lengths=_answer_lengths(answer_length, answer_seed),
+            enable_prefix_caching=prefix_caching,
             kv_events_socket=kv_events_socket,  # type: ignore[arg-type]  # checked by the config
             root=root, max_chars_per_token=max_chars_per_token, fault_injection=fault_injection,
         )

@@ -150,6 +150,7 @@ class _Pool:
     hasher: BlockHashMemo
     policy: Policy
     healthy: set[ReplicaId]
+    drifting: bool = False  # the drift alarm's approximate mode (core/cache_drift.py)
 
 
 def text_chunk_hashes(text: str, chunk_chars: int = APPROX_CHUNK_CHARS) -> list[WireHash]:
@@ -184,6 +185,7 @@ class RouterCore:
         # in an index of their own (Dynamo's approximate mode uses 120 s).
         self.approx_index = PrefixIndex(clock=clock, predicted_ttl_s=approx_predicted_ttl_s)
         self.load = LoadTracker()
+        self._no_prefix_caching: set[ReplicaId] = set()
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
         for spec in pools:
@@ -245,6 +247,31 @@ class RouterCore:
         self.approx_index.clear_replica(replica)
         self.load.reset_replica(replica)
 
+    def set_pool_drifting(self, pool: PoolName, drifting: bool) -> None:
+        """The drift alarm (``core/cache_drift.py``) is on: route ``pool`` approximately
+        (text chunks and predicted entries) until its exact index agrees with the engines
+        again. Independent of the declared ``PoolSpec.approximate``."""
+        self._pool(pool).drifting = drifting
+
+    def pool_drifting(self, pool: PoolName) -> bool:
+        return self._pool(pool).drifting
+
+    def set_prefix_caching(self, replica: ReplicaId, enabled: bool) -> None:
+        """The engine says its prefix caching is on or off (``vllm:cache_config_info``).
+
+        A replica with caching off is never credited with a cached block: its index entries
+        are dropped, lookups see nothing for it and no entry is predicted for it.
+        """
+        if enabled:
+            self._no_prefix_caching.discard(replica)
+            return
+        self._no_prefix_caching.add(replica)
+        self.index.clear_replica(replica)
+        self.approx_index.clear_replica(replica)
+
+    def prefix_caching_off(self, replica: ReplicaId) -> bool:
+        return replica in self._no_prefix_caching
+
     def is_healthy(self, replica: ReplicaId) -> bool:
         return replica in self._pool(self._pool_of[replica]).healthy
 
@@ -265,14 +292,36 @@ class RouterCore:
     def block_hashes(self, request: RouteRequest) -> tuple[tuple[WireHash, ...], bool]:
         """The request's block hashes and whether they are approximate (text chunks)."""
         entry = self._pool(request.pool)
-        if entry.spec.approximate or request.prompt_token_ids is None:
+        if entry.spec.approximate or entry.drifting or request.prompt_token_ids is None:
             return tuple(text_chunk_hashes(request.routing_text)), True
+        return self._exact_hashes(entry, request), False
+
+    def _exact_hashes(self, entry: _Pool, request: RouteRequest) -> tuple[WireHash, ...]:
+        assert request.prompt_token_ids is not None
         if request.block_hashes is not None:
-            return tuple(request.block_hashes), False
+            return tuple(request.block_hashes)
         hashes = entry.hasher.wire_hashes(
             request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora
         )
-        return tuple(hashes), False
+        return tuple(hashes)
+
+    def exact_cached_tokens(self, request: RouteRequest, replica: ReplicaId) -> int | None:
+        """What the exact index says ``replica`` caches of ``request``'s prompt, in tokens
+        (GPU, CPU, storage and predicted blocks alike, capped below the last token as vLLM
+        caps hits), whatever the pool routes on now: the drift alarm's shadow prediction.
+        None when the pool cannot hash exactly (hashing unknown) or the ids are unknown.
+        """
+        entry = self._pool(request.pool)
+        if entry.spec.approximate or request.prompt_token_ids is None:
+            return None
+        if replica in self._no_prefix_caching:
+            return 0
+        hashes = self._exact_hashes(entry, request)
+        held = self.index.match(hashes, request.scope).get(replica, NO_MATCH)
+        size = entry.spec.block_size
+        n = request.num_prompt_tokens
+        cap = ((n - 1) // size) * size if n > 0 else 0
+        return min(held.num_blocks * size, cap)
 
     def route(self, request: RouteRequest) -> RoutingDecision:
         """Choose a replica for ``request`` and record the choice (load, predictions).
@@ -287,8 +336,11 @@ class RouterCore:
         matches = index.match(hashes, request.scope)
         now = self._clock.now()
         snapshot, healthy, exclude = self.load.snapshot, entry.healthy, request.exclude
+        no_caching = self._no_prefix_caching
         candidates = [
-            Candidate(rep.name, snapshot(rep.name, now), matches.get(rep.name, NO_MATCH))
+            Candidate(rep.name, snapshot(rep.name, now),
+                      NO_MATCH if no_caching and rep.name in no_caching
+                      else matches.get(rep.name, NO_MATCH))
             for rep in entry.spec.replicas
             if rep.name in healthy and rep.name not in exclude
         ]
@@ -390,6 +442,8 @@ class RouterCore:
             now_s=self._clock.now(),
             predicted_output_tokens=request.predicted_output_tokens,
         )
+        if decision.replica in self._no_prefix_caching:
+            return  # an engine without prefix caching will not reuse these blocks
         if decision.block_hashes and (entry.policy.uses_predicted or decision.approximate):
             index = self.approx_index if decision.approximate else self.index
             other = held.num_cpu_blocks + held.num_storage_blocks + held.num_predicted_blocks

@@ -168,6 +168,9 @@ class EngineConfig:
         scheduler_reserve_full_isl: vLLM's admission gate (default on since 0.19): a waiting
             request starts only if blocks for its whole current sequence are free, not just
             for its first chunk.
+        enable_prefix_caching: vLLM's ``--enable-prefix-caching`` (on by default); off, no
+            block is ever a hit, none is cached or announced in a KV event, and the prefix
+            cache counters stay at 0 (vLLM records no prefix-cache stats without it).
 
     Raises:
         ConfigError: a value is out of range, or one request of ``max_model_len`` tokens
@@ -183,6 +186,7 @@ class EngineConfig:
     vocab_size: int = 32000
     default_max_tokens: int = 16
     scheduler_reserve_full_isl: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -626,8 +630,9 @@ class EngineModel:
                 running.append(r)
                 if r.num_cached_tokens < 0:
                     r.num_cached_tokens = num_hit
-                    self._queries += len(r.tokens)
-                    self._hits += num_hit
+                    if cfg.enable_prefix_caching:
+                        self._queries += len(r.tokens)
+                        self._hits += num_hit
                 r.num_computed = num_hit
                 scheduled.append((r, n))
                 budget -= n
@@ -737,6 +742,8 @@ class EngineModel:
         prefix, capped so that at least its last token is computed."""
         if r.num_computed:
             raise AssertionError(f"waiting request {r.request_id} has computed tokens")
+        if not self.config.enable_prefix_caching:
+            return []
         max_blocks = (len(r.tokens) - 1) // self.config.block_size
         get = self.pool.get_cached_block
         hits: list[int] = []
@@ -776,7 +783,9 @@ class EngineModel:
         if num_new > 0:
             r.blocks.extend(pool.get_new_blocks(num_new))
         num_full = min(computed + n, len(r.tokens)) // bs
-        if num_full > r.num_cached_blocks:
+        if num_full > r.num_cached_blocks and not self.config.enable_prefix_caching:
+            r.num_cached_blocks = num_full  # nothing is cached without prefix caching
+        elif num_full > r.num_cached_blocks:
             pool.cache_full_blocks(
                 r.blocks, r.block_hashes, r.wire_hashes, r.num_cached_blocks, num_full,
                 r.tokens, lora_name=r.lora_name, cache_salt=r.cache_salt,

@@ -30,8 +30,11 @@ from kvroute.core.types import ReplicaId, RequestId
 from kvroute.core.walk import Walker, WalkSettings
 from kvroute.core.warm import WarmPlanner
 from kvroute.http.server import Answer, Handler, HttpServer, Request
+from kvroute.shell.activity import Activity
 from kvroute.shell.admin import AdminEndpoints, DiscoveryView
 from kvroute.shell.admission import Admission, AdmissionRejected
+from kvroute.shell.cache_feedback import CacheFeedback
+from kvroute.shell.dashboard import Dashboard
 from kvroute.shell.forward import Forwarder, error_answer
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream
@@ -74,6 +77,7 @@ class Router:
     metrics: RouterMetrics
     forwarder: Forwarder
     warm: WarmSender | None = None
+    activity: Activity | None = None
     _request_ids: Iterator[str] = field(default_factory=request_ids)
 
     async def chat(self, request: Request) -> Answer:
@@ -94,6 +98,8 @@ class Router:
             await self.admission.acquire()
         except AdmissionRejected as exc:
             self.metrics.admission_reject(exc.reason)
+            if self.activity is not None:
+                self.activity.refused(429, route.pools[0], f"admission: {exc.message}")
             body = error_body(exc.message, status=429, code=429)
             return error_answer(429, body, extra={"Retry-After": str(exc.retry_after_s)})
         try:
@@ -169,6 +175,7 @@ def build_app(
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None,
     on_scrape: Callable[[], None] | None = None,
     clock: Clock | None = None,
+    feedback: CacheFeedback | None = None,
 ) -> RouterApp:
     """The composition root of the HTTP layer: wire the collaborators into the handlers and
     their HTTP server (``shell/http_server.py``).
@@ -192,6 +199,8 @@ def build_app(
         on_scrape: called before ``/metrics`` renders (to sync counters kept elsewhere).
         clock: monotonic seconds for window ages and warm cooldowns (the clock discovery
             stamps windows with); ``time.monotonic`` when None.
+        feedback: the engines' cache counters and the drift alarm (``shell/cache_feedback``),
+            told every answer's usage; None compares nothing.
     """
     adm = admission or Admission(
         config.admission.max_in_flight, config.admission.max_queue,
@@ -211,12 +220,16 @@ def build_app(
     pools = TierPools(config, discovery=discovery, metrics=metrics, clock=clock)
     warm = WarmSender(config, core=core, upstream=upstream, metrics=metrics, state=state,
                       on_replica_failure=on_replica_failure)
+    activity = Activity(clock)
     forwarder = Forwarder(config=config, walker=walker, upstream=upstream, secrets=secrets,
                           metrics=metrics, pools=pools, state=state,
                           tokenizers=dict(tokenizers or {}), warm=warm,
-                          on_replica_failure=on_replica_failure)
+                          on_replica_failure=on_replica_failure, feedback=feedback,
+                          activity=activity)
     router = Router(config=config, secrets=secrets, admission=adm, metrics=metrics,
-                    forwarder=forwarder, warm=warm)
+                    forwarder=forwarder, warm=warm, activity=activity)
+    dashboard = Dashboard(config=config, core=core, metrics=metrics, admission=adm,
+                          activity=activity, feedback=feedback, discovery=discovery)
     endpoints = AdminEndpoints(
         config=config, core=core, secrets=secrets, metrics=metrics, admission=adm, pools=pools,
         discovery=discovery, admin=AdminCapability() if secrets.admin_key is not None else None,
@@ -231,6 +244,8 @@ def build_app(
         "/metrics": {"GET": endpoints.metrics_endpoint},
         "/admin/index": {"GET": endpoints.admin_index},
         "/admin/state": {"GET": endpoints.admin_state},
+        "/dashboard": {"GET": dashboard.page},
+        "/dashboard/data": {"GET": dashboard.data},
     }
     server = HttpServer(routes, max_body_bytes=config.max_body_bytes,
                         error_body=_openai_error)

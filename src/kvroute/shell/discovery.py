@@ -64,7 +64,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -82,7 +82,7 @@ from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
 from kvroute.wire.model_list import card_window
-from kvroute.wire.prom import parse_vllm_metrics
+from kvroute.wire.prom import VllmMetrics, parse_vllm_metrics
 
 __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ReplicaInfo"]
 
@@ -157,6 +157,8 @@ class Discovery:
         clock: monotonic seconds; ``time.monotonic`` when None (tests pass a ``ManualClock``).
         provider_keys: external pools' API keys by pool (``Secrets.provider_keys``); read
             from ``os.environ`` through ``config.resolve_provider_keys`` when None.
+        on_engine_metrics: told every parsed ``/metrics`` reading (the engines' cache
+            counters and ``cache_config_info``: ``shell/cache_feedback.py``).
     """
 
     def __init__(
@@ -168,8 +170,10 @@ class Discovery:
         *,
         clock: Clock | None = None,
         provider_keys: Mapping[PoolName, str] | None = None,
+        on_engine_metrics: Callable[[ReplicaId, VllmMetrics], None] | None = None,
     ) -> None:
         self._config = config
+        self._on_engine_metrics = on_engine_metrics
         self._core = core
         self._session = session
         self._metrics = metrics
@@ -504,6 +508,8 @@ class Discovery:
                         list(parsed.model_names))
         info.block_size = parsed.block_size
         info.hash_algo = parsed.prefix_caching_hash_algo
+        if self._on_engine_metrics is not None:
+            self._on_engine_metrics(rep.config.name, parsed)
         if parsed.num_malformed:
             self._metrics.discovery(name, "metrics_malformed_lines")
 

@@ -49,6 +49,8 @@ from kvroute.core.walk import (
 )
 from kvroute.http.client import ConnectTimeout
 from kvroute.http.server import Answer, Request, Response, StreamResponse
+from kvroute.shell.activity import Activity
+from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import SessionState
@@ -161,6 +163,8 @@ class Forwarder:
     tokenizers: Mapping[str, PromptTokenizer] = field(default_factory=dict)
     warm: WarmSender | None = None
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None
+    feedback: CacheFeedback | None = None
+    activity: Activity | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
 
@@ -217,6 +221,8 @@ class Forwarder:
         finally:
             write = walk.end(reasons, usage)
             self._drain(walk)
+            if self.feedback is not None and walk.decision is not None:
+                self.feedback.on_answer(walk.decision, usage)
             if write is not None and self.state is not None:
                 self._spawn(self.state.put_session(write.key, write.record,
                                                    self.config.state.session_ttl_s))
@@ -313,6 +319,9 @@ class Forwarder:
     # -- answers --------------------------------------------------------------------------------
 
     def _refused(self, refuse: Refuse) -> Response:
+        if self.activity is not None:
+            self.activity.refused(refuse.status, refuse.pool or "none",
+                                  f"{refuse.outcome}: {refuse.message}")
         body = error_body(refuse.message, status=refuse.status, type=refuse.type,
                           param=refuse.param, code=refuse.code)
         if refuse.decision is not None:
@@ -384,6 +393,11 @@ class Forwarder:
         for note in walk.take_notes():
             if isinstance(note, Decided):
                 d = note.decision
+                if self.activity is not None:
+                    self.activity.decided(d.request.pool, d.replica, d.expected_cached_tokens,
+                                          note.num_prompt_tokens)
+                if self.feedback is not None:
+                    self.feedback.on_decision(d)
                 metrics.decision(d.request.pool, d.replica, d.reason, d.expected_cached_tokens,
                                  note.num_prompt_tokens, note.routing_s, d.approximate)
             elif isinstance(note, LogLine):

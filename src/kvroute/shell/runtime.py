@@ -48,6 +48,7 @@ from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.http.client import EngineClient
 from kvroute.shell.app import RouterApp, build_app
+from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.metrics import RouterMetrics
@@ -112,6 +113,7 @@ class RouterRuntime:
         self.clock: Clock = clock or MonotonicClock()
         self.core = build_core(config, clock=self.clock)
         self.metrics = RouterMetrics()
+        self.feedback = CacheFeedback(self.core, config.cache_drift, self.metrics.registry)
         self.subscribers: dict[ReplicaId, EventSubscriber] = {}
         self._seen: dict[ReplicaId, SubscriberStats] = {}
         self.session: aiohttp.ClientSession | None = None
@@ -144,7 +146,8 @@ class RouterRuntime:
         self.session = make_client_session(config.timeouts)
         self.engine_client = make_engine_client(config.timeouts)
         self.discovery = Discovery(config, self.core, self.session, self.metrics,
-                                   provider_keys=secrets.provider_keys)
+                                   provider_keys=secrets.provider_keys,
+                                   on_engine_metrics=self.feedback.on_engine_metrics)
         await self.discovery.refresh_now()
         await self.discovery.start()
         catch_up_turns = asyncio.Lock()  # the subscribers catch up one at a time
@@ -168,7 +171,7 @@ class RouterRuntime:
             secrets=secrets, metrics=self.metrics, state=self.state, discovery=self.discovery,
             tokenizers=self.tokenizers, extra_state=self._extra_state,
             on_scrape=self.sync_metrics,
-            on_replica_failure=self.discovery.report_failure,
+            on_replica_failure=self.discovery.report_failure, feedback=self.feedback,
         )
         self._stop_gc_watch = watch_gc_pauses(self.metrics.gc_pause)
         self.port = await self.app.start(config.listen.host, config.listen.port)

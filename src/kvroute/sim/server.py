@@ -180,6 +180,9 @@ class SimServerConfig:
         render_endpoints: serve the ``/render`` routes (vLLM: ``--enable-scale-out``).
         eos_after_tokens: every request "emits EOS" after this many tokens (None: never);
             it wins over ``answer_lengths``.
+        enable_prefix_caching: vLLM's ``--enable-prefix-caching`` / ``--no-enable-prefix-
+            caching`` (``EngineConfig.enable_prefix_caching``), reported in
+            ``vllm:cache_config_info``.
         answer_lengths: where each answer's length is drawn from when the request does not
             fix it (``sim.answer_lengths``); None runs every request to its ``max_tokens``.
         sleep_scale: multiplies modelled step durations (1.0 = real time).
@@ -215,6 +218,7 @@ class SimServerConfig:
     render_endpoints: bool = True
     eos_after_tokens: int | None = None
     answer_lengths: AnswerLengths | None = None
+    enable_prefix_caching: bool = True
     sleep_scale: float = 1.0
     timing: StepTiming | None = None
     data_parallel_rank: int = 0
@@ -538,6 +542,7 @@ class SimServer:
             max_num_batched_tokens=base.max_num_batched_tokens,
             timing=config.timing if config.timing is not None else base.timing,
             vocab_size=self.tokenizer.vocab_size,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.hasher = BlockHasher(config.hash_algo, self.engine_config.block_size, config.hash_seed)
         # Prompts are hashed through a memo (bit-identical digests): requests sharing a system
@@ -1121,7 +1126,7 @@ class SimServer:
         labels = {
             "block_size": str(ec.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "True",
+            "enable_prefix_caching": str(ec.enable_prefix_caching),
             "gpu_memory_utilization": "0.9",
             "hash_block_size": "None",
             "num_cpu_blocks": "None",

@@ -66,6 +66,7 @@ KV_CACHE_USAGE_PERC: Final = "vllm:kv_cache_usage_perc"
 GPU_CACHE_USAGE_PERC_LEGACY: Final = "vllm:gpu_cache_usage_perc"
 PREFIX_CACHE_QUERIES_TOTAL: Final = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL: Final = "vllm:prefix_cache_hits_total"
+NUM_PREEMPTIONS_TOTAL: Final = "vllm:num_preemptions_total"
 CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"
 
 TIME_TO_FIRST_TOKEN_BUCKETS: Final[tuple[float, ...]] = (
@@ -312,6 +313,7 @@ class VllmMetrics:
         kv_cache_usage_by_engine: usage per ``engine`` label value.
         prefix_cache_queries_total: queried tokens, summed over engines (a counter).
         prefix_cache_hits_total: cached (hit) tokens, summed over engines (a counter).
+        num_preemptions_total: preemptions, summed over engines (a counter).
         block_size: from ``vllm:cache_config_info``; None if absent or not an integer.
         prefix_caching_hash_algo: e.g. ``"sha256"``, from ``vllm:cache_config_info``.
         enable_prefix_caching: from ``vllm:cache_config_info`` (``"True"``/``"False"``).
@@ -327,6 +329,7 @@ class VllmMetrics:
     kv_cache_usage_by_engine: Mapping[str, float] = field(default_factory=dict)
     prefix_cache_queries_total: float | None = None
     prefix_cache_hits_total: float | None = None
+    num_preemptions_total: float | None = None
     block_size: int | None = None
     prefix_caching_hash_algo: str | None = None
     enable_prefix_caching: bool | None = None
@@ -348,6 +351,7 @@ _VLLM_WANTED: Final = (
     GPU_CACHE_USAGE_PERC_LEGACY,
     PREFIX_CACHE_QUERIES_TOTAL,
     PREFIX_CACHE_HITS_TOTAL,
+    NUM_PREEMPTIONS_TOTAL,
     CACHE_CONFIG_INFO,
 )
 _SUMMED: Final = {
@@ -355,6 +359,7 @@ _SUMMED: Final = {
     NUM_REQUESTS_WAITING: "num_requests_waiting",
     PREFIX_CACHE_QUERIES_TOTAL: "prefix_cache_queries_total",
     PREFIX_CACHE_HITS_TOTAL: "prefix_cache_hits_total",
+    NUM_PREEMPTIONS_TOTAL: "num_preemptions_total",
 }
 
 
@@ -424,6 +429,7 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         kv_cache_usage_by_engine=dict(by_engine),
         prefix_cache_queries_total=sums.get("prefix_cache_queries_total"),
         prefix_cache_hits_total=sums.get("prefix_cache_hits_total"),
+        num_preemptions_total=sums.get("num_preemptions_total"),
         block_size=block_size,
         prefix_caching_hash_algo=config.get("prefix_caching_hash_algo"),
         enable_prefix_caching=_parse_bool(config.get("enable_prefix_caching")),

@@ -201,3 +201,37 @@ def test_text_chunk_hashes_chain() -> None:
     b = text_chunk_hashes("x" * 128 + "yy")
     assert len(a) == 2 and a == b
     assert text_chunk_hashes("y" * 64 + "x" * 64)[1] != a[1]
+
+
+def test_a_replica_without_prefix_caching_is_never_credited_with_hits() -> None:
+    rc, _ = core()
+    r2 = ReplicaId("r2")
+    rc.apply_events(r2, stored(PROMPT))
+    rc.set_prefix_caching(r2, False)
+    assert rc.prefix_caching_off(r2)
+    first = rc.route(request("a", PROMPT + [7]))
+    assert first.expected_cached_tokens == 0 and first.cached_by_replica.get(r2, 0) == 0
+    # Not even through predicted entries: route it there on purpose, then ask again.
+    rc.set_healthy(ReplicaId("r0"), False)
+    rc.set_healthy(ReplicaId("r1"), False)
+    rc.set_healthy(ReplicaId("r3"), False)
+    assert rc.route(request("b", PROMPT + [8])).replica == r2
+    again = rc.route(request("c", PROMPT + [9]))
+    assert again.expected_cached_tokens == 0
+    assert rc.exact_cached_tokens(again.request, r2) == 0
+    rc.set_prefix_caching(r2, True)
+    rc.apply_events(r2, stored(PROMPT))
+    assert rc.route(request("d", PROMPT + [10])).expected_cached_tokens == 320
+
+
+def test_a_drifting_pool_routes_approximately_and_keeps_its_exact_shadow() -> None:
+    rc, _ = core()
+    r1 = ReplicaId("r1")
+    rc.apply_events(r1, stored(PROMPT))
+    rc.set_pool_drifting(POOL, True)
+    assert rc.pool_drifting(POOL)
+    decision = rc.route(request("a", PROMPT + [7], text="some text " * 40))
+    assert decision.approximate
+    assert rc.exact_cached_tokens(decision.request, r1) == 320
+    rc.set_pool_drifting(POOL, False)
+    assert not rc.route(request("b", PROMPT + [8])).approximate
