@@ -143,7 +143,8 @@ class Dashboard:
         return row
 
     def _warm_counts(self) -> Mapping[str, int]:
-        """Warm-ahead requests by outcome (``kvroute_warm_total`` summed over reasons)."""
+        """Warm-ahead requests by outcome (``kvroute_warm_total``; ``skipped`` and ``failed``
+        by reason, ``skipped: cooldown``, the others summed over their target pools)."""
         counts: dict[str, int] = {}
         for family in self.metrics.registry.collect():
             if family.name != "kvroute_warm":
@@ -151,5 +152,8 @@ class Dashboard:
             for sample in family.samples:
                 if sample.name == "kvroute_warm_total":
                     outcome = sample.labels.get("outcome", "")
+                    reason = sample.labels.get("reason", "")
+                    if outcome in ("skipped", "failed") and reason:
+                        outcome = f"{outcome}: {reason}"
                     counts[outcome] = counts.get(outcome, 0) + int(sample.value)
         return counts
