@@ -29,14 +29,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from tiered_fleet import fleet_config, mixed_traffic, send, tier_specs, words
 
-from kvroute.config import RouterConfig, parse_config
+from kvroute.config import RouterConfig
 from kvroute.shell.runtime import RouterRuntime
-from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
+from kvroute.sim.launcher import start_fleet
 
 pytestmark = pytest.mark.integration
 
-ROUTE = "assistant"
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -51,10 +51,6 @@ def chromium() -> str:
             return path
     pytest.skip("headless Chromium is not installed (apt-get install -y chromium; "
                 ".ci/run installs it)")
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.getrandbits(40):x}" for _ in range(n))
 
 
 class RouterThread:
@@ -99,53 +95,8 @@ class RouterThread:
         self.loop.close()
 
 
-TIMING = "0.003,0.00002,0.0002,0"  # 3 ms a step: long answers stay in flight a while
-
-
-def fleet_config(fleet: Fleet) -> RouterConfig:
-    """Two tiers of one route: ``small`` (2 replicas, 2,048 tokens) then ``large`` (8,192)."""
-    pools: dict[str, Any] = {}
-    for r in fleet.replicas:
-        pool = pools.setdefault(r.pool, {"model": r.model, "replicas": []})
-        pool["replicas"].append({"name": r.name, "url": r.url, "kv_events": r.kv_events,
-                                 "kv_replay": r.kv_replay, "prefill_rate_tps": 20_000})
-    return parse_config({
-        "listen": {"host": "127.0.0.1", "port": 0},
-        "pools": pools,
-        "routes": {ROUTE: {"pools": ["small", "large"]}},
-        "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5, "timeout_s": 1.0},
-        "log_level": "warning",
-    }, env={})
-
-
-async def send(session: aiohttp.ClientSession, url: str, content: str, *, max_tokens: int = 8,
-               session_id: str | None = None) -> int:
-    body = {"model": ROUTE, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"x-session-id": session_id} if session_id else {}
-    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
-        await resp.read()
-        return resp.status
-
-
 def traffic(url: str) -> None:
-    """A bounded mix: 3 sessions growing by 350 words a turn for 6 turns (across the small
-    window: warm-ups, then escalations), 4 unique prompts, one prompt no tier can hold."""
-    rng = random.Random(11)
-
-    async def main() -> None:
-        async with aiohttp.ClientSession() as session:
-            texts = ["" for _ in range(3)]
-            for _ in range(6):
-                for i in range(3):
-                    texts[i] += " " + words(rng, 350)
-                    assert await send(session, url, texts[i], session_id=f"user-{i}") == 200
-                await asyncio.sleep(0.1)  # the engines' KV events reach the index
-            for _ in range(4):
-                assert await send(session, url, words(rng, 120)) == 200
-            assert await send(session, url, words(rng, 9000)) == 400
-
-    asyncio.run(asyncio.wait_for(main(), 60))
+    asyncio.run(asyncio.wait_for(mixed_traffic(url), 60))
 
 
 class LiveLoad:
@@ -176,14 +127,9 @@ class LiveLoad:
         self.thread.join(30)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def router() -> Iterator[RouterRuntime]:
-    common = {"enable_prompt_tokens_details": True, "extra_args": ("--timing", TIMING)}
-    specs = [ReplicaSpec(name=f"small-{i}", pool="small", model="small-model",
-                         max_model_len=2048, num_gpu_blocks=1024, **common) for i in range(2)]
-    specs.append(ReplicaSpec(name="large-0", pool="large", model="large-model",
-                             max_model_len=8192, num_gpu_blocks=2048, **common))
-    fleet = start_fleet(specs, timeout_s=30.0)
+    fleet = start_fleet(tier_specs(), timeout_s=30.0)
     try:
         with RouterThread(fleet_config(fleet)) as rt:
             traffic(rt.url)

@@ -26,6 +26,8 @@ engine_prefix_cache_hits_total             counter    replica (tokens it found c
 engine_prefix_cache_hit_ratio              gauge      replica (the last poll interval's)
 engine_preemptions_total                   counter    replica
 engine_prefix_caching_enabled              gauge      replica (1 on, 0 off; absent: unknown)
+engine_kv_cache_usage                      gauge      replica (vllm:kv_cache_usage_perc, 0..1)
+engine_requests                            gauge      replica, state (running, waiting)
 cache_predicted_tokens_total               counter    pool, replica
 cache_measured_tokens_total                counter    pool, replica
 cache_compared_prompt_tokens_total         counter    pool, replica
@@ -112,6 +114,8 @@ class CacheFeedback(Collector):
         self.settings = settings
         self._ns = namespace
         self.engines: dict[ReplicaId, EngineCacheCounters] = {}
+        # The last load each engine reported: (kv usage, running, waiting), None if absent.
+        self.engine_load: dict[ReplicaId, tuple[float | None, float | None, float | None]] = {}
         self.pools: dict[PoolName, CacheDriftMonitor] = {
             name: CacheDriftMonitor(settings) for name in core.pool_names()
         }
@@ -128,6 +132,8 @@ class CacheFeedback(Collector):
 
     def on_engine_metrics(self, replica: ReplicaId, parsed: VllmMetrics) -> None:
         """One ``/metrics`` reading of ``replica``'s engine."""
+        self.engine_load[replica] = (parsed.kv_cache_usage_perc, parsed.num_requests_running,
+                                     parsed.num_requests_waiting)
         counters = self.engines.get(replica)
         if counters is None:
             counters = self.engines[replica] = EngineCacheCounters()
@@ -257,7 +263,21 @@ class CacheFeedback(Collector):
                 ratio.add_metric([replica], c.interval_hit_ratio)
             if c.caching_enabled is not None:
                 enabled.add_metric([replica], 1.0 if c.caching_enabled else 0.0)
-        yield from (queries, hits, ratio, preempt, enabled)
+        usage = GaugeMetricFamily(f"{ns}_engine_kv_cache_usage",
+                                  "The engine's KV-cache usage, 0..1 (vllm:kv_cache_usage_perc, "
+                                  "mean over its data-parallel ranks).", labels=["replica"])
+        requests = GaugeMetricFamily(f"{ns}_engine_requests",
+                                     "Requests the engine reported running or waiting "
+                                     "(vllm:num_requests_running/waiting).",
+                                     labels=["replica", "state"])
+        for replica, (kv, running, waiting) in self.engine_load.items():
+            if kv is not None:
+                usage.add_metric([replica], kv)
+            if running is not None:
+                requests.add_metric([replica, "running"], running)
+            if waiting is not None:
+                requests.add_metric([replica, "waiting"], waiting)
+        yield from (queries, hits, ratio, preempt, enabled, usage, requests)
 
         predicted = CounterMetricFamily(f"{ns}_cache_predicted_tokens",
                                         "Cached prompt tokens the router predicted on the "
