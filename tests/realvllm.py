@@ -367,6 +367,7 @@ def real_vllm_engines(
     extra_env: Mapping[str, str] | None = None,
     log_dir: Path | None = None,
     install: RealVllmInstall | None = None,
+    per_engine_args: Sequence[Sequence[str]] | None = None,
 ) -> Iterator[RealVllmEngines]:
     """Start ``count`` engines in parallel, wait until all answer, yield them, stop them.
 
@@ -375,6 +376,8 @@ def real_vllm_engines(
         max_model_len: ``--max-model-len`` for every engine, or one value per engine.
         ready_timeout_s: one deadline for all engines to answer ``GET /v1/models``.
         extra_args: more ``vllm serve`` arguments, appended to the recipe's.
+        per_engine_args: more arguments for each engine, after ``extra_args`` (one sequence
+            per engine).
         extra_env: more environment variables for the engines.
         log_dir: where ``<name>.log`` files go (a temporary directory by default, kept only
             while the engines run).
@@ -386,6 +389,8 @@ def real_vllm_engines(
     """
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
+    if per_engine_args is not None and len(per_engine_args) != count:
+        raise ValueError(f"per_engine_args lists {len(per_engine_args)} for {count} engines")
     windows = [max_model_len] * count if isinstance(max_model_len, int) else list(max_model_len)
     if len(windows) != count:
         raise ValueError(f"max_model_len lists {len(windows)} windows for {count} engines")
@@ -409,7 +414,9 @@ def real_vllm_engines(
             log_path = log_dir / f"{name}.log"
             events = f"tcp://127.0.0.1:{events_port}"
             replay = f"tcp://127.0.0.1:{replay_port}"
-            cmd = engine_command(install, http_port, events, replay, windows[i], extra_args)
+            own = per_engine_args[i] if per_engine_args is not None else ()
+            cmd = engine_command(install, http_port, events, replay, windows[i],
+                                 [*extra_args, *own])
             with open(log_path, "wb") as log:
                 proc = _spawn(cmd, env, log_dir, log)
             procs.append(proc)

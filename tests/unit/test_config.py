@@ -255,3 +255,16 @@ def test_a_pool_names_its_engines_decode_step_or_gets_the_8b_h100_one() -> None:
     with pytest.raises(ConfigError, match="decode_timing.seq_s"):
         parse_config({"pools": {"p": {**pool, "decode_timing": {"seq_s": "fast"}}},
                       "routes": {"m": {"pools": ["p"]}}}, env={})
+
+
+def test_cache_drift_settings_parse_and_bad_ones_say_what_to_fix() -> None:
+    config = parse_config(with_("cache_drift", {"threshold": 0.3, "min_samples": 4,
+                                                "approximate_on_alarm": False}), env={})
+    drift = config.cache_drift
+    assert (drift.threshold, drift.min_samples, drift.window) == (0.3, 4, 64)
+    assert drift.approximate_on_alarm is False
+    assert parse_config(MINIMAL, env={}).cache_drift.enabled is True
+    assert "cache_drift.threshold" in error_of(with_("cache_drift.threshold", 2))
+    assert "cache_drift.window" in error_of(with_("cache_drift.window", "many"))
+    assert "min_samples" in error_of(with_("cache_drift", {"min_samples": 100, "window": 10}))
+    assert "limit" in error_of(with_("cache_drift.limit", 1))
