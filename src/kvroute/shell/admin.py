@@ -146,7 +146,8 @@ class AdminEndpoints:
         for name in self.core.pool_names():
             spec = self.core.pool(name)
             pools[name] = {"block_size": spec.block_size, "hash_algo": spec.hash_algo,
-                           "approximate": spec.approximate}
+                           "approximate": spec.approximate,
+                           "drift_alarm": self.core.pool_drifting(name)}
         adm = self.admission
         body: dict[str, Any] = {
             "policy": self.config.policy.name,

@@ -121,6 +121,7 @@ class CacheFeedback(Collector):
         }
         self.replicas: dict[ReplicaId, ReplicaComparison] = {}
         self.alarms: dict[PoolName, int] = {}
+        self._since_alarm: dict[PoolName, int] = {}  # compared answers while it stays on
         self.unreported = 0
         # Shadow predictions of requests routed while their pool drifts, by request id,
         # taken when routed (at the answer, the engine's events for this very request may
@@ -201,7 +202,15 @@ class CacheFeedback(Collector):
         block_size = core.pool(pool).block_size
         transition = monitor.observe(DriftSample(predicted, measured, prompt_tokens, block_size))
         if transition is DriftTransition.ENTERED:
+            self._since_alarm[pool] = 0
             self._entered(pool, monitor, block_size)
+        elif monitor.alarm:
+            since = self._since_alarm[pool] = self._since_alarm.get(pool, 0) + 1
+            if since % self.settings.window == 0:
+                log.error("CACHE DRIFT in pool %s continues after %d more answers (%.0f%% of "
+                          "the last %d disagree; %d over-, %d under-predicted in all)", pool,
+                          since, 100 * monitor.drift_ratio, monitor.window_samples,
+                          monitor.over, monitor.under)
         elif transition is DriftTransition.LEFT:
             core.set_pool_drifting(pool, False)
             log.warning("pool %s: the router's cached-token predictions agree with the "

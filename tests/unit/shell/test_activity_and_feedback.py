@@ -3,15 +3,20 @@ shell/cache_feedback.py), without sockets."""
 
 from __future__ import annotations
 
+import logging
 import random
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvroute.core.cache_drift import CacheDriftSettings
 from kvroute.core.clock import ManualClock
+from kvroute.core.events import BlockStored, EventBatch
+from kvroute.core.hashing import BlockHasher
+from kvroute.core.index import TenantScope
 from kvroute.core.peer_policies import make_policy
-from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
-from kvroute.core.types import PoolName, ReplicaId
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, to_wire_hash
 from kvroute.shell.activity import Activity
 from kvroute.shell.cache_feedback import CacheFeedback, reported_cached_tokens
 from kvroute.wire.prom import parse_vllm_metrics
@@ -77,3 +82,45 @@ def test_engine_counters_reach_metrics_and_caching_off_reaches_the_core() -> Non
     assert 'kvroute_engine_kv_cache_usage{replica="r0"} 0.25' in body
     assert 'kvroute_engine_requests{replica="r0",state="waiting"} 2.0' in body
     assert 'kvroute_cache_drift_alarm{pool="p"} 0.0' in body
+
+
+def test_the_drift_alarm_logs_on_entering_reminds_while_on_and_says_when_it_ends(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = ManualClock()
+    core = RouterCore([PoolSpec(PoolName("p"), (ReplicaSpec(ReplicaId("r0")),))],
+                      lambda: make_policy("kvroute", random.Random(0)), clock=clock)
+    feedback = CacheFeedback(core, CacheDriftSettings(window=4, min_samples=2),
+                             CollectorRegistry())
+    caplog.set_level(logging.WARNING, logger="kvroute.shell.cache_feedback")
+    tokens = list(range(200))
+
+    def answer(i: int, cached: int) -> None:
+        clock.advance(3.0)  # the router's own predicted entries (2 s) have expired
+        decision = core.route(RouteRequest(
+            RequestId(f"q{i}"), PoolName("p"), TenantScope(TenantName("t")),
+            num_prompt_tokens=200, prompt_token_ids=tokens, expected_output_tokens=4,
+            routing_text="some words " * 30))
+        feedback.on_decision(decision)
+        feedback.on_answer(decision, {"prompt_tokens": 200,
+                                      "prompt_tokens_details": {"cached_tokens": cached}})
+
+    for i in range(2):
+        answer(i, 192)  # the index knows nothing of it: predicted 0
+    assert core.pool_drifting(PoolName("p"))
+    for i in range(2, 6):
+        answer(i, 192)  # still blind: the shadow prediction says 0 too
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("CACHE DRIFT in pool p:" in m for m in messages) == 1
+    assert sum("continues after 4 more answers" in m for m in messages) == 1
+    core.apply_events(ReplicaId("r0"), _stored(tokens))
+    for i in range(6, 10):
+        answer(i, 192)  # the exact index now agrees: the window empties of disagreement
+    assert not core.pool_drifting(PoolName("p"))
+    assert "agree with the engines' reports again" in caplog.records[-1].getMessage()
+
+
+def _stored(tokens: list[int]) -> EventBatch:
+    hashes = BlockHasher("sha256", 16).hash_blocks(tokens)
+    return EventBatch(seq=0, ts=0.0, events=(BlockStored(
+        block_hashes=tuple(to_wire_hash(h) for h in hashes), parent_block_hash=None,
+        token_ids=tuple(tokens[: 16 * len(hashes)]), block_size=16),))
