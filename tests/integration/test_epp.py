@@ -309,6 +309,37 @@ def test_picker_and_serve_make_the_same_decisions(
 
 
 @needs_envoy
+def test_answers_through_envoy_feed_the_cached_token_comparison(
+        make_fleet: FleetFactory, config_for: ConfigFor, tmp_path: Path) -> None:
+    """The picker reads each answer's ``usage`` as ``kvroute serve`` does, so the feedback
+    loop (docs/observability.md) sees what the engines report through a gateway too."""
+    fleet = make_fleet(2, enable_prompt_tokens_details=True)
+    config = config_for(fleet)
+
+    async def body() -> None:
+        async with (EppRuntime(config, grpc_port=0, health_port=0, fallbacks=0, env={}) as rt,
+                    running_envoy(tmp_path, rt.grpc_port) as url,
+                    aiohttp.ClientSession() as session):
+            core = rt.router.core
+            request = chat(words("fb", 300))
+            status, h, _ = await post(session, url, request)
+            assert status == 200
+            home = h["x-kvroute-replica"]
+            await wait_for(lambda: entries(core, home) > 0, "KV events")
+            await settled(lambda: entries(core, home))
+            status, h, raw = await post(session, url, request)
+            assert status == 200 and h["x-kvroute-replica"] == home
+            reported = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert int(h["x-kvroute-cached-tokens"]) == reported >= 256
+            feedback = rt.router.feedback
+            monitor = feedback.pools[next(iter(config.pools))]
+            assert (monitor.num_samples, monitor.agree) == (2, 2)
+            assert feedback.replicas[ReplicaId(home)].measured_tokens == reported
+
+    run(body())
+
+
+@needs_envoy
 def test_envoy_falls_back_down_the_pickers_list_and_kvroute_follows(
         make_fleet: FleetFactory, config_for: ConfigFor, tmp_path: Path) -> None:
     """``examples/envoy/epp-fallbacks.yaml``: the cached replica answers 503 once; Envoy

@@ -390,6 +390,8 @@ class PickedWalk:
         try:
             write = walk.end(reasons, usage)
             picker._drain(walk)
+            if picker.feedback is not None and walk.decision is not None:
+                picker.feedback.on_answer(walk.decision, usage)  # shell/cache_feedback.py
             if write is not None and picker.state is not None:
                 picker._spawn(picker.state.put_session(write.key, write.record,
                                                        picker.config.state.session_ttl_s))
