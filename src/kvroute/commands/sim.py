@@ -83,6 +83,8 @@ def serve(
     root: Annotated[str | None, typer.Option(help="'root' of the /v1/models card, vLLM's model path (default: --tokenizer if given, else --model).")] = None,
     max_chars_per_token: Annotated[int | None, typer.Option(help="Factor of vLLM's character pre-check (default: the tokenizer's longest vocabulary string; none for the built-in tokenizer).")] = None,
     fault_injection: Annotated[bool, typer.Option(help="Serve POST/GET/DELETE /sim/faults (drop events, fail, stall, kill mid-stream).")] = False,
+    lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", help="A LoRA adapter as vLLM's NAME=PATH (served as model NAME, hashed with its name and path); repeatable.")] = None,
+    max_loras: Annotated[int, typer.Option(help="Distinct adapters one running batch holds (vLLM --max-loras).")] = 1,
 ) -> None:
     """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -101,6 +103,7 @@ def serve(
             enable_prefix_caching=prefix_caching,
             kv_events_socket=kv_events_socket,  # type: ignore[arg-type]  # checked by the config
             root=root, max_chars_per_token=max_chars_per_token, fault_injection=fault_injection,
+            lora_modules=_parse_lora_modules(lora_modules or []), max_loras=max_loras,
         )
 
         def ready(server: SimServer) -> None:
@@ -117,6 +120,20 @@ def _answer_lengths(mode: str, seed: int) -> AnswerLengths | None:
         raise ConfigError(f"--answer-length must be one of {', '.join(ANSWER_LENGTH_MODES)}, "
                           f"got {mode!r}")
     return AnswerLengths(seed=seed) if mode == "natural" else None
+
+
+def _parse_lora_modules(items: list[str]) -> dict[str, str]:
+    """``--lora-modules NAME=PATH`` values as {name: path}, in the order given."""
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or name in modules:
+            raise ConfigError(
+                f"--lora-modules takes NAME=PATH with a new name each time (vLLM's form), "
+                f"got {item!r}"
+            )
+        modules[name] = path
+    return modules
 
 
 def _parse_timing(text: str) -> StepTiming:

@@ -23,11 +23,20 @@ What ``route`` does, for a request already assigned to a pool (tier choice is
 
 ``reroute`` moves a request that failed before its first byte to the next replica of the same
 ranking, moving its accounting with it.
+
+LoRA adapters. A request for an adapter (``RouteRequest.lora``, built by the walk from
+``lora_key``) is hashed with vLLM's ``("lora", name, path)`` extra key, and only replicas that
+list the adapter with that path are candidates (discovery reports each replica's adapters from
+``/v1/models`` through ``set_replica_adapters``). Among them, a replica whose adapter slots are
+all taken by *other* adapters (``vllm:lora_requests_info``: ``max_lora`` reached by its running
+adapters, plus the adapters the router has in flight there) is used only when every candidate
+is: vLLM defers such a request until a slot frees, however much of its prefix is cached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import xxhash
@@ -144,6 +153,21 @@ class RoutingDecision:
     cached_by_replica: dict[ReplicaId, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterSlots:
+    """What ``vllm:lora_requests_info`` said of one replica's adapters.
+
+    Attributes:
+        running: adapters of the requests in its running batch.
+        waiting: adapters of its waiting requests.
+        max_lora: adapters one batch can hold (``--max-loras``); None: not reported.
+    """
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
+
+
 @dataclass(slots=True)
 class _Pool:
     spec: PoolSpec
@@ -188,6 +212,10 @@ class RouterCore:
         self._no_prefix_caching: set[ReplicaId] = set()
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
+        self._adapters: dict[ReplicaId, Mapping[str, str]] = {}
+        self._slots: dict[ReplicaId, AdapterSlots] = {}
+        self._adapter_in_flight: dict[ReplicaId, Counter[str]] = {}
+        self._adapter_of: dict[RequestId, tuple[ReplicaId, str]] = {}
         for spec in pools:
             if spec.name in self._pools:
                 raise ConfigError(f"pool {spec.name!r} is defined twice; pool names must be unique")
@@ -283,6 +311,59 @@ class RouterCore:
         """Forget what ``replica`` caches (event gap not recoverable, or engine restarted)."""
         self.index.clear_replica(replica)
 
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def set_replica_adapters(self, replica: ReplicaId, adapters: Mapping[str, str]) -> None:
+        """The adapters ``replica`` lists on ``/v1/models``: {name: path it was loaded from}."""
+        self._pool(self._pool_of[replica])
+        self._adapters[replica] = dict(adapters)
+
+    def set_adapter_slots(self, replica: ReplicaId, slots: AdapterSlots) -> None:
+        """``replica``'s last ``vllm:lora_requests_info`` (discovery)."""
+        self._pool(self._pool_of[replica])
+        self._slots[replica] = slots
+
+    def replica_adapters(self, replica: ReplicaId) -> Mapping[str, str]:
+        return self._adapters.get(replica, {})
+
+    def adapter_pools(self, name: str) -> list[PoolName]:
+        """The pools with at least one replica listing adapter ``name``, in pool order."""
+        return [pool for pool, entry in self._pools.items()
+                if any(name in self._adapters.get(rep.name, {}) for rep in entry.spec.replicas)]
+
+    def lora_key(self, pool: PoolName, name: str) -> LoraKey | None:
+        """The key ``pool``'s engines hash adapter ``name`` with: its name and the path most
+        of the pool's replicas loaded it from (ties: the smaller path); None when no
+        replica of ``pool`` lists it. Replicas that loaded it from another path hash it
+        differently, so ``route`` never sends them the adapter's requests."""
+        paths: Counter[str] = Counter(
+            self._adapters[rep.name][name] for rep in self._pool(pool).spec.replicas
+            if name in self._adapters.get(rep.name, {}))
+        if not paths:
+            return None
+        path = min(paths, key=lambda p: (-paths[p], p))
+        return LoraKey(name, path)
+
+    def _adapter_fits(self, replica: ReplicaId, name: str) -> bool:
+        """Adapter ``name`` runs on ``replica`` without waiting for a slot: it is already
+        there (running, waiting, or sent by this router), or a slot is free."""
+        slots = self._slots.get(replica, AdapterSlots())
+        mine = self._adapter_in_flight.get(replica, Counter())
+        if name in slots.running or name in slots.waiting or mine[name] > 0:
+            return True
+        if slots.max_lora is None:
+            return True
+        busy = slots.running | {n for n, count in mine.items() if count > 0}
+        return len(busy) < slots.max_lora
+
+    def _release_adapter(self, request_id: RequestId) -> None:
+        held = self._adapter_of.pop(request_id, None)
+        if held is None:
+            return
+        counts = self._adapter_in_flight.get(held[0])
+        if counts is not None and counts[held[1]] > 0:
+            counts[held[1]] -= 1
+
     def on_engine_metrics(self, replica: ReplicaId, *, running: int | None,
                           waiting: int | None, kv_usage: float | None) -> None:
         self.load.on_engine_metrics(replica, running=running, waiting=waiting, kv_usage=kv_usage)
@@ -344,6 +425,19 @@ class RouterCore:
             for rep in entry.spec.replicas
             if rep.name in healthy and rep.name not in exclude
         ]
+        lora = request.lora
+        if lora is not None and candidates:
+            candidates = [c for c in candidates
+                          if self._adapters.get(c.replica, {}).get(lora.name) == lora.path]
+            if not candidates:
+                raise NoEligibleReplica(
+                    f"no healthy replica in pool {request.pool!r} serves LoRA adapter "
+                    f"{lora.name!r} loaded from {lora.path!r} (excluded: "
+                    f"{sorted(request.exclude)}); load it on the engines (--lora-modules "
+                    f"{lora.name}=<path>) or check their /v1/models"
+                )
+            roomy = [c for c in candidates if self._adapter_fits(c.replica, lora.name)]
+            candidates = roomy or candidates
         if not candidates:
             raise NoEligibleReplica(
                 f"no healthy replica in pool {request.pool!r} for request {request.request_id} "
@@ -384,10 +478,14 @@ class RouterCore:
         Returns ``None`` when the ranking has no other healthy replica left.
         """
         self.load.on_complete(failed, decision.request.request_id)
+        self._release_adapter(decision.request.request_id)
         entry = self._pool(decision.request.pool)
         tried = decision.request.exclude | {failed}
+        lora = decision.request.lora
         for replica in decision.ranking:
             if replica in tried or replica not in entry.healthy:
+                continue
+            if lora is not None and self._adapters.get(replica, {}).get(lora.name) != lora.path:
                 continue
             request = replace(decision.request, exclude=tried)
             moved = RoutingDecision(
@@ -415,6 +513,7 @@ class RouterCore:
         replica's inter-token factor."""
         self.load.on_complete(replica, request_id, now_s=self._clock.now(),
                               output_tokens=output_tokens)
+        self._release_adapter(request_id)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -442,6 +541,10 @@ class RouterCore:
             now_s=self._clock.now(),
             predicted_output_tokens=request.predicted_output_tokens,
         )
+        if request.lora is not None:
+            self._release_adapter(request.request_id)
+            self._adapter_in_flight.setdefault(decision.replica, Counter())[request.lora.name] += 1
+            self._adapter_of[request.request_id] = (decision.replica, request.lora.name)
         if decision.replica in self._no_prefix_caching:
             return  # an engine without prefix caching will not reuse these blocks
         if decision.block_hashes and (entry.policy.uses_predicted or decision.approximate):

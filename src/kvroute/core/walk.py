@@ -191,6 +191,8 @@ class WalkRequest:
         cache_salt: the salt the engines hash into block 0 (tenant salt resolved).
         exclude: replicas the request must not go to (a gateway's candidate subset, as
             the Endpoint Picker driver receives it, leaves the others out).
+        adapter: the LoRA adapter the client named as its ``model`` (vLLM's way), or None
+            for the route's base model; hashed with the path the pool's engines list.
     """
 
     request_id: RequestId
@@ -208,6 +210,7 @@ class WalkRequest:
     routing_text: Callable[[], str] = field(default=lambda: "", repr=False, compare=False)
     cache_salt: str | None = None
     exclude: frozenset[ReplicaId] = frozenset()
+    adapter: str | None = None
 
 
 # --- what the walk tells the driver: actions -----------------------------------------------------
@@ -843,6 +846,12 @@ class RequestWalk:
                 if pool not in self._token_ids:
                     return NeedTokens(pool, for_count=False)
                 ids, hashes = self._token_ids[pool], self._hashes.get(pool)
+            adapter = self.request.adapter
+            if adapter is not None and core.lora_key(pool, adapter) is None:
+                return self._finish_refused(Refuse(
+                    503, f"no replica of pool {pool!r} lists LoRA adapter {adapter!r} on "
+                    "/v1/models; load it there (--lora-modules or /v1/load_lora_adapter)",
+                    "no_replica", pool=pool))
             route_request = self.route_request(pool, self.request.request_id, ids, hashes)
             if self._prefer is not None:
                 route_request = replace(route_request, preferred_replica=self._prefer)
@@ -901,6 +910,8 @@ class RequestWalk:
             block_hashes=block_hashes if token_ids is not None else None,
             routing_text=text,
             cache_salt=request.cache_salt,
+            lora=(None if request.adapter is None
+                  else self._walker.core.lora_key(pool, request.adapter)),
             session_id=request.session_id,
             expected_output_tokens=expected_output_tokens,
             predicted_output_tokens=min(predicted, expected_output_tokens),
@@ -930,6 +941,11 @@ class RequestWalk:
         """Step 3: the pure warm-ahead decision. A fire is recorded in this router's cooldown
         view at once (a concurrent request of the session does not fire again at the same
         stage); the shared claim is the sender's, off the request path."""
+        if self.request.adapter is not None:
+            # The warm copy would name the target pool's base model, not the adapter: its
+            # blocks would not carry the adapter's extra key.
+            self._notes.append(WarmNote("skipped", "lora_adapter"))
+            return None
         planner, now = self._walker.planner, self._walker.clock.now()
         decision = planner.consider(self.key, self.estimate.low, self.pools, self.pool_index,
                                     now, request_model=self.request.model, claim=False)

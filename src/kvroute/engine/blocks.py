@@ -204,6 +204,7 @@ class BlockPool:
         *,
         lora_name: str | None,
         cache_salt: str | None,
+        lora_id: int | None = None,
     ) -> None:
         """Register blocks ``[num_cached_blocks, num_full_blocks)`` of a request as cached.
 
@@ -236,15 +237,7 @@ class BlockPool:
                 cached[h] = {entry: None, b: None}
             else:
                 entry[b] = None
-        extra: tuple[_ExtraKeys, ...] | None
-        if lora_name is None and not cache_salt:
-            extra = (None,) * (num_full_blocks - num_cached_blocks)
-        else:
-            later: _ExtraKeys = (lora_name,) if lora_name is not None else None
-            keys = [later] * (num_full_blocks - num_cached_blocks)
-            if num_cached_blocks == 0 and cache_salt:
-                keys[0] = (lora_name, cache_salt) if lora_name is not None else (cache_salt,)
-            extra = tuple(keys)
+        extra = _event_keys(num_cached_blocks, num_full_blocks, lora_name, cache_salt)
         bs = self.block_size
         self._events.append(
             BlockStored(
@@ -254,10 +247,41 @@ class BlockPool:
                 ),
                 token_ids=tuple(token_ids[num_cached_blocks * bs : num_full_blocks * bs]),
                 block_size=bs,
-                lora_id=None,
+                lora_id=lora_id,
                 medium=MEDIUM_GPU,
                 lora_name=lora_name,
                 extra_keys=extra,
+                group_idx=0,
+                kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
+            )
+        )
+
+    def emit_cached(
+        self,
+        wire_hashes: list[WireHash],
+        token_ids: list[int],
+        *,
+        lora_name: str | None,
+        lora_id: int | None,
+        cache_salt: str | None,
+    ) -> None:
+        """vLLM's ``emit_cached_block_events`` (``kv_cache_report_mode: "full"``): one
+        ``BlockStored`` for a request's prefix hit, blocks ``0..len(wire_hashes)-1``, parent
+        ``None``, tokens from position 0. Changes no block's state."""
+        n = len(wire_hashes)
+        if n == 0:
+            return
+        bs = self.block_size
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(wire_hashes),
+                parent_block_hash=None,
+                token_ids=tuple(token_ids[: n * bs]),
+                block_size=bs,
+                lora_id=lora_id,
+                medium=MEDIUM_GPU,
+                lora_name=lora_name,
+                extra_keys=_event_keys(0, n, lora_name, cache_salt),
                 group_idx=0,
                 kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
             )
@@ -330,3 +354,17 @@ class BlockPool:
             raise AssertionError(
                 f"{used} used + {len(self._free)} free != capacity {self.capacity}"
             )
+
+
+def _event_keys(first: int, end: int, lora_name: str | None,
+                cache_salt: str | None) -> tuple[_ExtraKeys, ...]:
+    """vLLM's untagged per-block event keys of blocks ``[first, end)``: ``(lora_name, salt)``
+    on block 0, ``(lora_name,)`` after it, the salt alone without LoRA, ``None`` for a block
+    with no keys."""
+    if lora_name is None and not cache_salt:
+        return (None,) * (end - first)
+    later: _ExtraKeys = (lora_name,) if lora_name is not None else None
+    keys = [later] * (end - first)
+    if first == 0 and cache_salt:
+        keys[0] = (lora_name, cache_salt) if lora_name is not None else (cache_salt,)
+    return tuple(keys)

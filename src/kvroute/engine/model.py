@@ -171,6 +171,9 @@ class EngineConfig:
         enable_prefix_caching: vLLM's ``--enable-prefix-caching`` (on by default); off, no
             block is ever a hit, none is cached or announced in a KV event, and the prefix
             cache counters stay at 0 (vLLM records no prefix-cache stats without it).
+        max_loras: vLLM's ``--max-loras``: distinct adapters one running batch holds; a
+            waiting request whose adapter would exceed it is skipped (not blocking those
+            behind it) until a slot frees. None: no limit.
 
     Raises:
         ConfigError: a value is out of range, or one request of ``max_model_len`` tokens
@@ -187,6 +190,7 @@ class EngineConfig:
     default_max_tokens: int = 16
     scheduler_reserve_full_isl: bool = True
     enable_prefix_caching: bool = True
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -229,7 +233,12 @@ class EngineRequest:
             ``"stop"``) unless its token limit comes first; benchmarks set it from a trace.
         cache_salt: vLLM's per-request salt (enters block 0's hash and its event keys).
         lora: the adapter (name and load path, both hashed), or ``None`` for the base model.
-            Events carry its name; their deprecated ``lora_id`` is left ``None``.
+            Events carry its name and ``lora_id``.
+        lora_id: the adapter's int id on this engine (vLLM numbers ``--lora-modules`` from
+            1); events carry it as their deprecated ``lora_id``.
+        report_full: vLLM's ``kv_cache_report_mode: "full"`` (``vllm_xargs``): a prefix hit
+            also emits a ``BlockStored`` for the reused blocks (parent ``None``, tokens from
+            0, no state change), so a consumer sees every block the engine reuses.
         prompt_block_hashes: the prompt's full-block hashes when the caller already has them
             (the router hashed the prompt the same way); saves hashing the prompt twice. They
             are trusted: they must have been made with this engine's hasher settings.
@@ -247,6 +256,8 @@ class EngineRequest:
     prompt_block_hashes: Sequence[BlockHash] | None = None
     seed: int | None = None
     arrival_s: float = 0.0
+    lora_id: int | None = None
+    report_full: bool = False
 
 
 class RejectionKind(enum.StrEnum):
@@ -381,12 +392,14 @@ class _Req:
         "blocks",
         "cache_salt",
         "lora",
+        "lora_id",
         "lora_name",
         "max_tokens",
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed",
         "num_prompt",
+        "report_full",
         "request_id",
         "seed",
         "stop_at",
@@ -423,6 +436,8 @@ class _Req:
         self.cache_salt = cache_salt
         self.lora = lora
         self.lora_name = lora.name if lora is not None else None
+        self.lora_id: int | None = None
+        self.report_full = False
         self.seed = seed
 
 
@@ -546,6 +561,8 @@ class EngineModel:
             stop_at = None
         seed = req.seed if req.seed is not None else _seed_from_id(rid)
         r = _Req(rid, tokens, effective, stop_at, hashes, req.cache_salt, req.lora, seed)
+        r.lora_id = req.lora_id
+        r.report_full = req.report_full
         self._live[rid] = r
         self._waiting.append(r)
         return Accepted(rid, effective, asked, effective < wanted)
@@ -617,10 +634,21 @@ class EngineModel:
         if not preempted:
             max_seqs = cfg.max_num_seqs
             reserve_full = cfg.scheduler_reserve_full_isl
+            max_loras = cfg.max_loras
+            skipped: list[_Req] = []
             while waiting and budget > 0 and len(running) < max_seqs:
                 r = waiting[0]
+                if max_loras is not None and r.lora_name is not None:
+                    active = {x.lora_name for x in running if x.lora_name is not None}
+                    if r.lora_name not in active and len(active) >= max_loras:
+                        skipped.append(waiting.popleft())  # vLLM skips it, keeps scanning
+                        continue
                 hit_blocks = self._computed_blocks(r)
                 num_hit = len(hit_blocks) * cfg.block_size
+                if hit_blocks and r.report_full:
+                    self.pool.emit_cached(
+                        [r.wire_hashes[i] for i in range(len(hit_blocks))], r.tokens,
+                        lora_name=r.lora_name, lora_id=r.lora_id, cache_salt=r.cache_salt)
                 n = min(len(r.tokens) - num_hit, budget)
                 if reserve_full and not self._fits_whole(r, hit_blocks):
                     break
@@ -636,6 +664,7 @@ class EngineModel:
                 r.num_computed = num_hit
                 scheduled.append((r, n))
                 budget -= n
+            waiting.extendleft(reversed(skipped))
 
         events = self.pool.take_events()
         if not scheduled:
@@ -704,6 +733,13 @@ class EngineModel:
     def take_events(self) -> list[KVEvent]:
         """Events produced outside ``step`` (a reset) that a caller wants published now."""
         return self.pool.take_events()
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running and of the waiting requests (``vllm:lora_requests_info``
+        labels), each sorted."""
+        running = sorted({r.lora_name for r in self._running if r.lora_name is not None})
+        waiting = sorted({r.lora_name for r in self._waiting if r.lora_name is not None})
+        return running, waiting
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters and gauges."""
@@ -788,7 +824,7 @@ class EngineModel:
         elif num_full > r.num_cached_blocks:
             pool.cache_full_blocks(
                 r.blocks, r.block_hashes, r.wire_hashes, r.num_cached_blocks, num_full,
-                r.tokens, lora_name=r.lora_name, cache_salt=r.cache_salt,
+                r.tokens, lora_name=r.lora_name, cache_salt=r.cache_salt, lora_id=r.lora_id,
             )
             r.num_cached_blocks = num_full
         return True

@@ -15,7 +15,7 @@ from typing import Any, Final, Protocol
 from kvroute.config import RouterConfig, Secrets
 from kvroute.core.index import AdminCapability
 from kvroute.core.router import RouterCore
-from kvroute.core.types import WireHash
+from kvroute.core.types import PoolName, WireHash
 from kvroute.http.server import Request, Response
 from kvroute.shell.admission import Admission
 from kvroute.shell.forward import error_answer
@@ -74,6 +74,20 @@ class AdminEndpoints:
             cards.append(model_card(id=name, created=created, max_model_len=window,
                                     permission_id=f"modelperm-{name}",
                                     root=self.pools.upstream_model(route, pool)))
+        listed = set(self.config.routes)
+        for name, route in self.config.routes.items():
+            # LoRA adapters the route's engines list, as vLLM lists them: parent = the model
+            # clients send for the base, root = the path the engines loaded it from.
+            for pool in route.pools:
+                for adapter in sorted({a for rep in self.config.pools[pool].replicas
+                                       for a in self.core.replica_adapters(rep.name)}):
+                    key = self.core.lora_key(PoolName(pool), adapter)
+                    if adapter in listed or key is None:
+                        continue
+                    listed.add(adapter)
+                    cards.append(model_card(id=adapter, created=created, max_model_len=None,
+                                            permission_id=f"modelperm-{adapter}",
+                                            root=key.path, parent=name))
         return _json(models_response(cards))
 
     async def health(self, request: Request) -> Response:

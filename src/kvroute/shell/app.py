@@ -78,6 +78,7 @@ class Router:
     forwarder: Forwarder
     warm: WarmSender | None = None
     activity: Activity | None = None
+    core: RouterCore | None = None
     _request_ids: Iterator[str] = field(default_factory=request_ids)
 
     async def chat(self, request: Request) -> Answer:
@@ -91,7 +92,7 @@ class Router:
             tenant = tenant_of(request, self.secrets)
             raw = self._body(request)
             parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
-            route = self._route(parsed)
+            route, adapter = self._route(parsed)
         except RequestError as exc:
             return error_answer(exc.status, exc.body())
         try:
@@ -107,7 +108,7 @@ class Router:
                                    or next(self._request_ids))
             salt = cache_salt(self.secrets, tenant, parsed.cache_salt)
             return await self.forwarder.serve(request, raw, parsed, route, tenant, request_id,
-                                              salt)
+                                              salt, adapter=adapter)
         finally:
             self.admission.release()
 
@@ -123,8 +124,19 @@ class Router:
             )
         return request.body
 
-    def _route(self, parsed: ParsedRequest) -> RouteConfig:
+    def _route(self, parsed: ParsedRequest) -> tuple[RouteConfig, str | None]:
+        """The request's route, and the LoRA adapter it names (None: a route's own name).
+
+        A ``model`` that is no route's name but an adapter some replica lists on
+        ``/v1/models`` (vLLM serves adapters under their own names) takes the first route,
+        in configuration order, with a pool where that adapter is listed."""
         route = self.config.routes.get(parsed.model)
+        if route is not None:
+            return route, None
+        pools = set(self.core.adapter_pools(parsed.model)) if self.core is not None else set()
+        for candidate in self.config.routes.values():
+            if pools.intersection(candidate.pools):
+                return candidate, parsed.model
         if route is None:
             known = ", ".join(sorted(self.config.routes))
             raise RequestError(
@@ -132,7 +144,7 @@ class Router:
                 "(GET /v1/models lists them).", status=404, param="model",
                 type="NotFoundError", code=404,
             )
-        return route
+        return route, None
 
 
 @dataclass(slots=True)
@@ -227,7 +239,7 @@ def build_app(
                           on_replica_failure=on_replica_failure, feedback=feedback,
                           activity=activity)
     router = Router(config=config, secrets=secrets, admission=adm, metrics=metrics,
-                    forwarder=forwarder, warm=warm, activity=activity)
+                    forwarder=forwarder, warm=warm, activity=activity, core=core)
     dashboard = Dashboard(config=config, core=core, metrics=metrics, admission=adm,
                           activity=activity, feedback=feedback, discovery=discovery)
     endpoints = AdminEndpoints(

@@ -9,7 +9,10 @@ conclusions drawn from them:
 * **block hashing** (``block_size`` and ``prefix_caching_hash_algo`` of
   ``vllm:cache_config_info``) -> ``RouterCore.set_pool_hashing``;
 * **engine load** (``vllm:num_requests_running``/``waiting``, ``kv_cache_usage_perc``) ->
-  ``RouterCore.on_engine_metrics``.
+  ``RouterCore.on_engine_metrics``;
+* **LoRA adapters**: the cards of ``/v1/models`` whose ``parent`` is the pool's model (name
+  and ``root``, the path vLLM hashes) -> ``RouterCore.set_replica_adapters``, and the adapter
+  slots of ``vllm:lora_requests_info`` -> ``RouterCore.set_adapter_slots``.
 
 It changes core state only through those public ``RouterCore`` methods, and is their only
 caller (with the two helpers it owns, ``shell/hashing_settlement.py`` and
@@ -74,14 +77,14 @@ from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.health import DEFAULT_HEALTHY_AFTER, HealthTransition, ReplicaHealth
 from kvroute.core.polling import PollIntervals, ProbeSchedule, is_fresh, stagger
-from kvroute.core.router import RouterCore
+from kvroute.core.router import AdapterSlots, RouterCore
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.external_pools import ExternalCatalog, ExternalPools
 from kvroute.shell.hashing_settlement import HashingSettlement
 from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import MonotonicClock
-from kvroute.wire.model_list import card_window
+from kvroute.wire.model_list import adapter_roots, card_window
 from kvroute.wire.prom import VllmMetrics, parse_vllm_metrics
 
 __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ReplicaInfo"]
@@ -105,6 +108,8 @@ class ReplicaInfo:
         last_ok_s: clock time of the last good ``/health``.
         running / waiting / kv_usage: the last engine load read from ``/metrics``.
         models_fetched_at_s: clock time of the last good ``/v1/models``.
+        adapters: the LoRA adapters it lists on top of the pool's model: {name: path}.
+        lora_running / lora_max: from ``vllm:lora_requests_info`` (None: not reported).
         consecutive_failures: ``/health`` failures in a row.
         consecutive_successes: ``/health`` successes in a row.
         excluded_reason: why a reachable replica is kept out of routing, or None.
@@ -122,6 +127,9 @@ class ReplicaInfo:
     waiting: int | None = None
     kv_usage: float | None = None
     models_fetched_at_s: float | None = None
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+    lora_running: tuple[str, ...] = ()
+    lora_max: int | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     excluded_reason: str | None = None
@@ -255,7 +263,7 @@ class Discovery:
             rep.info, last_ok_s=health.last_ok_s,
             consecutive_failures=health.consecutive_failures,
             consecutive_successes=health.consecutive_successes,
-            models_fetched_at_s=rep.schedule.models_read_s,
+            models_fetched_at_s=rep.schedule.models_read_s, adapters=dict(rep.info.adapters),
         )
         if not self._window_valid(rep):
             info.max_model_len = None
@@ -459,6 +467,8 @@ class Discovery:
             rep.model_problem = problem
             rep.info.served_model = None
             rep.info.max_model_len = None
+            rep.info.adapters = {}
+            self._core.set_replica_adapters(name, {})
             rep.window_read_s = None
             self._metrics.discovery(name, "model_mismatch")
             return
@@ -468,6 +478,11 @@ class Discovery:
         window = card_window(card)
         old = rep.info.max_model_len
         rep.info.served_model = wanted
+        adapters = adapter_roots(cards, wanted)
+        if adapters != rep.info.adapters:
+            log.info("replica %s serves LoRA adapters %s", name, sorted(adapters))
+            rep.info.adapters = adapters
+            self._core.set_replica_adapters(name, adapters)
         root = card.get("root")
         rep.info.model_root = root if isinstance(root, str) and root else None
         if window is not None:
@@ -510,6 +525,11 @@ class Discovery:
         info.hash_algo = parsed.prefix_caching_hash_algo
         if self._on_engine_metrics is not None:
             self._on_engine_metrics(rep.config.name, parsed)
+        if parsed.lora_max is not None:
+            info.lora_running, info.lora_max = parsed.lora_running, parsed.lora_max
+            self._core.set_adapter_slots(name, AdapterSlots(
+                running=frozenset(parsed.lora_running), waiting=frozenset(parsed.lora_waiting),
+                max_lora=parsed.lora_max))
         if parsed.num_malformed:
             self._metrics.discovery(name, "metrics_malformed_lines")
 

@@ -170,8 +170,8 @@ class Forwarder:
 
     async def serve(self, request: Request, raw: bytes, parsed: ParsedRequest,
                     route: RouteConfig, tenant: TenantName, request_id: RequestId,
-                    salt: str | None) -> Answer:
-        """Walk one request to its answer."""
+                    salt: str | None, *, adapter: str | None = None) -> Answer:
+        """Walk one request to its answer (``adapter``: the LoRA adapter it names)."""
         session_ref = session_from_request(request.headers, parsed.body, lowered=True)
         session = session_ref.session_id if session_ref is not None else None
         record = None
@@ -185,6 +185,7 @@ class Forwarder:
             num_messages=None if parsed.messages is None else len(parsed.messages),
             prompt_token_ids=prompt_ids_from_body(parsed),
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
+            adapter=adapter,
         )
         walk = self.walker.start(walk_request, self.pools.tier_pools(route), record)
         ex = _Exchange(request, raw, parsed, route, tenant, walk)
@@ -282,8 +283,9 @@ class Forwarder:
             return encode_request(ex.parsed, max_tokens=send.max_tokens,
                                   model=self.pools.upstream_model(ex.route, pool),
                                   remove_fields=("cache_salt",))
+        adapter = ex.walk.request.adapter
         return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
-                            model=self.config.pools[pool].model,
+                            model=adapter if adapter is not None else self.config.pools[pool].model,
                             cache_salt=ex.walk.request.cache_salt)
 
     def _headers(self, decision: RoutingDecision) -> Mapping[str, str]:

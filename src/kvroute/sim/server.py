@@ -80,7 +80,7 @@ import msgspec
 
 from kvroute.core.errors import ConfigError
 from kvroute.core.hash_memo import BlockHashMemo
-from kvroute.core.hashing import BlockHasher
+from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.engine.model import (
     EngineConfig,
     EngineModel,
@@ -191,6 +191,13 @@ class SimServerConfig:
             tokenizer's (HF: its longest vocabulary string; built-in: none, no pre-check).
         fault_injection: serve ``/sim/faults`` (``SimFaults``); off by default, and the
             faults themselves are all off until armed.
+        lora_modules: vLLM's ``--lora-modules name=path``: adapters served under their own
+            names (listed on ``/v1/models`` with ``parent`` = ``model``, ``root`` = path),
+            hashed with vLLM's ``("lora", name, path)`` extra key, numbered from 1 in this
+            order for the events' ``lora_id``. Empty: LoRA off (vLLM without
+            ``--enable-lora``).
+        max_loras: vLLM's ``--max-loras`` (default 1): distinct adapters one running batch
+            holds; also ``max_lora`` of ``vllm:lora_requests_info``.
     """
 
     model: str = "sim-model"
@@ -225,6 +232,8 @@ class SimServerConfig:
     extra_cache_labels: Mapping[str, str] = field(default_factory=dict)
     max_chars_per_token: int | None = None
     fault_injection: bool = False
+    lora_modules: Mapping[str, str] = field(default_factory=dict)
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -242,6 +251,14 @@ class SimServerConfig:
                 f"max_chars_per_token={self.max_chars_per_token} must be >= 1, or None to use "
                 "the tokenizer's longest vocabulary string"
             )
+        for name, path in self.lora_modules.items():
+            if not name or not path or name in self.served_names:
+                raise ConfigError(
+                    f"lora module {name!r}={path!r}: give a new name and a non-empty path "
+                    "(name=path), not one of the served model names"
+                )
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras={self.max_loras} must be >= 1")
         if self.kv_events_socket not in ("bind", "vllm"):
             raise ConfigError(
                 f"kv_events_socket={self.kv_events_socket!r} must be 'bind' (always bind the "
@@ -543,7 +560,9 @@ class SimServer:
             timing=config.timing if config.timing is not None else base.timing,
             vocab_size=self.tokenizer.vocab_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=config.max_loras if config.lora_modules else None,
         )
+        self._lora_ids = {name: i for i, name in enumerate(config.lora_modules, start=1)}
         self.hasher = BlockHasher(config.hash_algo, self.engine_config.block_size, config.hash_seed)
         # Prompts are hashed through a memo (bit-identical digests): requests sharing a system
         # prompt would otherwise re-hash it every time, the largest CPU cost of a zero-time
@@ -690,8 +709,9 @@ class SimServer:
     # ------------------------------------------------------------------ helpers
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.served_names:
-            names = ", ".join(self.config.served_names)
+        if (model is not None and model not in self.config.served_names
+                and model not in self.config.lora_modules):
+            names = ", ".join((*self.config.served_names, *self.config.lora_modules))
             raise _error(
                 f"The model `{model}` does not exist. Valid aliases: {names}.",
                 status=404,
@@ -842,7 +862,15 @@ class SimServer:
         seed = parsed.body.get("seed")
         seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         n = parsed.n
-        hashes = self._hash_memo.hash_blocks(prep.prompt_ids, cache_salt=parsed.cache_salt)
+        path = self.config.lora_modules.get(parsed.model) if parsed.model is not None else None
+        lora = LoraKey(parsed.model, path) if parsed.model is not None and path else None
+        xargs = parsed.vllm_xargs or {}
+        report_full = xargs.get("kv_cache_report_mode") == "full"
+        if lora is not None:
+            hashes = self.hasher.hash_blocks(prep.prompt_ids, cache_salt=parsed.cache_salt,
+                                             lora=lora)
+        else:
+            hashes = self._hash_memo.hash_blocks(prep.prompt_ids, cache_salt=parsed.cache_salt)
         reqs = [
             EngineRequest(
                 request_id=rid if n == 1 else f"{i}_{rid}",
@@ -853,6 +881,9 @@ class SimServer:
                 cache_salt=parsed.cache_salt,
                 seed=(seed + i) & ((1 << 64) - 1) if seed is not None else None,
                 prompt_block_hashes=hashes,
+                lora=lora,
+                lora_id=self._lora_ids.get(lora.name) if lora is not None else None,
+                report_full=report_full,
             )
             for i in range(n)
         ]
@@ -1109,6 +1140,11 @@ class SimServer:
                           permission_id=self._perm_id, root=self.root)
             for name in self.config.served_names
         ]
+        cards.extend(
+            oa.model_card(id=name, created=self.created, max_model_len=None,
+                          permission_id=self._perm_id, root=path, parent=self.config.model)
+            for name, path in self.config.lora_modules.items()
+        )
         return self._json(oa.models_response(cards))
 
     async def _health(self, request: Request) -> Response:
@@ -1143,6 +1179,15 @@ class SimServer:
         text = render_vllm_metrics([driver.snapshot()], model_name=self.config.model,
                                    cache_config=self.cache_config_labels(),
                                    created_s=float(self.created))
+        if self.config.lora_modules:
+            running, waiting = self.engine.lora_adapters()
+            text += (
+                "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+                "# TYPE vllm:lora_requests_info gauge\n"
+                f'vllm:lora_requests_info{{max_lora="{self.config.max_loras}",'
+                f'running_lora_adapters="{",".join(running)}",'
+                f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}\n'
+            )
         return Response(body=text.encode("utf-8"), content_type="text/plain; charset=utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 

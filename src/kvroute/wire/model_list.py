@@ -18,7 +18,7 @@ import msgspec
 
 from kvroute.core.errors import RouterError
 
-__all__ = ["ModelListError", "card_window", "model_cards"]
+__all__ = ["ModelListError", "adapter_roots", "card_window", "model_cards"]
 
 _JSON: Final = msgspec.json.Decoder()
 
@@ -56,3 +56,21 @@ def card_window(card: Mapping[str, Any]) -> int | None:
     if isinstance(window, int) and not isinstance(window, bool) and window > 0:
         return window
     return None
+
+
+def adapter_roots(cards: Mapping[str, Mapping[str, Any]], parent: str) -> dict[str, str]:
+    """The LoRA adapters served on top of ``parent``: {adapter name: the path it was loaded
+    from}.
+
+    vLLM lists an adapter as a card whose ``parent`` is the base model's served name and whose
+    ``root`` is the adapter's path (``--lora-modules name=path`` or
+    ``/v1/load_lora_adapter``); both the name and that path enter every block hash of the
+    adapter's requests. A card without a non-empty string ``root`` cannot be hashed and is
+    left out.
+    """
+    found: dict[str, str] = {}
+    for name, card in cards.items():
+        root = card.get("root")
+        if card.get("parent") == parent and name != parent and isinstance(root, str) and root:
+            found[name] = root
+    return found

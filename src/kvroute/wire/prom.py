@@ -35,12 +35,13 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "CACHE_CONFIG_INFO",
     "E2E_REQUEST_LATENCY_BUCKETS",
     "INTER_TOKEN_LATENCY_BUCKETS",
+    "LORA_REQUESTS_INFO",
     "MAX_RECORDED_MALFORMED",
     "TIME_TO_FIRST_TOKEN_BUCKETS",
     "EngineStats",
@@ -68,6 +69,7 @@ PREFIX_CACHE_QUERIES_TOTAL: Final = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL: Final = "vllm:prefix_cache_hits_total"
 NUM_PREEMPTIONS_TOTAL: Final = "vllm:num_preemptions_total"
 CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"
+LORA_REQUESTS_INFO: Final = "vllm:lora_requests_info"
 
 TIME_TO_FIRST_TOKEN_BUCKETS: Final[tuple[float, ...]] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -321,6 +323,11 @@ class VllmMetrics:
         engines: the ``engine`` label values seen, sorted.
         model_names: the ``model_name`` label values seen (before filtering), sorted.
         num_malformed: malformed lines skipped while parsing.
+        lora_max: ``max_lora`` of ``vllm:lora_requests_info`` (adapters one batch can hold);
+            None when the engine runs without ``--enable-lora``.
+        lora_running / lora_waiting: the adapters of the running and the waiting requests
+            in that series' newest label set (vLLM sets a new label set to the current time
+            at every step and never removes the old ones, so the newest value wins).
     """
 
     num_requests_running: float | None = None
@@ -337,6 +344,9 @@ class VllmMetrics:
     engines: tuple[str, ...] = ()
     model_names: tuple[str, ...] = ()
     num_malformed: int = 0
+    lora_max: int | None = None
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
     @property
     def found(self) -> bool:
@@ -353,6 +363,7 @@ _VLLM_WANTED: Final = (
     PREFIX_CACHE_HITS_TOTAL,
     NUM_PREEMPTIONS_TOTAL,
     CACHE_CONFIG_INFO,
+    LORA_REQUESTS_INFO,
 )
 _SUMMED: Final = {
     NUM_REQUESTS_RUNNING: "num_requests_running",
@@ -394,6 +405,7 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
     engines: set[str] = set()
     models: set[str] = set()
     cache_config: dict[str, str] | None = None
+    lora: tuple[float, Mapping[str, str]] | None = None
     for sample in samples:
         name = sample.name
         if name not in _VLLM_WANTED:  # a longer name that shares a wanted prefix
@@ -410,6 +422,9 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         if name == CACHE_CONFIG_INFO:
             if cache_config is None:
                 cache_config = dict(labels)
+        elif name == LORA_REQUESTS_INFO:
+            if lora is None or sample.value > lora[0]:
+                lora = (sample.value, labels)
         elif name == KV_CACHE_USAGE_PERC:
             usage[engine] = usage.get(engine, 0.0) + sample.value
         elif name == GPU_CACHE_USAGE_PERC_LEGACY:
@@ -437,7 +452,20 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         engines=tuple(sorted(engines)),
         model_names=tuple(sorted(models)),
         num_malformed=num_malformed,
+        **_lora_fields(lora[1] if lora is not None else None),
     )
+
+
+def _lora_fields(labels: Mapping[str, str] | None) -> dict[str, Any]:
+    """``vllm:lora_requests_info``'s labels as ``VllmMetrics`` fields (comma-joined names)."""
+    if labels is None:
+        return {}
+    max_text = labels.get("max_lora", "")
+    return {
+        "lora_max": int(max_text) if max_text.isdigit() else None,
+        "lora_running": tuple(n for n in labels.get("running_lora_adapters", "").split(",") if n),
+        "lora_waiting": tuple(n for n in labels.get("waiting_lora_adapters", "").split(",") if n),
+    }
 
 
 # --------------------------------------------------------------------------------------------
