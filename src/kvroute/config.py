@@ -178,6 +178,10 @@ class PoolConfig:
             ``seq_s``, ``context_token_s``); the cost policy prices decodes with it. The
             default is Llama-3.1-8B on an H100; ``kvroute sim calibrate`` fits it to an
             engine, and the router corrects it per replica from the answers it relays.
+        report_hits: add vLLM's ``"vllm_xargs": {"kv_cache_report_mode": "full"}`` to every
+            request sent to this pool, so its engines publish a ``BlockStored`` for every
+            prefix hit too and the index follows their LRU order (``docs/visible-hits.md``:
+            more events, same hit rate).
     """
 
     name: PoolName
@@ -189,6 +193,7 @@ class PoolConfig:
     hash_seed: str | None = None
     external: ExternalConfig | None = None
     decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
+    report_hits: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,7 +614,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
                         "its endpoints from url.")
         return _external(_name("pools", name), d["external"])
     _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
-                         "external", "decode_timing"))
+                         "external", "decode_timing", "report_hits"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
     if not isinstance(reps, list) or not reps:
@@ -630,6 +635,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
         hash_algo=_opt_str(f"{key}.hash_algo", d.get("hash_algo"), example="sha256"),
         hash_seed=_opt_str(f"{key}.hash_seed", d.get("hash_seed"), example='"0"'),
         decode_timing=_decode_timing(f"{key}.decode_timing", d.get("decode_timing")),
+        report_hits=_bool(f"{key}.report_hits", d.get("report_hits", False)),
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from lora_adapter import write_tiny_lora
 from realvllm import RealVllmEngine
 
 from kvroute.config import parse_config
+from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.runtime import RouterRuntime
 
 pytestmark = pytest.mark.realvllm
@@ -87,6 +89,11 @@ def test_predicted_cached_tokens_equal_the_engines_per_adapter(engine: RealVllmE
         runtime = RouterRuntime(_router_config(engine), env={})
         await runtime.start()
         try:
+            deadline = time.monotonic() + 30.0
+            while runtime.core.pool(PoolName("main")).approximate or not \
+                    runtime.core.replica_adapters(ReplicaId("e0")):
+                assert time.monotonic() < deadline, "discovery did not read the engine in 30 s"
+                await asyncio.sleep(0.05)
             cards = {c["id"]: c for c in (await asyncio.to_thread(_models, runtime.url))}
             assert cards["ad1"]["parent"] == ROUTE and cards["ad2"]["parent"] == ROUTE
             assert cards["ad1"]["root"].endswith("/ad1")
@@ -100,7 +107,7 @@ def test_predicted_cached_tokens_equal_the_engines_per_adapter(engine: RealVllmE
                 head, answer = await asyncio.to_thread(_post, runtime.url, {
                     "model": model, "messages": [{"role": "user", "content": content}],
                     "max_tokens": 1})
-                assert answer["model"] == model
+                assert answer["model"] == (engine.model if model == ROUTE else model)
                 assert head["x-kvroute-approximate"] == "false"
                 after = await asyncio.to_thread(_hits, engine)
                 seen.append((model, int(head["x-kvroute-cached-tokens"]), after - before))

@@ -344,3 +344,48 @@ def bench_tiers_live(
     if json_out is not None:
         write_json_report(json_out, report, console)
     sys.stdout.flush()
+
+
+_HIT_REPORT_ROWS = (
+    ("events_per_s", "KV events / virtual s"),
+    ("hashes_per_s", "block hashes / virtual s"),
+    ("router_event_cpu_s", "router CPU applying events (s)"),
+    ("router_cpu_us_per_hash", "router CPU per hash (µs)"),
+    ("predicted_equals_engine", "after reset: predicted = engine's cached"),
+    ("cached_tokens_unpredicted", "after reset: engine-cached tokens not predicted"),
+    ("eviction_position_mean", "evicted block's place in the LRU view (0 = oldest)"),
+    ("token_hit_rate", "engines' token hit rate"),
+)
+
+
+@bench_app.command("hit-reports")
+def bench_hit_reports(
+    trace: Annotated[str, typer.Option(help="Bundled trace: mooncake_conversation, claude_code_agentic_64, ...")] = "mooncake_conversation",
+    limit: Annotated[int, typer.Option(help="The trace's first N requests.")] = 2000,
+    replicas: Annotated[int, typer.Option(help="Engines in the fleet.")] = 4,
+    profile: Annotated[str, typer.Option(help="Timing profile.")] = "llama-3.1-8b-h100",
+    num_gpu_blocks: Annotated[int | None, typer.Option(help="KV blocks per engine (default: the profile's).")] = None,
+    reset_at: Annotated[float, typer.Option(help="Reset the router's index at this fraction of the trace (0 = never).")] = 0.5,
+    seed: Annotated[int, typer.Option(help="The policy's seed.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """kv_cache_report_mode "full" off vs on: events and router CPU against index accuracy."""
+    from kvroute.bench.hit_reports import HitReportSpec, run_hit_reports
+
+    console = Console(stderr=True)
+    with exit_on_router_error(console):
+        spec = HitReportSpec(trace=trace, limit=limit, replicas=replicas, profile=profile,
+                             num_gpu_blocks=num_gpu_blocks,
+                             reset_fraction=reset_at if reset_at > 0 else None, seed=seed)
+        report = run_hit_reports(spec)
+    runs = report["runs"]
+    rows = [[label, str(runs["off"][key]), str(runs["on"][key])]
+            for key, label in _HIT_REPORT_ROWS]
+    cfg = report["config"]
+    out = wide_console()
+    out.print(rows_table(f"hit reports: {cfg['trace']}, {cfg['requests']} requests, "
+                         f"{cfg['replicas']} x {cfg['profile']} ({cfg['num_gpu_blocks']} blocks)",
+                         [["", "incremental", "full"], *rows], left=("",)))
+    sys.stdout.flush()
+    if json_out is not None:
+        write_json_report(json_out, report, console)

@@ -229,6 +229,15 @@ class PrefixIndex:
     the counter. Predicted entries have the same bound, counted separately: past it, the oldest
     writes are dropped early (as if expired) down to the same watermark, and counted too.
 
+    Hit reports. A replica whose requests carry vLLM's ``kv_cache_report_mode: "full"``
+    (``set_hit_reports``) also sends a ``BlockStored`` for every prefix *hit*: parent
+    ``None``, blocks from 0, no change in the engine. On the wire it looks like a store, and
+    counting it as one would add a copy that no ``BlockRemoved`` ever takes away. For such a
+    replica a parent-less store of a hash it already holds on that medium is a touch, not a
+    copy. The one store it misreads is a true duplicate of a leading block (two identical
+    prompts computed in the same step): one copy too few is counted, so the entry may leave
+    before the engine's last copy, a false miss, never a false hit.
+
     ``AllBlocksCleared``, ``clear_replica`` and ``remove_replica`` scan the whole index
     (O(hashes); about 0.05 s of CPU per million hashes). They are rare (cache reset, restart,
     scale-down), and eager scrubbing keeps every count exact and slots reusable.
@@ -243,6 +252,7 @@ class PrefixIndex:
         "_extra",
         "_free_slots",
         "_held",
+        "_hit_replicas",
         "_live_positions",
         "_max_entries",
         "_medium_offset",
@@ -313,6 +323,7 @@ class PrefixIndex:
             deque()
         )
         self._scrubs: list[int] = []
+        self._hit_replicas: set[ReplicaId] = set()
 
     # --- replicas ----------------------------------------------------------------------
 
@@ -336,6 +347,13 @@ class PrefixIndex:
         self._slot_of[replica] = slot
         self._live_positions |= self._bits[_STRIDE * slot]
         return slot
+
+    def set_hit_reports(self, replica: ReplicaId, on: bool) -> None:
+        """``replica``'s requests ask for hit reports (see "Hit reports" above)."""
+        if on:
+            self._hit_replicas.add(replica)
+        else:
+            self._hit_replicas.discard(replica)
 
     def clear_replica(self, replica: ReplicaId) -> None:
         """Forget everything a replica holds (stored and predicted) but keep it known.
@@ -431,6 +449,7 @@ class PrefixIndex:
         added = 0
         dropped = 0
         unknown = 0
+        hit_reports = bool(self._hit_replicas) and self._replica_at[slot] in self._hit_replicas
         for event in events:
             kind = type(event)
             if kind is BlockStored:
@@ -439,11 +458,14 @@ class PrefixIndex:
                     offset = self._medium_pos(event.medium)  # type: ignore[union-attr]
                 pos = base + offset
                 bit = bits[pos]
+                touch = hit_reports and event.parent_block_hash is None  # type: ignore[union-attr]
                 for h in event.block_hashes:  # type: ignore[union-attr]
                     cur = held.get(h)
                     if cur is None:
                         held[h] = bit
                         added += 1
+                    elif touch and cur & bit:
+                        continue  # a hit re-announced, not a new copy
                     elif cur & bit:
                         ex = extra.get(h)
                         if ex is None:

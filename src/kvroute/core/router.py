@@ -49,6 +49,7 @@ from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
+from kvroute.core.recency import BlockRecency
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
 
 APPROX_CHUNK_CHARS = 64
@@ -200,6 +201,7 @@ class RouterCore:
         index: PrefixIndex | None = None,
         predicted_ttl_s: float = 2.0,
         approx_predicted_ttl_s: float = 120.0,
+        track_recency: bool = False,
     ) -> None:
         if not pools:
             raise ConfigError("the router needs at least one pool; add one under 'pools:'")
@@ -210,6 +212,8 @@ class RouterCore:
         self.approx_index = PrefixIndex(clock=clock, predicted_ttl_s=approx_predicted_ttl_s)
         self.load = LoadTracker()
         self._no_prefix_caching: set[ReplicaId] = set()
+        self.recency: BlockRecency | None = BlockRecency() if track_recency else None
+        """Per-replica LRU order of GPU blocks from the events (``core/recency.py``)."""
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
         self._adapters: dict[ReplicaId, Mapping[str, str]] = {}
@@ -272,6 +276,8 @@ class RouterCore:
             return
         entry.healthy.discard(replica)
         self.index.clear_replica(replica)
+        if self.recency is not None:
+            self.recency.clear(replica)
         self.approx_index.clear_replica(replica)
         self.load.reset_replica(replica)
 
@@ -306,10 +312,20 @@ class RouterCore:
     def apply_events(self, replica: ReplicaId, batch: EventBatch) -> None:
         """Apply one KV-event batch from ``replica``'s engine, in sequence order."""
         self.index.apply_batch(replica, batch)
+        if self.recency is not None:
+            self.recency.apply(replica, batch)
+
+    def set_hit_reports(self, replica: ReplicaId, on: bool) -> None:
+        """``replica``'s requests carry ``kv_cache_report_mode: "full"``: its parent-less
+        stores of held blocks are hits re-announced (``PrefixIndex``, "Hit reports")."""
+        self._pool(self._pool_of[replica])
+        self.index.set_hit_reports(replica, on)
 
     def reset_replica_index(self, replica: ReplicaId) -> None:
         """Forget what ``replica`` caches (event gap not recoverable, or engine restarted)."""
         self.index.clear_replica(replica)
+        if self.recency is not None:
+            self.recency.clear(replica)
 
     # -- LoRA adapters ----------------------------------------------------------------------
 

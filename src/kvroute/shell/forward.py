@@ -79,6 +79,8 @@ HDR_POOL: Final = "x-kvroute-pool"
 HDR_CACHED: Final = "x-kvroute-cached-tokens"
 HDR_APPROX: Final = "x-kvroute-approximate"
 _JSON: Final = "application/json"
+REPORT_HITS: Final = {"kv_cache_report_mode": "full"}
+"""vLLM's sampling ``extra_args`` that makes a prefix hit publish ``BlockStored`` too."""
 _LEVELS: Final = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
                   "error": logging.ERROR}
 
@@ -284,9 +286,11 @@ class Forwarder:
                                   model=self.pools.upstream_model(ex.route, pool),
                                   remove_fields=("cache_salt",))
         adapter = ex.walk.request.adapter
+        config = self.config.pools[pool]
         return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
-                            model=adapter if adapter is not None else self.config.pools[pool].model,
-                            cache_salt=ex.walk.request.cache_salt)
+                            model=adapter if adapter is not None else config.model,
+                            cache_salt=ex.walk.request.cache_salt,
+                            vllm_xargs=REPORT_HITS if config.report_hits else None)
 
     def _headers(self, decision: RoutingDecision) -> Mapping[str, str]:
         """``X-Request-Id``, plus the provider's key as ``Authorization: Bearer`` when the

@@ -92,9 +92,15 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
             approximate=pool.tokenizer.mode == "none" or not fixed,
             decode_timing=pool.decode_timing,
         ))
-    return RouterCore(pools, policy_factory, clock=clock,
+    core = RouterCore(pools, policy_factory, clock=clock,
                       predicted_ttl_s=config.predicted_ttl_s,
-                      approx_predicted_ttl_s=config.approx_predicted_ttl_s)
+                      approx_predicted_ttl_s=config.approx_predicted_ttl_s,
+                      track_recency=any(pool.report_hits for pool in config.pools.values()))
+    for pool in config.pools.values():
+        if pool.report_hits:
+            for rep in pool.replicas:
+                core.set_hit_reports(rep.name, True)
+    return core
 
 
 class RouterRuntime:

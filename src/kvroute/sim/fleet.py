@@ -68,6 +68,7 @@ import enum
 import heapq
 import math
 import random
+import time
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -77,7 +78,7 @@ from typing import Any, cast
 
 from kvroute.core.clock import ManualClock
 from kvroute.core.errors import ConfigError
-from kvroute.core.events import EventBatch
+from kvroute.core.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.load import DecodeTiming
 from kvroute.core.peer_policies import make_policy
@@ -127,7 +128,7 @@ from kvroute.wire.overflow_styles import check_overflow
 POOL = PoolName("sim")
 DEFAULT_TENANT = TenantName("default")
 
-_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _TOKENS, _RESEND, _HEAL = 0, 1, 2, 3, 4, 5, 6
+_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _TOKENS, _RESEND, _HEAL, _RESET = 0, 1, 2, 3, 4, 5, 6, 7
 ROUTE = "sim"
 """The simulated fleet's one route (the session records' key names it)."""
 
@@ -283,6 +284,11 @@ class FleetConfig:
         overflow_rtt_s: the round trip of a request an engine rejects as too long (vLLM
             rejects in its HTTP frontend, before scheduling: no engine time is used).
         outages: replicas that refuse connections for a while (:class:`Outage`).
+        report_hits: every request carries vLLM's ``kv_cache_report_mode: "full"``, so the
+            engines also publish the blocks of every prefix hit (``docs/visible-hits.md``).
+        track_recency: the router keeps each replica's LRU order (``core/recency.py``).
+        index_reset_at_s: at this virtual time the router forgets its whole index, as a
+            restarted router (or one whose event streams had unrecoverable gaps) would.
     """
 
     num_replicas: int
@@ -308,6 +314,9 @@ class FleetConfig:
     tokenize_rtt_s: float = 0.002
     overflow_rtt_s: float = 0.01
     outages: tuple[Outage, ...] = ()
+    report_hits: bool = False
+    track_recency: bool = False
+    index_reset_at_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -440,6 +449,10 @@ class FleetResult:
     counters: dict[str, int] = field(default_factory=dict)
     """Tier events: ``doomed_attempts``, ``escalations``, ``clamp_retries``, ``give_ups``,
     ``no_fit``, ``exact_counts``, ``warms_fired``, ``warms_rejected``, ``cut_short_<why>``."""
+    event_counts: dict[str, int] = field(default_factory=dict)
+    """KV events delivered to the router (``events_stored``, ``hashes_stored``,
+    ``events_removed``, ``hashes_removed``) and the thread CPU the router spent applying
+    them (``event_apply_ns``: machine-dependent, unlike everything else here)."""
     warm_skips: dict[str, int] = field(default_factory=dict)
     """``WarmSkipReason`` value → count."""
     warm_records: list[RequestRecord] = field(default_factory=list)
@@ -569,7 +582,11 @@ class FleetSimulation:
             specs,
             lambda: make_policy(config.policy, rng, **config.policy_params),
             clock=self.clock,
+            track_recency=config.track_recency,
         )
+        if config.report_hits:
+            for name in self.engines:
+                self.router.set_hit_reports(name, True)
         needs_text = self.router._pools[self.pool_names[0]].policy.needs_text
         self.workload = list(workload)
         self._progress = progress
@@ -605,6 +622,7 @@ class FleetSimulation:
                              self.clock)
         self._sessions = SessionTable(ttl_s=math.inf)
         self._counters: Counter[str] = Counter()
+        self._event_counts: Counter[str] = Counter()
         self._warm_skips: Counter[str] = Counter()
         self._warm: dict[str, RequestRecord] = {}
         self._landed: set[str] = set()
@@ -620,6 +638,8 @@ class FleetSimulation:
                 self._dependents[request.depends_on].append(request)
         if self._heap:
             self._push(self._heap[0][0], _SAMPLE, None)
+        if self.config.index_reset_at_s is not None:
+            self._push(self.config.index_reset_at_s, _RESET, None)
         open_requests = len(self.workload)
         done = 0
         while self._heap:
@@ -646,7 +666,13 @@ class FleetSimulation:
                     self._progress(finished)
             elif kind == _EVENTS:
                 replica, batch = cast("tuple[ReplicaId, EventBatch]", data)
+                self._count_events(batch)
+                started = time.thread_time_ns()
                 self.router.apply_events(replica, batch)
+                self._event_counts["event_apply_ns"] += time.thread_time_ns() - started
+            elif kind == _RESET:
+                for name in self.names:
+                    self.router.reset_replica_index(name)
             elif kind == _SAMPLE:
                 self._sample()
                 if done + self._num_rejected() < open_requests:
@@ -671,9 +697,21 @@ class FleetSimulation:
             pool_of={str(k): str(v) for k, v in self.pool_of.items()},
             pool_prefix_cache=per_pool,
             counters=dict(self._counters),
+            event_counts=dict(self._event_counts),
             warm_skips=dict(self._warm_skips),
             warm_records=list(self._warm.values()),
         )
+
+    def _count_events(self, batch: EventBatch) -> None:
+        """Events and block hashes delivered to the router, by kind."""
+        counters = self._event_counts
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                counters["events_stored"] += 1
+                counters["hashes_stored"] += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                counters["events_removed"] += 1
+                counters["hashes_removed"] += len(event.block_hashes)
 
     def _num_rejected(self) -> int:
         return sum(1 for r in self._records.values() if r.rejected)
@@ -759,6 +797,7 @@ class FleetSimulation:
             cache_salt=flight.salt,
             prompt_block_hashes=flight.digests,
             arrival_s=now,
+            report_full=self.config.report_hits,
         ))
         if isinstance(admission, Rejection):
             numbers = _overflow_numbers(admission, prompt_is_text=request.messages is not None)

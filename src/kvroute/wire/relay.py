@@ -203,7 +203,7 @@ def completion_of_any(body: bytes) -> tuple[list[str | None], Mapping[str, Any] 
 
 
 def forward_body(raw: bytes, parsed: ParsedRequest, *, max_tokens: int | None, model: str,
-                 cache_salt: str | None) -> bytes:
+                 cache_salt: str | None, vllm_xargs: Mapping[str, Any] | None = None) -> bytes:
     """The body to send upstream: the client's own bytes when nothing in it changes.
 
     ``encode_request`` copies and re-encodes the whole body (about 10 µs for a 2 kB prompt,
@@ -222,9 +222,17 @@ def forward_body(raw: bytes, parsed: ParsedRequest, *, max_tokens: int | None, m
         raw: the client's body, as read.
         parsed: its parse.
         max_tokens / model / cache_salt: as ``encode_request`` takes them.
+        vllm_xargs: entries to add to the body's ``vllm_xargs`` (vLLM's sampling
+            ``extra_args``, e.g. ``kv_cache_report_mode``); a key the client already set
+            keeps the client's value.
     """
     body = parsed.body
-    unchanged = body.get("model") == model and (
+    xargs_field: dict[str, Any] | None = None
+    if vllm_xargs:
+        own = parsed.vllm_xargs or {}
+        if any(key not in own for key in vllm_xargs):
+            xargs_field = {**vllm_xargs, **own}
+    unchanged = xargs_field is None and body.get("model") == model and (
         cache_salt is None or body.get("cache_salt") == cache_salt)
     if unchanged and max_tokens is not None:
         present = parsed.output_param_names
@@ -232,4 +240,5 @@ def forward_body(raw: bytes, parsed: ParsedRequest, *, max_tokens: int | None, m
             body[key] is not None and body[key] <= max_tokens for key in present)
     if unchanged:
         return raw
-    return encode_request(parsed, max_tokens=max_tokens, model=model, cache_salt=cache_salt)
+    return encode_request(parsed, max_tokens=max_tokens, model=model, cache_salt=cache_salt,
+                          set_fields=None if xargs_field is None else {"vllm_xargs": xargs_field})
