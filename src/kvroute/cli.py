@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from kvroute.commands import audit as audit_cmd
 from kvroute.commands import bench as bench_cmd
 from kvroute.commands import bench_overhead as bench_overhead_cmd
 from kvroute.commands import bench_soak as bench_soak_cmd
@@ -26,6 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+app.command(name="audit", help=audit_cmd.HELP)(audit_cmd.audit_cmd)
 app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
 app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
 app.command(name="serve", help=serve_cmd.HELP)(serve_cmd.serve)

@@ -344,6 +344,19 @@ class WarmAheadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AuditSampleConfig:
+    """The router's opt-in sample of request bodies for ``kvroute audit``.
+
+    Every ``every``-th request's body (as the client sent it, re-encoded on one line, with its
+    session id) is appended to ``path`` as ``{"body": ..., "session": ...}``. Bodies hold
+    prompts: turn it on only where writing them to disk is allowed.
+    """
+
+    path: str
+    every: int = 100
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """The whole configuration. Built by ``parse_config``/``load_config``; never mutated.
 
@@ -371,6 +384,7 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
     log_format: Literal["json", "kv"] = "json"
+    audit_sample: AuditSampleConfig | None = None
 
     def replicas(self) -> list[tuple[PoolConfig, ReplicaConfig]]:
         """Every replica with its pool, in file order."""
@@ -487,6 +501,7 @@ _TOP_KEYS: Final = (
     "listen", "pools", "routes", "policy", "state", "tenants", "admin_key_env",
     "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
     "cache_drift", "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
+    "audit_sample",
 )
 
 
@@ -968,7 +983,18 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         max_body_bytes=_int("max_body_bytes", data.get("max_body_bytes", 16 * 1024 * 1024), minimum=1024),
         log_level=log_level.lower(),
         log_format=log_format,
+        audit_sample=_audit_sample(data.get("audit_sample")),
     )
+
+
+def _audit_sample(data: Any) -> AuditSampleConfig | None:
+    if data is None:
+        return None
+    d = _mapping("audit_sample", data, "{path: /var/log/kvroute/sample.jsonl, every: 100}")
+    _check_keys("audit_sample", d, ("path", "every"))
+    path = _str("audit_sample.path", d.get("path"), example="/var/log/kvroute/sample.jsonl")
+    return AuditSampleConfig(path=path, every=_int("audit_sample.every", d.get("every", 100),
+                                                   minimum=1))
 
 
 def load_config(path: str | Path, *, env: Mapping[str, str] | None = None) -> RouterConfig:

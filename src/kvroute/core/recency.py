@@ -48,7 +48,7 @@ class RecencyStats:
 class BlockRecency:
     """The per-replica LRU order of GPU blocks (module docstring)."""
 
-    __slots__ = ("_order", "_stamp", "_sum_position", "_num_scored", "_num_touches")
+    __slots__ = ("_num_scored", "_num_touches", "_order", "_stamp", "_sum_position")
 
     def __init__(self) -> None:
         self._order: dict[ReplicaId, OrderedDict[WireHash, int]] = {}

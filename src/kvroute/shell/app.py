@@ -33,6 +33,7 @@ from kvroute.http.server import Answer, Handler, HttpServer, Request
 from kvroute.shell.activity import Activity
 from kvroute.shell.admin import AdminEndpoints, DiscoveryView
 from kvroute.shell.admission import Admission, AdmissionRejected
+from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.dashboard import Dashboard
 from kvroute.shell.forward import Forwarder, error_answer
@@ -164,6 +165,8 @@ class RouterApp:
         try:
             await self.http.close(grace_s)
         finally:
+            if self.router.forwarder.sampler is not None:
+                self.router.forwarder.sampler.close()
             if self.router.warm is not None:
                 await self.router.warm.close()
 
@@ -237,7 +240,9 @@ def build_app(
                           metrics=metrics, pools=pools, state=state,
                           tokenizers=dict(tokenizers or {}), warm=warm,
                           on_replica_failure=on_replica_failure, feedback=feedback,
-                          activity=activity)
+                          activity=activity,
+                          sampler=(AuditSampler(config.audit_sample)
+                                   if config.audit_sample is not None else None))
     router = Router(config=config, secrets=secrets, admission=adm, metrics=metrics,
                     forwarder=forwarder, warm=warm, activity=activity, core=core)
     dashboard = Dashboard(config=config, core=core, metrics=metrics, admission=adm,

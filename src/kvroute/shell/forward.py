@@ -50,6 +50,7 @@ from kvroute.core.walk import (
 from kvroute.http.client import ConnectTimeout
 from kvroute.http.server import Answer, Request, Response, StreamResponse
 from kvroute.shell.activity import Activity
+from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
@@ -167,6 +168,7 @@ class Forwarder:
     on_replica_failure: Callable[[ReplicaId, str], None] | None = None
     feedback: CacheFeedback | None = None
     activity: Activity | None = None
+    sampler: AuditSampler | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
 
@@ -176,6 +178,8 @@ class Forwarder:
         """Walk one request to its answer (``adapter``: the LoRA adapter it names)."""
         session_ref = session_from_request(request.headers, parsed.body, lowered=True)
         session = session_ref.session_id if session_ref is not None else None
+        if self.sampler is not None:
+            self.sampler.offer(parsed.body, session)
         record = None
         if session is not None and self.state is not None:
             record = await self.state.get_session(session_key(tenant, route.name, session))
@@ -406,6 +410,10 @@ class Forwarder:
                     self.feedback.on_decision(d)
                 metrics.decision(d.request.pool, d.replica, d.reason, d.expected_cached_tokens,
                                  note.num_prompt_tokens, note.routing_s, d.approximate)
+                if not d.approximate and d.block_hashes:
+                    held = max(d.cached_by_replica.values(), default=0)
+                    block_size = self.walker.core.pool(d.request.pool).block_size
+                    metrics.divergence(walk.request.route.name, held // block_size)
             elif isinstance(note, LogLine):
                 level = _LEVELS[note.level]
                 if tier_log.isEnabledFor(level):

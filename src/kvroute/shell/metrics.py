@@ -50,6 +50,7 @@ state_errors_total                     counter    backend, op
 warm_total                             counter    outcome, reason
 escalations_total                      counter    from_pool, to_pool, kind
 cut_short_total                        counter    pool
+prefix_divergence_block                histogram  route (first block no replica holds)
 =====================================  =========  ==========================================
 
 NOTE: label values come from operator config (pool and replica names) or from small fixed
@@ -59,7 +60,7 @@ label, so cardinality stays bounded by the fleet's size.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -79,6 +80,7 @@ from kvroute.shell.deferred_counts import (
 )
 
 __all__ = [
+    "DIVERGENCE_BUCKETS",
     "ROUTER_TIME_BUCKETS",
     "ROUTER_TIME_STAGES",
     "ROUTING_LATENCY_BUCKETS",
@@ -93,6 +95,8 @@ ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
 )  # fmt: skip
 """Routing is pure CPU work (hashing plus an index lookup): 10 µs to 100 ms covers it."""
 
+DIVERGENCE_BUCKETS: Final[tuple[float, ...]] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Block indices of ``prefix_divergence_block``: 0 (nothing shared) then powers of two."""
 GC_PAUSE_BUCKETS: Final[tuple[float, ...]] = (
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
@@ -183,6 +187,14 @@ class RouterMetrics:
         )
         self._gc_pause = tuple(LatencyTally(gc_pause.labels(str(g)), _GC_PAUSE_BOUNDS)
                                for g in range(3))
+        self._divergence = Histogram(
+            "prefix_divergence_block", "Per routed request with exact hashes, the first block "
+            "of its prompt that no replica holds (as the index sees it): where prefix reuse "
+            "breaks. Mass at 0 on a route whose requests share a system prompt means something "
+            "early in the prompt changes per request (kvroute audit finds what).",
+            ["route"], namespace=ns, registry=r, buckets=DIVERGENCE_BUCKETS,
+        )
+        self._divergence_by_route: dict[str, Any] = {}
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
@@ -328,6 +340,13 @@ class RouterMetrics:
             latency,
         )
         return tally
+
+    def divergence(self, route: str, block: int) -> None:
+        """One request's first block no replica holds (``prefix_divergence_block``)."""
+        child = self._divergence_by_route.get(route)
+        if child is None:
+            child = self._divergence_by_route[route] = self._divergence.labels(route)
+        child.observe(block)
 
     def gc_pause(self, generation: int, seconds: float) -> None:
         """One garbage collection (``heap.watch_gc_pauses``). Called inside the collector, from
