@@ -60,7 +60,7 @@ label, so cardinality stays bounded by the fleet's size.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -114,6 +114,7 @@ ROUTER_TIME_STAGES: Final = ("before_engine", "after_engine", "total")
 
 _ROUTER_TIME_BOUNDS: Final[tuple[float, ...]] = (*ROUTER_TIME_BUCKETS, float("inf"))
 _GC_PAUSE_BOUNDS: Final[tuple[float, ...]] = (*GC_PAUSE_BUCKETS, float("inf"))
+_DIVERGENCE_BOUNDS: Final[tuple[float, ...]] = (*DIVERGENCE_BUCKETS, float("inf"))
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
 TOKENIZER_CHECKS: Final = ("pending", "verified", "mismatch", "unverifiable", "no_local")
@@ -194,7 +195,7 @@ class RouterMetrics:
             "early in the prompt changes per request (kvroute audit finds what).",
             ["route"], namespace=ns, registry=r, buckets=DIVERGENCE_BUCKETS,
         )
-        self._divergence_by_route: dict[str, Any] = {}
+        self._divergence_by_route: dict[str, LatencyTally] = {}
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
@@ -302,6 +303,8 @@ class RouterMetrics:
             stage.flush()
         for generation in self._gc_pause:
             generation.flush()
+        for divergence in self._divergence_by_route.values():
+            divergence.flush()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -343,10 +346,11 @@ class RouterMetrics:
 
     def divergence(self, route: str, block: int) -> None:
         """One request's first block no replica holds (``prefix_divergence_block``)."""
-        child = self._divergence_by_route.get(route)
-        if child is None:
-            child = self._divergence_by_route[route] = self._divergence.labels(route)
-        child.observe(block)
+        tally = self._divergence_by_route.get(route)
+        if tally is None:
+            tally = self._divergence_by_route[route] = LatencyTally(
+                self._divergence.labels(route), _DIVERGENCE_BOUNDS)
+        tally.observe(block)
 
     def gc_pause(self, generation: int, seconds: float) -> None:
         """One garbage collection (``heap.watch_gc_pauses``). Called inside the collector, from
