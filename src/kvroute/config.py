@@ -20,6 +20,7 @@ it into ``RouterCore`` pools, policies, clients and tasks. Core objects never se
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import hmac
@@ -37,6 +38,7 @@ from kvroute.core.cache_drift import CacheDriftSettings
 from kvroute.core.errors import ConfigError
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.core.tokens import IMAGE_FAMILIES, IMAGE_PRESETS, ImageCost
 from kvroute.core.types import PoolName, ReplicaId, TenantName
 
 __all__ = [
@@ -213,6 +215,10 @@ class RouteConfig:
             its session already escalated to) with the client's ``max_tokens`` untouched,
             and only an engine's overflow rejection clamps or escalates it. It exists to
             measure what the proactive estimate saves (``kvroute bench tiers-live``).
+        image_tokens: what one image costs the route's model family in prompt tokens
+            (``core/tokens.ImageCost``; default Qwen-VL's 28-px grid). Per route, not per
+            pool: the estimate is made before the pool is chosen, and a route's tiers serve
+            one model family.
     """
 
     name: str
@@ -220,6 +226,7 @@ class RouteConfig:
     output_floor: int = 256
     tokenize_margin: float = 0.2
     proactive: bool = True
+    image_tokens: ImageCost = field(default_factory=ImageCost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -676,7 +683,8 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
         raise _fail("routes", name, "must be a non-empty model name without control characters",
                     "Name the route as clients name the model, e.g. llama-3.1-8b.")
     d = _mapping(key, data, "{pools: [small]}")
-    _check_keys(key, d, ("pools", "output_floor", "tokenize_margin", "proactive"))
+    _check_keys(key, d, ("pools", "output_floor", "tokenize_margin", "proactive",
+                         "image_tokens"))
     names = d.get("pools")
     if not isinstance(names, list) or not names:
         raise _fail(f"{key}.pools", names, "must be a non-empty list of pool names", f"Write e.g. pools: [{next(iter(pools))}].")
@@ -696,7 +704,33 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
                     "Use the share below the estimate still worth an exact count, e.g. 0.2.")
     proactive = _bool(f"{key}.proactive", d.get("proactive", True))
     return RouteConfig(name=name, pools=tuple(out), output_floor=floor, tokenize_margin=margin,
-                       proactive=proactive)
+                       proactive=proactive,
+                       image_tokens=_image_tokens(f"{key}.image_tokens", d.get("image_tokens")))
+
+
+_IMAGE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(ImageCost))
+
+
+def _image_tokens(key: str, data: Any) -> ImageCost:
+    """``image_tokens: {family: <preset or grid|fixed|tiled>, <ImageCost field>: ...}``."""
+    if data is None:
+        return ImageCost()
+    d = _mapping(key, data, "{family: qwen-vl}")
+    _check_keys(key, d, _IMAGE_FIELDS)
+    family = d.get("family", "grid")
+    known = (*IMAGE_PRESETS, *IMAGE_FAMILIES)
+    if family not in known:
+        raise _fail(f"{key}.family", family, "is not an image family",
+                    f"Choose a preset ({', '.join(IMAGE_PRESETS)}) or a rule "
+                    f"({', '.join(IMAGE_FAMILIES)}) with its numbers.")
+    base = IMAGE_PRESETS[family] if family in IMAGE_PRESETS else ImageCost(family)
+    changes = {k: v for k, v in d.items() if k != "family"}
+    try:
+        return dataclasses.replace(base, **changes)
+    except (TypeError, ValueError) as exc:
+        raise _fail(key, data, f"is not a valid image cost ({exc})",
+                    "Give whole numbers >= 1, e.g. {family: tiled, tile_px: 448, "
+                    "tokens_per_tile: 256, max_tiles: 12}.") from exc
 
 
 def _policy(data: Any) -> PolicyConfig:

@@ -34,9 +34,14 @@ What is counted, mirroring what the engine's chat template renders:
   the templates' ``tojson`` renders it), plus ``TOOLS_PREAMBLE_TOKENS = 90`` once (Qwen /
   Hermes templates add ~87 tokens of instructions around ``<tools></tools>``). Counting a
   TypeScript-like rendering, as LiteLLM does, under-counts the real prompt by ~24 %.
-* **Images**, Qwen-VL style: one visual token per 28×28-pixel patch, i.e. ``H*W/784`` after
-  each side is rounded *up* to the 28-pixel grid, clamped to the processor's pixel bounds
-  (4 to 16,384 tokens), plus 2 tokens of vision start/end markers. Sizes are read from the
+* **Images**, by the route's ``ImageCost`` (default Qwen-VL's grid): *grid* families emit
+  one visual token per ``patch_px`` square (Qwen-VL: 28×28 pixels, i.e. ``H*W/784`` after
+  each side is rounded *up* to the grid, clamped to 4..16,384 tokens, plus 2 vision
+  start/end markers); *fixed* families emit the same count whatever the size (an encoder at
+  one resolution: LLaVA-1.5's 576, Gemma 3's 256); *tiled* families cut the image into
+  ``tile_px`` tiles (the grid of at most ``max_tiles`` whose aspect ratio is closest to the
+  image's) at ``tokens_per_tile`` each, plus one thumbnail tile when there are several
+  (InternVL: 448-px tiles of 256 tokens, up to 12). Sizes are read from the
   PNG, JPEG, GIF or WebP header inside a base64 ``data:`` URL; a remote URL (or an
   undecodable image) is sized as ``EstimateConfig.default_image_size`` and counted in
   ``num_media_guessed`` so the guess is visible.
@@ -70,13 +75,16 @@ from kvroute.core.errors import RouterError
 __all__ = [
     "AUDIO_TOKENS_PER_S",
     "DEFAULT_ESTIMATE_CONFIG",
+    "IMAGE_FAMILIES",
     "IMAGE_PATCH_PX",
+    "IMAGE_PRESETS",
     "MESSAGE_OVERHEAD_TOKENS",
     "REPLY_PRIMING_TOKENS",
     "TOOLS_PREAMBLE_TOKENS",
     "TOOL_CALL_OVERHEAD_TOKENS",
     "EstimateConfig",
     "EstimateSource",
+    "ImageCost",
     "MalformedBodyError",
     "TokenEstimate",
     "estimate_request",
@@ -133,6 +141,99 @@ class EstimateSource(enum.StrEnum):
     """Counted by the engine's ``/tokenize`` or a local tokenizer: exact."""
 
 
+IMAGE_FAMILIES: Final = ("grid", "fixed", "tiled")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageCost:
+    """How many prompt tokens one image costs a model family (module docstring, "Images").
+
+    Attributes:
+        family: ``grid`` (tokens per pixel patch), ``fixed`` (one count per image) or
+            ``tiled`` (tokens per tile of a tile grid).
+        patch_px / min_tokens / max_tokens: a grid family's patch side and its clamp.
+        marker_tokens: tokens around each image (start/end markers), every family.
+        tokens: a fixed family's count.
+        tile_px / tokens_per_tile / max_tiles / thumbnail: a tiled family's tile side, its
+            tokens, the most tiles, and whether a thumbnail tile is added to several.
+
+    Raises:
+        ValueError: an unknown family or a value below 1 (0 for ``marker_tokens``).
+    """
+
+    family: str = "grid"
+    patch_px: int = IMAGE_PATCH_PX
+    min_tokens: int = IMAGE_MIN_TOKENS
+    max_tokens: int = IMAGE_MAX_TOKENS
+    marker_tokens: int = IMAGE_MARKER_TOKENS
+    tokens: int = 576
+    tile_px: int = 448
+    tokens_per_tile: int = 256
+    max_tiles: int = 12
+    thumbnail: bool = True
+
+    def __post_init__(self) -> None:
+        if self.family not in IMAGE_FAMILIES:
+            raise ValueError(f"image family {self.family!r} is not one of "
+                             f"{', '.join(IMAGE_FAMILIES)}")
+        for name in ("patch_px", "min_tokens", "max_tokens", "tokens", "tile_px",
+                     "tokens_per_tile", "max_tiles"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"image cost {name} must be an int >= 1, got {value!r}")
+        if self.marker_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"image cost needs marker_tokens >= 0 and min_tokens <= "
+                             f"max_tokens, got {self.marker_tokens}, {self.min_tokens}, "
+                             f"{self.max_tokens}")
+
+    def tokens_for(self, width: int, height: int) -> int:
+        """Prompt tokens of a ``width`` × ``height`` image for this family.
+
+        Raises:
+            ValueError: a size below 1.
+        """
+        if width < 1 or height < 1:
+            raise ValueError(f"an image needs a positive size, got {width}x{height}")
+        if self.family == "fixed":
+            return self.tokens + self.marker_tokens
+        if self.family == "grid":
+            patches = math.ceil(width / self.patch_px) * math.ceil(height / self.patch_px)
+            return min(max(patches, self.min_tokens), self.max_tokens) + self.marker_tokens
+        cols, rows = _tile_grid(width, height, self.tile_px, self.max_tiles)
+        tiles = cols * rows + (1 if self.thumbnail and cols * rows > 1 else 0)
+        return tiles * self.tokens_per_tile + self.marker_tokens
+
+
+IMAGE_PRESETS: Final[dict[str, ImageCost]] = {
+    "qwen-vl": ImageCost("grid"),
+    "llava-1.5": ImageCost("fixed", tokens=576, marker_tokens=0),
+    "gemma-3": ImageCost("fixed", tokens=256, marker_tokens=2),
+    "internvl": ImageCost("tiled", tile_px=448, tokens_per_tile=256, max_tiles=12,
+                          marker_tokens=2),
+}
+"""Named families (``routes.<name>.image_tokens: {family: <preset>}``). Counts from the
+models' processor configurations as published; not checked against engines here."""
+
+
+def _tile_grid(width: int, height: int, tile_px: int, max_tiles: int) -> tuple[int, int]:
+    """InternVL-style dynamic tiling: the (cols, rows) grid of at most ``max_tiles`` tiles
+    whose aspect ratio is closest to the image's; on a tie, the larger grid when the image
+    has the pixels to fill it."""
+    aspect = width / height
+    best = (1, 1)
+    best_diff = math.inf
+    for n in range(1, max_tiles + 1):
+        for cols in range(1, n + 1):
+            if n % cols:
+                continue
+            rows = n // cols
+            diff = abs(aspect - cols / rows)
+            if diff < best_diff or (
+                    diff == best_diff and width * height > 0.5 * tile_px * tile_px * n):
+                best, best_diff = (cols, rows), diff
+    return best
+
+
 @dataclass(frozen=True, slots=True)
 class EstimateConfig:
     """Sizes the estimator cannot read from the body (configured per route, defaults here).
@@ -141,10 +242,12 @@ class EstimateConfig:
         default_image_size: (width, height) assumed for a remote image URL or an image whose
             header cannot be read.
         default_video_tokens: tokens assumed for one video part.
+        image_cost: the model family's image-token rule.
     """
 
     default_image_size: tuple[int, int] = (1024, 1024)
     default_video_tokens: int = 4096
+    image_cost: ImageCost = ImageCost()
 
 
 DEFAULT_ESTIMATE_CONFIG: Final = EstimateConfig()
@@ -410,7 +513,7 @@ def _count_image(tally: _Tally, url: str | None, config: EstimateConfig) -> None
     if size is None:
         size = config.default_image_size
         tally.num_media_guessed += 1
-    tally.image_tokens += image_tokens_for_size(*size)
+    tally.image_tokens += config.image_cost.tokens_for(*size)
 
 
 def _count_audio(tally: _Tally, audio: Any) -> None:

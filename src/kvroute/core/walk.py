@@ -98,6 +98,8 @@ from kvroute.core.tiers import (
     was_cut_short,
 )
 from kvroute.core.tokens import (
+    DEFAULT_ESTIMATE_CONFIG,
+    EstimateConfig,
     EstimateSource,
     MalformedBodyError,
     TokenEstimate,
@@ -150,6 +152,7 @@ class WalkRoute:
     proactive: bool = True
     output_floor: int = 256
     tokenize_margin: float = 0.2
+    estimate: EstimateConfig = DEFAULT_ESTIMATE_CONFIG
 
 
 @dataclass(frozen=True, slots=True)
@@ -730,8 +733,10 @@ class RequestWalk:
         try:
             if usage is not None and request.endpoint == "chat":
                 return from_session(usage.prompt_tokens, usage.completion_tokens,
-                                    usage.num_messages, request.body)
-            return estimate_request(request.body, endpoint=request.endpoint)
+                                    usage.num_messages, request.body,
+                                    config=request.route.estimate)
+            return estimate_request(request.body, endpoint=request.endpoint,
+                                    config=request.route.estimate)
         except MalformedBodyError as exc:  # the driver validated the body: a bug if here
             raise AssertionError(f"a validated body could not be estimated: {exc}") from exc
 

@@ -24,6 +24,7 @@ from typing import Any, Final, TypeVar
 from kvroute.config import RouteConfig, RouterConfig, Secrets
 from kvroute.core.router import RouteRequest, RoutingDecision
 from kvroute.core.session import session_key
+from kvroute.core.tokens import EstimateConfig
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.walk import (
     CutShortNote,
@@ -89,7 +90,8 @@ _LEVELS: Final = {"debug": logging.DEBUG, "info": logging.INFO, "warning": loggi
 def walk_route(route: RouteConfig) -> WalkRoute:
     """The route's settings the walk reads."""
     return WalkRoute(route.name, proactive=route.proactive, output_floor=route.output_floor,
-                     tokenize_margin=route.tokenize_margin)
+                     tokenize_margin=route.tokenize_margin,
+                     estimate=EstimateConfig(image_cost=route.image_tokens))
 
 
 def error_answer(status: int, body: bytes, *, pool: str = "none",
