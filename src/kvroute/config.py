@@ -40,6 +40,7 @@ from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES
 from kvroute.core.tokens import IMAGE_FAMILIES, IMAGE_PRESETS, ImageCost
 from kvroute.core.types import PoolName, ReplicaId, TenantName
+from kvroute.wire.reasoning import THINK_SWITCHES, ReasoningSettings
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -219,6 +220,9 @@ class RouteConfig:
             (``core/tokens.ImageCost``; default Qwen-VL's 28-px grid). Per route, not per
             pool: the estimate is made before the pool is chosen, and a route's tiers serve
             one model family.
+        reasoning: the route's think switch and thinking budget
+            (``wire/reasoning.ReasoningSettings``, ``docs/reasoning.md``); None: the bodies'
+            own.
     """
 
     name: str
@@ -227,6 +231,7 @@ class RouteConfig:
     tokenize_margin: float = 0.2
     proactive: bool = True
     image_tokens: ImageCost = field(default_factory=ImageCost)
+    reasoning: ReasoningSettings | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -684,7 +689,7 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
                     "Name the route as clients name the model, e.g. llama-3.1-8b.")
     d = _mapping(key, data, "{pools: [small]}")
     _check_keys(key, d, ("pools", "output_floor", "tokenize_margin", "proactive",
-                         "image_tokens"))
+                         "image_tokens", "reasoning"))
     names = d.get("pools")
     if not isinstance(names, list) or not names:
         raise _fail(f"{key}.pools", names, "must be a non-empty list of pool names", f"Write e.g. pools: [{next(iter(pools))}].")
@@ -705,7 +710,27 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
     proactive = _bool(f"{key}.proactive", d.get("proactive", True))
     return RouteConfig(name=name, pools=tuple(out), output_floor=floor, tokenize_margin=margin,
                        proactive=proactive,
-                       image_tokens=_image_tokens(f"{key}.image_tokens", d.get("image_tokens")))
+                       image_tokens=_image_tokens(f"{key}.image_tokens", d.get("image_tokens")),
+                       reasoning=_reasoning(f"{key}.reasoning", d.get("reasoning")))
+
+
+def _reasoning(key: str, data: Any) -> ReasoningSettings | None:
+    """``reasoning: {switch: qwen3, thinking: true, budget: 2048, max_budget: 8192}``."""
+    if data is None:
+        return None
+    d = _mapping(key, data, "{switch: qwen3, thinking: true, budget: 2048}")
+    _check_keys(key, d, ("switch", "thinking", "budget", "max_budget"))
+    thinking = d.get("thinking")
+    if thinking is not None:
+        thinking = _bool(f"{key}.thinking", thinking)
+    budgets = {name: None if d.get(name) is None else _int(f"{key}.{name}", d[name], minimum=1)
+               for name in ("budget", "max_budget")}
+    try:
+        return ReasoningSettings(switch=d.get("switch", "qwen3"), thinking=thinking, **budgets)
+    except ValueError as exc:
+        raise _fail(key, data, f"is not a valid reasoning setting ({exc})",
+                    f"Use switch: one of {', '.join(THINK_SWITCHES)}; budget <= max_budget.") \
+            from exc
 
 
 _IMAGE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(ImageCost))

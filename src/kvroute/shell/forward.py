@@ -67,6 +67,7 @@ from kvroute.wire.openai import (
     warm_request_body,
 )
 from kvroute.wire.overflow import Overflow, overflow_numbers, parse_overflow
+from kvroute.wire.reasoning import reasoning_fields
 from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
 from kvroute.wire.relay import routing_text as render_routing_text
 
@@ -89,7 +90,9 @@ _LEVELS: Final = {"debug": logging.DEBUG, "info": logging.INFO, "warning": loggi
 
 def walk_route(route: RouteConfig) -> WalkRoute:
     """The route's settings the walk reads."""
-    return WalkRoute(route.name, proactive=route.proactive, output_floor=route.output_floor,
+    reserve = route.reasoning.output_reserve if route.reasoning is not None else 0
+    return WalkRoute(route.name, proactive=route.proactive,
+                     output_floor=route.output_floor + reserve,
                      tokenize_margin=route.tokenize_margin,
                      estimate=EstimateConfig(image_cost=route.image_tokens))
 
@@ -293,10 +296,14 @@ class Forwarder:
                                   remove_fields=("cache_salt",))
         adapter = ex.walk.request.adapter
         config = self.config.pools[pool]
+        reasoning = ex.route.reasoning
+        fields = (reasoning_fields(ex.parsed.body, reasoning)
+                  if reasoning is not None and ex.parsed.endpoint == "chat" else None)
         return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
                             model=adapter if adapter is not None else config.model,
                             cache_salt=ex.walk.request.cache_salt,
-                            vllm_xargs=REPORT_HITS if config.report_hits else None)
+                            vllm_xargs=REPORT_HITS if config.report_hits else None,
+                            set_fields=fields)
 
     def _headers(self, decision: RoutingDecision) -> Mapping[str, str]:
         """``X-Request-Id``, plus the provider's key as ``Authorization: Bearer`` when the

@@ -1,0 +1,95 @@
+"""A route's reasoning settings applied to a chat body: the think switch and the budget.
+
+Hybrid reasoning models switch thinking on or off through their chat template, each family
+under its own ``chat_template_kwargs`` key (Qwen3: ``enable_thinking``; DeepSeek-V3.1:
+``thinking``), and vLLM 0.32 caps the thinking with ``thinking_token_budget`` (which the
+engine accepts only when started with a reasoning parser, ``--reasoning-parser``). A route
+can fix the switch, give a default budget and a ceiling on what a client may ask for;
+``reasoning_fields`` says which fields of a body change.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["THINK_SWITCHES", "ReasoningSettings", "reasoning_fields"]
+
+THINK_SWITCHES: Final[dict[str, str]] = {
+    "qwen3": "enable_thinking",
+    "deepseek-v3.1": "thinking",
+}
+"""The family -> its ``chat_template_kwargs`` key for thinking on/off."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningSettings:
+    """A route's reasoning settings.
+
+    Attributes:
+        switch: the family whose template key turns thinking on/off (``THINK_SWITCHES``).
+        thinking: force thinking on (True) or off (False) unless the client set the key
+            itself; None leaves it to the client and the template's default.
+        budget: ``thinking_token_budget`` added when the client gives none and thinking is
+            not off; None adds none.
+        max_budget: the most a client may ask for (a larger or unlimited ``-1`` request is
+            lowered to it); None: no ceiling.
+
+    Raises:
+        ValueError: an unknown switch, or a budget below 1 or above the ceiling.
+    """
+
+    switch: str = "qwen3"
+    thinking: bool | None = None
+    budget: int | None = None
+    max_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.switch not in THINK_SWITCHES:
+            raise ValueError(f"reasoning switch {self.switch!r} is not one of "
+                             f"{', '.join(THINK_SWITCHES)}")
+        for name in ("budget", "max_budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"reasoning {name} must be a whole number >= 1, got {value!r}")
+        if self.budget is not None and self.max_budget is not None \
+                and self.budget > self.max_budget:
+            raise ValueError(f"reasoning budget {self.budget} is above max_budget "
+                             f"{self.max_budget}")
+
+    @property
+    def output_reserve(self) -> int:
+        """Output tokens the thinking may take when the route turns it on (the tier planner
+        adds them to the route's output floor: vLLM counts reasoning in ``max_tokens``)."""
+        if self.thinking is False:
+            return 0
+        return self.budget or 0
+
+
+def reasoning_fields(body: Mapping[str, Any], settings: ReasoningSettings) -> dict[str, Any]:
+    """The chat body fields ``settings`` set or change (empty: the body stays as it is).
+
+    The client's own switch wins over the route's; its budget is kept up to the ceiling.
+    """
+    out: dict[str, Any] = {}
+    key = THINK_SWITCHES[settings.switch]
+    kwargs = body.get("chat_template_kwargs")
+    own = kwargs if isinstance(kwargs, Mapping) else {}
+    thinking = own.get(key)
+    if settings.thinking is not None and key not in own:
+        out["chat_template_kwargs"] = {**own, key: settings.thinking}
+        thinking = settings.thinking
+    asked = body.get("thinking_token_budget")
+    if thinking is False:
+        return out
+    ceiling = settings.max_budget
+    if isinstance(asked, int) and not isinstance(asked, bool):
+        if ceiling is not None and (asked == -1 or asked > ceiling):
+            out["thinking_token_budget"] = ceiling
+    elif asked is None and settings.budget is not None:
+        out["thinking_token_budget"] = settings.budget
+    return out

@@ -1,0 +1,80 @@
+"""A route's reasoning settings on the live path, against a simulated vLLM 0.32 engine.
+
+The simulated engine, like vLLM started without ``--reasoning-parser``, refuses a
+``thinking_token_budget`` with vLLM's own 400 (checked against vLLM 0.32.0 on CPU,
+docs/reference/vllm-engine-contract.md §3.5). That makes the engine's answer the proof of what
+the router forwarded: a thinking route's default budget reaches the engine; a route that
+turns thinking off adds none, unless the client turns thinking back on itself.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from gateway import RouterThread
+
+from kvroute.config import parse_config
+from kvroute.sim.launcher import ReplicaSpec, start_fleet
+
+pytestmark = pytest.mark.integration
+
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="module")
+def router() -> Iterator[RouterThread]:
+    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=MODEL,
+                                     extra_args=("--timing", "0.001,0.00005,0.0002,0"))],
+                        timeout_s=30.0)
+    try:
+        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
+                     "kv_replay": r.kv_replay} for r in fleet.replicas]
+        config = parse_config({
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": {"main": {"model": MODEL, "replicas": replicas}},
+            "routes": {
+                "think": {"pools": ["main"], "reasoning": {"switch": "qwen3", "thinking": True,
+                                                           "budget": 512}},
+                "fast": {"pools": ["main"], "reasoning": {"switch": "qwen3",
+                                                          "thinking": False, "budget": 512}},
+            },
+            "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
+                          "models_interval_s": 5, "timeout_s": 1.0},
+            "log_level": "warning",
+        }, env={})
+        with RouterThread(config) as rt:
+            yield rt
+    finally:
+        fleet.stop()
+
+
+def _chat(router: RouterThread, model: str, **extra: Any) -> tuple[int, Any]:
+    body = {"model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "what is two and two"}], **extra}
+    request = urllib.request.Request(router.url + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_thinking_routes_budget_reaches_the_engine(router: RouterThread) -> None:
+    status, answer = _chat(router, "think")
+    assert status == 400
+    assert "thinking_token_budget is set but reasoning_config is not configured" in \
+        answer["error"]["message"]
+
+
+def test_a_route_with_thinking_off_adds_no_budget(router: RouterThread) -> None:
+    status, answer = _chat(router, "fast")
+    assert status == 200, answer
+    status, _ = _chat(router, "fast", chat_template_kwargs={"enable_thinking": True})
+    assert status == 400  # the client turned thinking on: the route's budget applies

@@ -1,0 +1,67 @@
+"""A route's reasoning settings on a chat body: the switch, the default budget, the ceiling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvroute.config import ConfigError, parse_config
+from kvroute.shell.forward import walk_route
+from kvroute.wire.openai import parse_request
+from kvroute.wire.reasoning import ReasoningSettings, reasoning_fields
+from kvroute.wire.relay import forward_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
+
+
+def test_the_switch_and_the_default_budget() -> None:
+    on = ReasoningSettings("qwen3", thinking=True, budget=2048, max_budget=8192)
+    assert reasoning_fields(CHAT, on) == {"chat_template_kwargs": {"enable_thinking": True},
+                                          "thinking_token_budget": 2048}
+    off = ReasoningSettings("deepseek-v3.1", thinking=False, budget=2048)
+    assert reasoning_fields(CHAT, off) == {"chat_template_kwargs": {"thinking": False}}
+    assert reasoning_fields(CHAT, ReasoningSettings()) == {}
+
+
+def test_the_clients_choices_win_up_to_the_ceiling() -> None:
+    on = ReasoningSettings("qwen3", thinking=True, budget=2048, max_budget=8192)
+    own_off = {**CHAT, "chat_template_kwargs": {"enable_thinking": False, "x": 1}}
+    assert reasoning_fields(own_off, on) == {}
+    assert reasoning_fields({**CHAT, "thinking_token_budget": 500}, on) == {
+        "chat_template_kwargs": {"enable_thinking": True}}
+    for asked in (-1, 50_000):
+        assert reasoning_fields({**CHAT, "thinking_token_budget": asked}, on)[
+            "thinking_token_budget"] == 8192
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="switch"):
+        ReasoningSettings("llama")
+    with pytest.raises(ValueError, match="above max_budget"):
+        ReasoningSettings(budget=10, max_budget=5)
+
+
+def _config(reasoning: object) -> object:
+    return parse_config({
+        "pools": {"p": {"model": "m", "replicas": [{"name": "r", "url": "http://127.0.0.1:1"}]}},
+        "routes": {"think": {"pools": ["p"], "reasoning": reasoning}},
+    }, env={})
+
+
+def test_the_route_config_and_the_output_floor() -> None:
+    cfg = _config({"switch": "qwen3", "thinking": True, "budget": 1024, "max_budget": 4096})
+    route = cfg.routes["think"]  # type: ignore[attr-defined]
+    assert route.reasoning == ReasoningSettings("qwen3", True, 1024, 4096)
+    assert walk_route(route).output_floor == 256 + 1024  # the thinking counts in max_tokens
+    with pytest.raises(ConfigError, match="not a valid reasoning setting"):
+        _config({"switch": "qwen2"})
+    with pytest.raises(ConfigError, match="budgets"):
+        _config({"budgets": 3})
+
+
+def test_the_fields_reach_the_forwarded_body() -> None:
+    raw = json.dumps(CHAT).encode()
+    sent = json.loads(forward_body(raw, parse_request(raw, "chat"), max_tokens=None, model="m",
+                                   cache_salt=None, set_fields={"thinking_token_budget": 64}))
+    assert sent["thinking_token_budget"] == 64 and sent["messages"] == CHAT["messages"]
