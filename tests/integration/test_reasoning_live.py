@@ -78,3 +78,59 @@ def test_a_route_with_thinking_off_adds_no_budget(router: RouterThread) -> None:
     assert status == 200, answer
     status, _ = _chat(router, "fast", chat_template_kwargs={"enable_thinking": True})
     assert status == 400  # the client turned thinking on: the route's budget applies
+
+
+@pytest.fixture(scope="module")
+def parsing_router() -> Iterator[RouterThread]:
+    """The same routes before an engine started with a reasoning parser."""
+    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=MODEL,
+                                     extra_args=("--timing", "0.001,0.00005,0.0002,0",
+                                                 "--reasoning-parser", "qwen3"))],
+                        timeout_s=30.0)
+    try:
+        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
+                     "kv_replay": r.kv_replay} for r in fleet.replicas]
+        config = parse_config({
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": {"main": {"model": MODEL, "replicas": replicas}},
+            "routes": {
+                "think": {"pools": ["main"], "reasoning": {"thinking": True, "budget": 3}},
+                "fast": {"pools": ["main"], "reasoning": {"thinking": False}},
+            },
+            "log_level": "warning",
+        }, env={})
+        with RouterThread(config) as rt:
+            yield rt
+    finally:
+        fleet.stop()
+
+
+def _reasoning_series(router: RouterThread) -> dict[str, float]:
+    with urllib.request.urlopen(router.url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(("kvroute_reasoning_tokens_sum", "kvroute_reasoning_tokens_count"))}
+
+
+def test_reasoning_lengths_are_a_histogram_per_route(parsing_router: RouterThread) -> None:
+    status, answer = _chat(parsing_router, "think", max_tokens=6)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    status, answer = _chat(parsing_router, "think", max_tokens=6, thinking_token_budget=-1)
+    assert status == 200 and answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
+    body = {"model": "fast", "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "what is two and two"}]}
+    request = urllib.request.Request(parsing_router.url + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=20) as reply:
+        streamed = reply.read().decode()
+    assert '"completion_tokens_details":{"reasoning_tokens":0}' in streamed.replace(" ", "")
+    status, answer = _chat(parsing_router, "think", thinking_token_budget=-5)
+    assert status == 400 and "non-negative integer or -1" in answer["error"]["message"]
+    series = _reasoning_series(parsing_router)
+    assert series['kvroute_reasoning_tokens_count{route="think"}'] == 2.0
+    assert series['kvroute_reasoning_tokens_sum{route="think"}'] == 9.0
+    assert series['kvroute_reasoning_tokens_count{route="fast"}'] == 1.0
+    assert series['kvroute_reasoning_tokens_sum{route="fast"}'] == 0.0

@@ -67,7 +67,7 @@ from kvroute.wire.openai import (
     warm_request_body,
 )
 from kvroute.wire.overflow import Overflow, overflow_numbers, parse_overflow
-from kvroute.wire.reasoning import reasoning_fields
+from kvroute.wire.reasoning import reasoning_fields, reasoning_tokens
 from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
 from kvroute.wire.relay import routing_text as render_routing_text
 
@@ -231,6 +231,9 @@ class Forwarder:
             reasons, usage = watcher.finish_reasons, watcher.usage
             return response
         finally:
+            thinking = reasoning_tokens(usage)
+            if thinking is not None:
+                self.metrics.reasoning(route.name, thinking)
             write = walk.end(reasons, usage)
             self._drain(walk)
             if self.feedback is not None and walk.decision is not None:

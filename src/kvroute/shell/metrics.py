@@ -51,6 +51,7 @@ warm_total                             counter    outcome, reason
 escalations_total                      counter    from_pool, to_pool, kind
 cut_short_total                        counter    pool
 prefix_divergence_block                histogram  route (first block no replica holds)
+reasoning_tokens                       histogram  route (thinking tokens an answer reported)
 =====================================  =========  ==========================================
 
 NOTE: label values come from operator config (pool and replica names) or from small fixed
@@ -81,6 +82,7 @@ from kvroute.shell.deferred_counts import (
 
 __all__ = [
     "DIVERGENCE_BUCKETS",
+    "REASONING_BUCKETS",
     "ROUTER_TIME_BUCKETS",
     "ROUTER_TIME_STAGES",
     "ROUTING_LATENCY_BUCKETS",
@@ -97,6 +99,9 @@ ROUTING_LATENCY_BUCKETS: Final[tuple[float, ...]] = (
 
 DIVERGENCE_BUCKETS: Final[tuple[float, ...]] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Block indices of ``prefix_divergence_block``: 0 (nothing shared) then powers of two."""
+REASONING_BUCKETS: Final[tuple[float, ...]] = (
+    0, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+"""Thinking tokens per answer: none, then up to the 32K chains of long-reasoning models."""
 GC_PAUSE_BUCKETS: Final[tuple[float, ...]] = (
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
@@ -115,6 +120,7 @@ ROUTER_TIME_STAGES: Final = ("before_engine", "after_engine", "total")
 _ROUTER_TIME_BOUNDS: Final[tuple[float, ...]] = (*ROUTER_TIME_BUCKETS, float("inf"))
 _GC_PAUSE_BOUNDS: Final[tuple[float, ...]] = (*GC_PAUSE_BUCKETS, float("inf"))
 _DIVERGENCE_BOUNDS: Final[tuple[float, ...]] = (*DIVERGENCE_BUCKETS, float("inf"))
+_REASONING_BOUNDS: Final[tuple[float, ...]] = (*REASONING_BUCKETS, float("inf"))
 
 TOKENIZER_MODES: Final = ("engine", "local", "approximate")
 TOKENIZER_CHECKS: Final = ("pending", "verified", "mismatch", "unverifiable", "no_local")
@@ -196,6 +202,12 @@ class RouterMetrics:
             ["route"], namespace=ns, registry=r, buckets=DIVERGENCE_BUCKETS,
         )
         self._divergence_by_route: dict[str, LatencyTally] = {}
+        self._reasoning = Histogram(
+            "reasoning_tokens", "Thinking tokens per answer, as the engine reported them "
+            "(usage.completion_tokens_details.reasoning_tokens, vLLM with a reasoning parser).",
+            ["route"], namespace=ns, registry=r, buckets=REASONING_BUCKETS,
+        )
+        self._reasoning_by_route: dict[str, LatencyTally] = {}
         self._upstream_errors = self._deferred(Counter(
             "upstream_errors", "Failed upstream calls by replica and kind.",
             ["replica", "kind"], namespace=ns, registry=r,
@@ -305,6 +317,8 @@ class RouterMetrics:
             generation.flush()
         for divergence in self._divergence_by_route.values():
             divergence.flush()
+        for reasoning in self._reasoning_by_route.values():
+            reasoning.flush()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -351,6 +365,14 @@ class RouterMetrics:
             tally = self._divergence_by_route[route] = LatencyTally(
                 self._divergence.labels(route), _DIVERGENCE_BOUNDS)
         tally.observe(block)
+
+    def reasoning(self, route: str, tokens: int) -> None:
+        """One answer's thinking tokens (``reasoning_tokens``)."""
+        tally = self._reasoning_by_route.get(route)
+        if tally is None:
+            tally = self._reasoning_by_route[route] = LatencyTally(
+                self._reasoning.labels(route), _REASONING_BOUNDS)
+        tally.observe(tokens)
 
     def gc_pause(self, generation: int, seconds: float) -> None:
         """One garbage collection (``heap.watch_gc_pauses``). Called inside the collector, from

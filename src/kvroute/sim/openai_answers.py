@@ -46,6 +46,7 @@ def usage(
     *,
     cached_tokens: int | None = None,
     full: bool = True,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     """vLLM's ``UsageInfo``.
 
@@ -57,6 +58,8 @@ def usage(
         full: the non-streamed form (``model_dump``: every field, nulls included, as in the
             0.32 vectors). False gives the streamed usage chunk's form (``exclude_unset``:
             only the fields vLLM sets).
+        reasoning_tokens: with a reasoning parser, the thinking tokens among the completion
+            tokens (``completion_tokens_details.reasoning_tokens``).
     """
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
@@ -64,11 +67,15 @@ def usage(
         "completion_tokens": completion_tokens,
     }
     details = {"cached_tokens": cached_tokens} if cached_tokens is not None else None
+    thinking = {"reasoning_tokens": reasoning_tokens} if reasoning_tokens is not None else None
     if full:
         out["prompt_tokens_details"] = details
-        out["completion_tokens_details"] = None
-    elif details is not None:
-        out["prompt_tokens_details"] = details
+        out["completion_tokens_details"] = thinking
+    else:
+        if details is not None:
+            out["prompt_tokens_details"] = details
+        if thinking is not None:
+            out["completion_tokens_details"] = thinking
     return out
 
 

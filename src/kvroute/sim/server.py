@@ -126,6 +126,9 @@ _THINKING_MESSAGE: Final = (
     "thinking_token_budget is set but reasoning_config is not configured. Please set "
     "--reasoning-parser and/or --reasoning-config to use thinking_token_budget."
 )
+_BUDGET_MESSAGE: Final = (
+    "`thinking_token_budget` must be a non-negative integer or -1 for unlimited."
+)
 _BOTH_FLAGS_MESSAGE: Final = (
     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 )
@@ -198,6 +201,12 @@ class SimServerConfig:
             ``--enable-lora``).
         max_loras: vLLM's ``--max-loras`` (default 1): distinct adapters one running batch
             holds; also ``max_lora`` of ``vllm:lora_requests_info``.
+        reasoning_parser: vLLM's ``--reasoning-parser`` name. With one, chat requests accept
+            ``thinking_token_budget`` and report ``completion_tokens_details.reasoning_tokens``:
+            the model is taken to think as long as allowed (the budget, or the whole output
+            when unlimited) unless the chat template's switch (``enable_thinking`` /
+            ``thinking``) turns it off. The text is not split into ``reasoning_content``.
+            Without one, a budget is refused with vLLM's 400.
     """
 
     model: str = "sim-model"
@@ -234,6 +243,7 @@ class SimServerConfig:
     fault_injection: bool = False
     lora_modules: Mapping[str, str] = field(default_factory=dict)
     max_loras: int = 1
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -769,8 +779,12 @@ class SimServer:
         self._check_model(parsed.model)
         body = parsed.body
         budget = body.get("thinking_token_budget")
-        if budget is not None and budget != -1:
-            raise _error(_THINKING_MESSAGE)
+        if self.config.reasoning_parser is None:
+            if budget is not None and budget != -1:
+                raise _error(_THINKING_MESSAGE)
+        elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                     or budget < -1):
+            raise _error(_BUDGET_MESSAGE, param="thinking_token_budget")
         chars: int | None
         if endpoint == "chat":
             assert parsed.messages is not None, "parse_request checked messages"
@@ -804,6 +818,21 @@ class SimServer:
         if asked is not None and self.error_style != "vllm-0.32":
             asked = min(asked, window)  # the style accepted it: the engine clamps
         return _Prepared(parsed, ids, asked)
+
+    def _reasoning_tokens(self, prep: _Prepared, outputs: Sequence[int]) -> int | None:
+        """The thinking tokens among ``outputs`` (each choice's token count), or None without
+        a reasoning parser or off the chat endpoint (``SimServerConfig.reasoning_parser``)."""
+        parsed = prep.parsed
+        if self.config.reasoning_parser is None or parsed.endpoint != "chat":
+            return None
+        kwargs = parsed.body.get("chat_template_kwargs")
+        if isinstance(kwargs, Mapping) and (kwargs.get("enable_thinking") is False
+                                            or kwargs.get("thinking") is False):
+            return 0
+        budget = parsed.body.get("thinking_token_budget")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            return sum(outputs)
+        return sum(min(budget, n) for n in outputs)
 
     def _rejection(self, rej: Rejection, param: str) -> _BadRequest:
         """An engine-level rejection the style checks let through (edge cases only)."""
@@ -969,6 +998,7 @@ class SimServer:
             len(prep.prompt_ids),
             sum(len(t) for t in tokens),
             cached_tokens=cached if self.config.enable_prompt_tokens_details else None,
+            reasoning_tokens=self._reasoning_tokens(prep, [len(t) for t in tokens]),
         )
         choices: list[dict[str, Any]] = []
         for i in range(n):
@@ -1013,6 +1043,7 @@ class SimServer:
         if kill == 0:
             self._kill(request)
         completion_tokens = 0
+        per_choice = [0] * n
         cached = 0
         while True:
             items = await stream.get()
@@ -1024,6 +1055,7 @@ class SimServer:
             pending = b""
             for index, out in items:
                 completion_tokens += len(out.new_token_ids)
+                per_choice[index] += len(out.new_token_ids)
                 if out.first_token and index == 0:
                     cached = out.num_cached_tokens
                 text = decoders[index].push(out.new_token_ids)
@@ -1045,6 +1077,7 @@ class SimServer:
                         len(prep.prompt_ids), completion_tokens,
                         cached_tokens=cached if self.config.enable_prompt_tokens_details else None,
                         full=False,
+                        reasoning_tokens=self._reasoning_tokens(prep, per_choice),
                     )
                     parts.append(encode_data(answers.chat_usage_chunk(
                         id=rid, created=created, model=model, usage_info=usage, chat=chat)))

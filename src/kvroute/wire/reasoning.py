@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["THINK_SWITCHES", "ReasoningSettings", "reasoning_fields"]
+__all__ = ["THINK_SWITCHES", "ReasoningSettings", "reasoning_fields", "reasoning_tokens"]
 
 THINK_SWITCHES: Final[dict[str, str]] = {
     "qwen3": "enable_thinking",
@@ -93,3 +93,13 @@ def reasoning_fields(body: Mapping[str, Any], settings: ReasoningSettings) -> di
     elif asked is None and settings.budget is not None:
         out["thinking_token_budget"] = settings.budget
     return out
+
+
+def reasoning_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    """``usage.completion_tokens_details.reasoning_tokens`` when the engine reported it (vLLM
+    with a reasoning parser), else None."""
+    details = usage.get("completion_tokens_details") if usage is not None else None
+    value = details.get("reasoning_tokens") if isinstance(details, Mapping) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
