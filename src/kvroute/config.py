@@ -719,17 +719,21 @@ def _reasoning(key: str, data: Any) -> ReasoningSettings | None:
     if data is None:
         return None
     d = _mapping(key, data, "{switch: qwen3, thinking: true, budget: 2048}")
-    _check_keys(key, d, ("switch", "thinking", "budget", "max_budget"))
+    _check_keys(key, d, ("switch", "thinking", "budget", "max_budget", "classifier"))
     thinking = d.get("thinking")
-    if thinking is not None:
+    auto = thinking == "auto"
+    if thinking is not None and not auto:
         thinking = _bool(f"{key}.thinking", thinking)
     budgets = {name: None if d.get(name) is None else _int(f"{key}.{name}", d[name], minimum=1)
                for name in ("budget", "max_budget")}
     try:
-        return ReasoningSettings(switch=d.get("switch", "qwen3"), thinking=thinking, **budgets)
+        return ReasoningSettings(switch=d.get("switch", "qwen3"),
+                                 thinking=None if auto else thinking, auto=auto,
+                                 classifier=d.get("classifier", "rules"), **budgets)
     except ValueError as exc:
         raise _fail(key, data, f"is not a valid reasoning setting ({exc})",
-                    f"Use switch: one of {', '.join(THINK_SWITCHES)}; budget <= max_budget.") \
+                    f"Use switch: one of {', '.join(THINK_SWITCHES)}; thinking: true, false or "
+                    "auto; budget <= max_budget.") \
             from exc
 
 

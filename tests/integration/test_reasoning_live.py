@@ -96,6 +96,7 @@ def parsing_router() -> Iterator[RouterThread]:
             "routes": {
                 "think": {"pools": ["main"], "reasoning": {"thinking": True, "budget": 3}},
                 "fast": {"pools": ["main"], "reasoning": {"thinking": False}},
+                "auto": {"pools": ["main"], "reasoning": {"thinking": "auto", "budget": 4}},
             },
             "log_level": "warning",
         }, env={})
@@ -134,3 +135,18 @@ def test_reasoning_lengths_are_a_histogram_per_route(parsing_router: RouterThrea
     assert series['kvroute_reasoning_tokens_sum{route="think"}'] == 9.0
     assert series['kvroute_reasoning_tokens_count{route="fast"}'] == 1.0
     assert series['kvroute_reasoning_tokens_sum{route="fast"}'] == 0.0
+
+
+def test_auto_thinks_on_hard_questions_only(parsing_router: RouterThread) -> None:
+    def thought(question: str) -> int:
+        body = {"model": "auto", "max_tokens": 6,
+                "messages": [{"role": "user", "content": question}]}
+        request = urllib.request.Request(parsing_router.url + "/v1/chat/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=20) as reply:
+            answer = json.loads(reply.read())
+        return int(answer["usage"]["completion_tokens_details"]["reasoning_tokens"])
+
+    assert thought("Prove that there are infinitely many primes.") == 4
+    assert thought("hello there") == 0

@@ -4,19 +4,34 @@ Hybrid reasoning models switch thinking on or off through their chat template, e
 under its own ``chat_template_kwargs`` key (Qwen3: ``enable_thinking``; DeepSeek-V3.1:
 ``thinking``), and vLLM 0.32 caps the thinking with ``thinking_token_budget`` (which the
 engine accepts only when started with a reasoning parser, ``--reasoning-parser``). A route
-can fix the switch, give a default budget and a ceiling on what a client may ask for;
-``reasoning_fields`` says which fields of a body change.
+can fix the switch (or leave it to a difficulty classifier, ``auto``), give a default budget
+and a ceiling on what a client may ask for; ``reasoning_fields`` says which fields of a body
+change.
+
+The classifier is pluggable (``CLASSIFIERS``: a name -> a function of the chat body that says
+whether to think). The one shipped, ``rules``, thinks when the last user message is long,
+holds code or arithmetic, or asks for proof, derivation, debugging or step-by-step work, and
+answers directly otherwise. Rules first: they cost microseconds and can be read; a
+model-based classifier can be registered under another name.
 
 Pure: no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["THINK_SWITCHES", "ReasoningSettings", "reasoning_fields", "reasoning_tokens"]
+__all__ = [
+    "CLASSIFIERS",
+    "THINK_SWITCHES",
+    "ReasoningSettings",
+    "needs_thinking",
+    "reasoning_fields",
+    "reasoning_tokens",
+]
 
 THINK_SWITCHES: Final[dict[str, str]] = {
     "qwen3": "enable_thinking",
@@ -33,6 +48,9 @@ class ReasoningSettings:
         switch: the family whose template key turns thinking on/off (``THINK_SWITCHES``).
         thinking: force thinking on (True) or off (False) unless the client set the key
             itself; None leaves it to the client and the template's default.
+        auto: the classifier decides per request, unless the client set the key itself
+            (``thinking`` must then be None).
+        classifier: the classifier's name in ``CLASSIFIERS``.
         budget: ``thinking_token_budget`` added when the client gives none and thinking is
             not off; None adds none.
         max_budget: the most a client may ask for (a larger or unlimited ``-1`` request is
@@ -46,8 +64,15 @@ class ReasoningSettings:
     thinking: bool | None = None
     budget: int | None = None
     max_budget: int | None = None
+    auto: bool = False
+    classifier: str = "rules"
 
     def __post_init__(self) -> None:
+        if self.auto and self.thinking is not None:
+            raise ValueError("reasoning thinking is set and auto is on: choose one")
+        if self.classifier not in CLASSIFIERS:
+            raise ValueError(f"reasoning classifier {self.classifier!r} is not one of "
+                             f"{', '.join(CLASSIFIERS)}")
         if self.switch not in THINK_SWITCHES:
             raise ValueError(f"reasoning switch {self.switch!r} is not one of "
                              f"{', '.join(THINK_SWITCHES)}")
@@ -80,9 +105,12 @@ def reasoning_fields(body: Mapping[str, Any], settings: ReasoningSettings) -> di
     kwargs = body.get("chat_template_kwargs")
     own = kwargs if isinstance(kwargs, Mapping) else {}
     thinking = own.get(key)
-    if settings.thinking is not None and key not in own:
-        out["chat_template_kwargs"] = {**own, key: settings.thinking}
-        thinking = settings.thinking
+    decided = settings.thinking
+    if settings.auto and key not in own:
+        decided = CLASSIFIERS[settings.classifier](body)
+    if decided is not None and key not in own:
+        out["chat_template_kwargs"] = {**own, key: decided}
+        thinking = decided
     asked = body.get("thinking_token_budget")
     if thinking is False:
         return out
@@ -103,3 +131,39 @@ def reasoning_tokens(usage: Mapping[str, Any] | None) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     return None
+
+
+_HARD_WORDS: Final = re.compile(
+    r"\b(?:prove|proof|derive|derivation|step[- ]by[- ]step|debug|stack ?trace|traceback|"
+    r"optimi[sz]e|algorithm|complexity|theorem|lemma|integral|equation|solve|calculate|"
+    r"compute|why does|why is|explain why|analy[sz]e|refactor|edge cases?)\b", re.IGNORECASE)
+_ARITHMETIC: Final = re.compile(r"\d\s*[=<>^*/+-]\s*\d|\\(?:frac|sum|int)\b")
+_LONG_CHARS: Final = 2000
+"""A last user message this long (about 500 tokens) is taken as a task, not a question."""
+
+
+def _last_user_text(body: Mapping[str, Any]) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    for message in reversed(messages):
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content
+                                if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+            return ""
+    return ""
+
+
+def needs_thinking(body: Mapping[str, Any]) -> bool:
+    """The ``rules`` classifier (module docstring) on a chat body's last user message."""
+    text = _last_user_text(body)
+    return (len(text) >= _LONG_CHARS or "```" in text or bool(_HARD_WORDS.search(text))
+            or bool(_ARITHMETIC.search(text)))
+
+
+CLASSIFIERS: Final[dict[str, Callable[[Mapping[str, Any]], bool]]] = {"rules": needs_thinking}
+"""Difficulty classifiers by name: chat body -> think or not. Register another here."""

@@ -65,3 +65,33 @@ def test_the_fields_reach_the_forwarded_body() -> None:
     sent = json.loads(forward_body(raw, parse_request(raw, "chat"), max_tokens=None, model="m",
                                    cache_salt=None, set_fields={"thinking_token_budget": 64}))
     assert sent["thinking_token_budget"] == 64 and sent["messages"] == CHAT["messages"]
+
+
+def _ask(text: str) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "system", "content": "prove everything"},
+                                       {"role": "user", "content": text}]}
+
+
+def test_the_rules_classifier_reads_the_last_user_message() -> None:
+    from kvroute.wire.reasoning import needs_thinking
+
+    for hard in ("Prove that sqrt(2) is irrational.", "why does this crash?\n```py\nx()\n```",
+                 "what is 37 * 41?", "Solve x^2 - 4 = 0 step by step", "a" * 2500):
+        assert needs_thinking(_ask(hard)), hard
+    for easy in ("hello!", "What is the capital of France?", "thanks, that helps"):
+        assert not needs_thinking(_ask(easy)), easy
+
+
+def test_auto_lets_the_classifier_set_the_switch_unless_the_client_did() -> None:
+    auto = ReasoningSettings("deepseek-v3.1", auto=True, budget=1024)
+    assert reasoning_fields(_ask("Prove it."), auto) == {
+        "chat_template_kwargs": {"thinking": True}, "thinking_token_budget": 1024}
+    assert reasoning_fields(_ask("hi"), auto) == {"chat_template_kwargs": {"thinking": False}}
+    mine = {**_ask("hi"), "chat_template_kwargs": {"thinking": True}}
+    assert reasoning_fields(mine, auto) == {"thinking_token_budget": 1024}
+    with pytest.raises(ValueError, match="choose one"):
+        ReasoningSettings(thinking=True, auto=True)
+    with pytest.raises(ValueError, match="classifier"):
+        ReasoningSettings(auto=True, classifier="llm")
+    cfg = _config({"thinking": "auto", "budget": 64})
+    assert cfg.routes["think"].reasoning.auto  # type: ignore[attr-defined]
