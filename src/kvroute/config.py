@@ -185,6 +185,10 @@ class PoolConfig:
             request sent to this pool, so its engines publish a ``BlockStored`` for every
             prefix hit too and the index follows their LRU order (``docs/visible-hits.md``:
             more events, same hit rate).
+        lora_adapters: LoRA adapters the router may load on this pool's engines on demand
+            ({name: path the engines can read}), through vLLM's ``/v1/load_lora_adapter``
+            (the engines need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), when a request
+            names one no replica lists (``docs/lora.md``).
     """
 
     name: PoolName
@@ -197,6 +201,7 @@ class PoolConfig:
     external: ExternalConfig | None = None
     decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
     report_hits: bool = False
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -641,7 +646,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
                         "its endpoints from url.")
         return _external(_name("pools", name), d["external"])
     _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
-                         "external", "decode_timing", "report_hits"))
+                         "external", "decode_timing", "report_hits", "lora_adapters"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
     if not isinstance(reps, list) or not reps:
@@ -663,7 +668,22 @@ def _pool(name: str, data: Any) -> PoolConfig:
         hash_seed=_opt_str(f"{key}.hash_seed", d.get("hash_seed"), example='"0"'),
         decode_timing=_decode_timing(f"{key}.decode_timing", d.get("decode_timing")),
         report_hits=_bool(f"{key}.report_hits", d.get("report_hits", False)),
+        lora_adapters=_lora_adapters(f"{key}.lora_adapters", d.get("lora_adapters"), model),
     )
+
+
+def _lora_adapters(key: str, data: Any, model: str) -> Mapping[str, str]:
+    if data is None:
+        return MappingProxyType({})
+    d = _mapping(key, data, "{sql-lora: /adapters/sql-lora}")
+    out: dict[str, str] = {}
+    for name, path in d.items():
+        adapter = _str(key, name, example="sql-lora")
+        if adapter == model:
+            raise _fail(f"{key}.{adapter}", path, "names the pool's own model",
+                        "Give the adapter a name of its own, as clients will send it.")
+        out[adapter] = _str(f"{key}.{adapter}", path, example="/adapters/sql-lora")
+    return MappingProxyType(out)
 
 
 def _decode_timing(key: str, data: Any) -> DecodeTiming:

@@ -5,7 +5,11 @@ ad1=<dir>/ad1 ad2=<dir>/ad2``; the adapters are written at test time with random
 the tiny Llama's ``q_proj``/``v_proj`` (``tests/lora_adapter.py``). vLLM's CPU backend loads
 them (checked with vLLM 0.32.0 on this machine, 2026-12-01).
 
-The check: over a script that mixes the base model and both adapters on the same tokens, the
+A third adapter, ``ad3``, is not loaded at start: the pool declares it
+(``lora_adapters``) and the engine runs with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, so the
+router loads it through ``/v1/load_lora_adapter`` at its first request.
+
+The check: over a script that mixes the base model and the adapters on the same tokens, the
 router's ``x-kvroute-cached-tokens`` equals the engine's Δ``vllm:prefix_cache_hits_total`` for
 every request. One replica, so the router's *predicted* entries alone would claim a hit for
 any repeat of the same tokens: only the right extra key (``("lora", name, path)`` with the
@@ -21,6 +25,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,21 +44,25 @@ HITS = "vllm:prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealVllmEngine]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RealVllmEngine, Path]]:
+    """The engine and the directory of the adapters written for it."""
     install = realvllm.require_real_vllm()
     adapters = tmp_path_factory.mktemp("loras")
-    for seed, name in enumerate(("ad1", "ad2"), start=1):
+    for seed, name in enumerate(("ad1", "ad2", "ad3"), start=1):
         write_tiny_lora(install.model_dir, adapters / name, seed=seed)
     extra = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--lora-modules",
              f"ad1={adapters / 'ad1'}", f"ad2={adapters / 'ad2'}")
-    with realvllm.real_vllm_engines(1, extra_args=extra, install=install) as started:
-        yield started[0]
+    with realvllm.real_vllm_engines(1, extra_args=extra, install=install,
+                                    extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+                                    ) as started:
+        yield started[0], adapters
 
 
-def _router_config(engine: RealVllmEngine) -> Any:
+def _router_config(engine: RealVllmEngine, adapters: Path) -> Any:
+    ad3 = str(adapters / "ad3")
     return parse_config({
         "listen": {"host": "127.0.0.1", "port": 0},
-        "pools": {"main": {"model": engine.model, "replicas": [{
+        "pools": {"main": {"model": engine.model, "lora_adapters": {"ad3": ad3}, "replicas": [{
             "name": "e0", "url": engine.url, "kv_events": engine.events_endpoint,
             "kv_events_bind": True, "kv_replay": engine.replay_endpoint,
             "kv_topic": engine.topic}]}},
@@ -84,9 +93,12 @@ def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], Any]:
         return dict(reply.headers.items()), json.loads(reply.read())
 
 
-def test_predicted_cached_tokens_equal_the_engines_per_adapter(engine: RealVllmEngine) -> None:
+def test_predicted_cached_tokens_equal_the_engines_per_adapter(
+        engine: tuple[RealVllmEngine, Path]) -> None:
+    engine_, adapters = engine
+
     async def main() -> list[tuple[str, int, float]]:
-        runtime = RouterRuntime(_router_config(engine), env={})
+        runtime = RouterRuntime(_router_config(engine_, adapters), env={})
         await runtime.start()
         try:
             deadline = time.monotonic() + 30.0
@@ -100,16 +112,17 @@ def test_predicted_cached_tokens_equal_the_engines_per_adapter(engine: RealVllmE
             text = realvllm.nonce() + " " + realvllm.filler_text(5, 40)
             longer = text + " " + realvllm.filler_text(6, 20)
             script = [("ad1", text), ("ad1", text), (ROUTE, text), ("ad2", text),
-                      ("ad2", text), ("ad1", longer), (ROUTE, text)]
+                      ("ad2", text), ("ad1", longer), (ROUTE, text),
+                      ("ad3", text), ("ad3", text)]  # ad3: loaded on demand by the router
             seen: list[tuple[str, int, float]] = []
             for model, content in script:
-                before = await asyncio.to_thread(_hits, engine)
+                before = await asyncio.to_thread(_hits, engine_)
                 head, answer = await asyncio.to_thread(_post, runtime.url, {
                     "model": model, "messages": [{"role": "user", "content": content}],
                     "max_tokens": 1})
-                assert answer["model"] == (engine.model if model == ROUTE else model)
+                assert answer["model"] == (engine_.model if model == ROUTE else model)
                 assert head["x-kvroute-approximate"] == "false"
-                after = await asyncio.to_thread(_hits, engine)
+                after = await asyncio.to_thread(_hits, engine_)
                 seen.append((model, int(head["x-kvroute-cached-tokens"]), after - before))
             return seen
         finally:
@@ -118,4 +131,5 @@ def test_predicted_cached_tokens_equal_the_engines_per_adapter(engine: RealVllmE
     seen = asyncio.run(main())
     print("model, router cached, engine hits:", seen)
     assert [(m, float(c)) for m, c, _ in seen] == [(m, h) for m, _, h in seen]
-    assert [c > 0 for _, c, _ in seen] == [False, True, False, False, True, True, True]
+    assert [c > 0 for _, c, _ in seen] == [False, True, False, False, True, True, True, False,
+                                           True]

@@ -124,3 +124,45 @@ def test_an_unknown_adapter_is_a_404_naming_the_routes(router: RouterThread) -> 
     status, _, answer = _post(router, {"model": "ad9", "prompt": "hello", "max_tokens": 1})
     assert status == 404
     assert "ad9" in answer["error"]["message"] and ROUTE in answer["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def loading_router() -> Iterator[RouterThread]:
+    """Two engines that list no adapter but load one on demand; the pool declares ``ad7``."""
+    specs = [ReplicaSpec(name=f"t{i}", pool="main", model=MODEL,
+                         enable_prompt_tokens_details=True,
+                         extra_args=("--timing", TIMING, "--allow-runtime-lora"))
+             for i in range(2)]
+    fleet = start_fleet(specs, timeout_s=30.0)
+    try:
+        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
+                     "kv_replay": r.kv_replay} for r in fleet.replicas]
+        config = parse_config({
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": {"main": {"model": MODEL, "replicas": replicas,
+                               "lora_adapters": {"ad7": "/adapters/ad7"}}},
+            "routes": {ROUTE: {"pools": ["main"]}},
+            "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
+                          "models_interval_s": 5, "timeout_s": 1.0},
+            "log_level": "warning",
+        }, env={})
+        with RouterThread(config) as rt:
+            yield rt
+    finally:
+        fleet.stop()
+
+
+def test_a_declared_adapter_is_loaded_on_demand_once(loading_router: RouterThread) -> None:
+    prompt = _prompt(21)
+    status, head, first = _post(loading_router, {"model": "ad7", "prompt": prompt,
+                                                 "max_tokens": 2})
+    assert status == 200, first
+    assert first["model"] == "ad7"
+    replica = head["x-kvroute-replica"]
+    status, head2, again = _post(loading_router, {"model": "ad7", "prompt": prompt,
+                                                  "max_tokens": 2})
+    assert status == 200, again
+    assert head2["x-kvroute-replica"] == replica  # loaded once, where it now lives
+    assert int(head2["x-kvroute-cached-tokens"]) == _cached(again) > 0
+    status, _, missing = _post(loading_router, {"model": "ad8", "prompt": "x", "max_tokens": 1})
+    assert status == 404 and "ad8" in missing["error"]["message"]

@@ -86,6 +86,7 @@ def serve(
     lora_modules: Annotated[list[str] | None, typer.Option("--lora-modules", help="A LoRA adapter as vLLM's NAME=PATH (served as model NAME, hashed with its name and path); repeatable.")] = None,
     max_loras: Annotated[int, typer.Option(help="Distinct adapters one running batch holds (vLLM --max-loras).")] = 1,
     reasoning_parser: Annotated[str | None, typer.Option(help="vLLM's --reasoning-parser name: accept thinking_token_budget and report reasoning_tokens (the model thinks as long as allowed).")] = None,
+    allow_runtime_lora: Annotated[bool, typer.Option(help="Serve POST /v1/load_lora_adapter (vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).")] = False,
 ) -> None:
     """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -105,7 +106,7 @@ def serve(
             kv_events_socket=kv_events_socket,  # type: ignore[arg-type]  # checked by the config
             root=root, max_chars_per_token=max_chars_per_token, fault_injection=fault_injection,
             lora_modules=_parse_lora_modules(lora_modules or []), max_loras=max_loras,
-            reasoning_parser=reasoning_parser,
+            reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
         )
 
         def ready(server: SimServer) -> None:

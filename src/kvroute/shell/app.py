@@ -37,6 +37,7 @@ from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.dashboard import Dashboard
 from kvroute.shell.forward import Forwarder, error_answer
+from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream
 from kvroute.shell.state import MonotonicClock, SessionState
@@ -129,12 +130,15 @@ class Router:
         """The request's route, and the LoRA adapter it names (None: a route's own name).
 
         A ``model`` that is no route's name but an adapter some replica lists on
-        ``/v1/models`` (vLLM serves adapters under their own names) takes the first route,
-        in configuration order, with a pool where that adapter is listed."""
+        ``/v1/models`` (vLLM serves adapters under their own names), or that a pool declares
+        under ``lora_adapters``, takes the first route, in configuration order, with a pool
+        where that adapter is listed or declared."""
         route = self.config.routes.get(parsed.model)
         if route is not None:
             return route, None
         pools = set(self.core.adapter_pools(parsed.model)) if self.core is not None else set()
+        pools.update(name for name, pool in self.config.pools.items()
+                     if parsed.model in pool.lora_adapters)
         for candidate in self.config.routes.values():
             if pools.intersection(candidate.pools):
                 return candidate, parsed.model
@@ -242,7 +246,10 @@ def build_app(
                           on_replica_failure=on_replica_failure, feedback=feedback,
                           activity=activity,
                           sampler=(AuditSampler(config.audit_sample)
-                                   if config.audit_sample is not None else None))
+                                   if config.audit_sample is not None else None),
+                          lora_loader=(LoraLoader(config, core, upstream)
+                                       if any(p.lora_adapters for p in config.pools.values())
+                                       else None))
     router = Router(config=config, secrets=secrets, admission=adm, metrics=metrics,
                     forwarder=forwarder, warm=warm, activity=activity, core=core)
     dashboard = Dashboard(config=config, core=core, metrics=metrics, admission=adm,

@@ -53,6 +53,7 @@ from kvroute.http.server import Answer, Request, Response, StreamResponse
 from kvroute.shell.activity import Activity
 from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
+from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import SessionState
@@ -174,6 +175,7 @@ class Forwarder:
     feedback: CacheFeedback | None = None
     activity: Activity | None = None
     sampler: AuditSampler | None = None
+    lora_loader: LoraLoader | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
 
@@ -185,6 +187,10 @@ class Forwarder:
         session = session_ref.session_id if session_ref is not None else None
         if self.sampler is not None:
             self.sampler.offer(parsed.body, session)
+        if adapter is not None and self.lora_loader is not None:
+            problem = await self.lora_loader.ensure(route, adapter)
+            if problem is not None:
+                return error_answer(503, error_body(problem, status=503))
         record = None
         if session is not None and self.state is not None:
             record = await self.state.get_session(session_key(tenant, route.name, session))

@@ -201,6 +201,8 @@ class SimServerConfig:
             ``--enable-lora``).
         max_loras: vLLM's ``--max-loras`` (default 1): distinct adapters one running batch
             holds; also ``max_lora`` of ``vllm:lora_requests_info``.
+        allow_runtime_lora: serve ``POST /v1/load_lora_adapter`` (vLLM with
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); LoRA is on even without modules.
         reasoning_parser: vLLM's ``--reasoning-parser`` name. With one, chat requests accept
             ``thinking_token_budget`` and report ``completion_tokens_details.reasoning_tokens``:
             the model is taken to think as long as allowed (the budget, or the whole output
@@ -244,6 +246,7 @@ class SimServerConfig:
     lora_modules: Mapping[str, str] = field(default_factory=dict)
     max_loras: int = 1
     reasoning_parser: str | None = None
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -570,8 +573,11 @@ class SimServer:
             timing=config.timing if config.timing is not None else base.timing,
             vocab_size=self.tokenizer.vocab_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            max_loras=config.max_loras if config.lora_modules else None,
+            max_loras=(config.max_loras if config.lora_modules or config.allow_runtime_lora
+                       else None),
         )
+        self._loras: dict[str, str] = dict(config.lora_modules)
+        """The adapters served: the configured ones, then those loaded at run time."""
         self._lora_ids = {name: i for i, name in enumerate(config.lora_modules, start=1)}
         self.hasher = BlockHasher(config.hash_algo, self.engine_config.block_size, config.hash_seed)
         # Prompts are hashed through a memo (bit-identical digests): requests sharing a system
@@ -710,6 +716,8 @@ class SimServer:
             "/kv_event_sources": {"GET": self._kv_event_sources},
             "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
         }
+        if self.config.allow_runtime_lora:
+            routes["/v1/load_lora_adapter"] = {"POST": self._load_lora_adapter}
         if self.config.fault_injection:
             routes["/sim/faults"] = {"GET": self._faults_get, "POST": self._faults_post,
                                      "DELETE": self._faults_delete}
@@ -720,8 +728,8 @@ class SimServer:
 
     def _check_model(self, model: str | None) -> None:
         if (model is not None and model not in self.config.served_names
-                and model not in self.config.lora_modules):
-            names = ", ".join((*self.config.served_names, *self.config.lora_modules))
+                and model not in self._loras):
+            names = ", ".join((*self.config.served_names, *self._loras))
             raise _error(
                 f"The model `{model}` does not exist. Valid aliases: {names}.",
                 status=404,
@@ -891,7 +899,7 @@ class SimServer:
         seed = parsed.body.get("seed")
         seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
         n = parsed.n
-        path = self.config.lora_modules.get(parsed.model) if parsed.model is not None else None
+        path = self._loras.get(parsed.model) if parsed.model is not None else None
         lora = LoraKey(parsed.model, path) if parsed.model is not None and path else None
         xargs = parsed.vllm_xargs or {}
         report_full = xargs.get("kv_cache_report_mode") == "full"
@@ -1176,9 +1184,29 @@ class SimServer:
         cards.extend(
             oa.model_card(id=name, created=self.created, max_model_len=None,
                           permission_id=self._perm_id, root=path, parent=self.config.model)
-            for name, path in self.config.lora_modules.items()
+            for name, path in self._loras.items()
         )
         return self._json(oa.models_response(cards))
+
+    async def _load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter {lora_name, lora_path}`` (with
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): 200 and a plain-text line, or vLLM's 400s."""
+        try:
+            body = await self._read_json(request)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise _error("Both 'lora_name' and 'lora_path' must be provided.")
+            if name in self.config.served_names:
+                raise _error(f"The lora adapter '{name}' conflicts with a served base model.")
+            if name in self._loras and not body.get("load_inplace"):
+                raise _error(f"The lora adapter '{name}' has already been loaded. If you want "
+                             "to load the adapter in place, set 'load_inplace' to True.")
+        except _BadRequest as exc:
+            return self._answer(exc)
+        self._loras[name] = path
+        self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
+        return Response(status=200, body=f"Success: LoRA adapter '{name}' added successfully."
+                        .encode(), content_type="text/plain")
 
     async def _health(self, request: Request) -> Response:
         return Response(status=200)
@@ -1212,7 +1240,7 @@ class SimServer:
         text = render_vllm_metrics([driver.snapshot()], model_name=self.config.model,
                                    cache_config=self.cache_config_labels(),
                                    created_s=float(self.created))
-        if self.config.lora_modules:
+        if self.engine_config.max_loras is not None:
             running, waiting = self.engine.lora_adapters()
             text += (
                 "# HELP vllm:lora_requests_info Running stats on lora requests.\n"

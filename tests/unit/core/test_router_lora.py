@@ -113,3 +113,20 @@ def test_in_flight_adapters_are_released_on_completion() -> None:
     # Both slots free again: every replica is a candidate for ad2.
     seen = {rc.route(request(f"c{i}", ad2)).replica for i in range(1)}
     assert seen <= {R0, R1}
+
+
+def test_declared_adapters_are_configured_per_pool() -> None:
+    from kvroute.config import ConfigError, parse_config
+
+    def cfg(adapters: object) -> object:
+        return parse_config({
+            "pools": {"p": {"model": "m", "lora_adapters": adapters,
+                            "replicas": [{"name": "r", "url": "http://127.0.0.1:1"}]}},
+            "routes": {"a": {"pools": ["p"]}}}, env={})
+
+    assert dict(cfg({"sql": "/a/sql"}).pools["p"].lora_adapters) == {  # type: ignore[attr-defined]
+        "sql": "/a/sql"}
+    with pytest.raises(ConfigError, match="names the pool's own model"):
+        cfg({"m": "/a/m"})
+    with pytest.raises(ConfigError, match="lora_adapters.sql"):
+        cfg({"sql": 3})
