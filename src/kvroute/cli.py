@@ -16,6 +16,7 @@ from kvroute.commands import demo as demo_cmd
 from kvroute.commands import epp as epp_cmd
 from kvroute.commands import events as events_cmd
 from kvroute.commands import hash as hash_cmd
+from kvroute.commands import plan as plan_cmd
 from kvroute.commands import serve as serve_cmd
 from kvroute.commands import sim as sim_cmd
 
@@ -32,6 +33,7 @@ app.command(name="demo", help=demo_cmd.HELP)(demo_cmd.demo)
 app.command(name="hash", help=hash_cmd.HELP)(hash_cmd.hash_tokens)
 app.command(name="serve", help=serve_cmd.HELP)(serve_cmd.serve)
 app.command(name="epp", help=epp_cmd.HELP)(epp_cmd.epp)
+app.command(name="plan", help=plan_cmd.HELP)(plan_cmd.plan)
 bench_cmd.bench_app.command(name="overhead", help=bench_overhead_cmd.HELP)(
     bench_overhead_cmd.bench_overhead)
 bench_cmd.bench_app.command(name="soak", help=bench_soak_cmd.HELP)(bench_soak_cmd.bench_soak)
