@@ -46,8 +46,18 @@ request sequence therefore produces the same tokens, block hashes and events in 
 EOS is not sampled: a request ends at ``output_length`` ("stop", like ``ignore_eos`` benchmarks
 with a fixed output length) or at its token limit ("length").
 
+6. **Offload tiers** (``engine/offload.py``): with ``cpu_offload_blocks`` the engine keeps a
+   CPU tier as vLLM's native offloading does (write-through of every cached block, its own
+   LRU, ``BlockStored``/``BlockRemoved`` with ``medium="CPU"``); a ``shared_tier`` given to
+   several engines is a store they all read and write (LMCache-like). A waiting request's
+   prefix that continues in a tier after its device hit is loaded: those tokens count as
+   computed (``num_cached_tokens``; ``external_prefix_cache_hits_total``), take new device
+   blocks (cached there with ``BlockStored`` GPU), and add ``load_s_per_block`` each to the
+   step that admits it.
+
 Not modelled: speculative decoding, multimodal inputs, prompt embeddings, sliding-window or
-hybrid KV groups, priority scheduling, KV connectors/offloading, async scheduling.
+hybrid KV groups, priority scheduling, KV connectors other than offloading, async loads
+(a tier load is on its step's critical path), async scheduling.
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ from kvroute.core.events import KVEvent
 from kvroute.core.hashing import BlockHasher, LoraKey, validate_cache_salt
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash
 from kvroute.engine.blocks import BlockPool
+from kvroute.engine.offload import OffloadTier
 
 __all__ = [
     "ZERO_TIMING",
@@ -174,6 +185,10 @@ class EngineConfig:
         max_loras: vLLM's ``--max-loras``: distinct adapters one running batch holds; a
             waiting request whose adapter would exceed it is skipped (not blocking those
             behind it) until a slot frees. None: no limit.
+        cpu_offload_blocks: blocks of the engine's own CPU tier (vLLM ``--kv-offloading-size``
+            in blocks; 0: none). Used only with prefix caching on.
+        cpu_load_s_per_block: seconds to load one block back from that tier (block bytes /
+            bandwidth, ``engine/kv_sizing.py``).
 
     Raises:
         ConfigError: a value is out of range, or one request of ``max_model_len`` tokens
@@ -191,8 +206,17 @@ class EngineConfig:
     scheduler_reserve_full_isl: bool = True
     enable_prefix_caching: bool = True
     max_loras: int | None = None
+    cpu_offload_blocks: int = 0
+    cpu_load_s_per_block: float = 0.0
 
     def __post_init__(self) -> None:
+        if (not isinstance(self.cpu_offload_blocks, int) or self.cpu_offload_blocks < 0
+                or not self.cpu_load_s_per_block >= 0.0
+                or self.cpu_load_s_per_block == float("inf")):
+            raise ConfigError(
+                f"EngineConfig.cpu_offload_blocks={self.cpu_offload_blocks!r} must be an "
+                f"integer >= 0 and cpu_load_s_per_block={self.cpu_load_s_per_block!r} a finite "
+                "number of seconds >= 0")
         for name in (
             "num_gpu_blocks", "max_model_len", "block_size", "max_num_seqs",
             "max_num_batched_tokens", "vocab_size", "default_max_tokens",
@@ -370,6 +394,9 @@ class EngineMetrics:
     prompt_tokens_total: int
     generation_tokens_total: int
     request_success_total: Mapping[str, int] = field(default_factory=dict)
+    external_prefix_cache_hits_total: int = 0
+    """Tokens loaded from an offload tier at first scheduling (vLLM's
+    ``vllm:external_prefix_cache_hits_total``); not in ``prefix_cache_hits_total``."""
 
 
 def output_token_id(seed: int, index: int, vocab_size: int) -> int:
@@ -456,8 +483,12 @@ class EngineModel:
         * the block pool's own invariants (``BlockPool``).
     """
 
-    def __init__(self, config: EngineConfig, *, hasher: BlockHasher) -> None:
-        """Create an idle engine with an empty prefix cache.
+    def __init__(self, config: EngineConfig, *, hasher: BlockHasher,
+                 shared_tier: OffloadTier | None = None) -> None:
+        """Create an idle engine with an empty prefix cache (and an empty CPU tier when
+        ``config.cpu_offload_blocks``); ``shared_tier`` is a store shared with other engines,
+        looked up after the engine's own tier. The engine takes its own tier's events into
+        its steps; a shared tier's events are its owner's to take.
 
         Raises:
             ConfigError: the hasher's block size differs from the engine's, or it hashes with
@@ -477,6 +508,18 @@ class EngineModel:
         self.config = config
         self.hasher = hasher
         self.pool = BlockPool(config.num_gpu_blocks, config.block_size)
+        self.cpu_tier = (OffloadTier(config.cpu_offload_blocks, config.block_size,
+                                     load_s_per_block=config.cpu_load_s_per_block)
+                         if config.cpu_offload_blocks else None)
+        if shared_tier is not None and shared_tier.block_size != config.block_size:
+            raise ConfigError(
+                f"the shared tier holds blocks of {shared_tier.block_size} tokens, the engine "
+                f"{config.block_size}; build it with the engine's block size")
+        self.shared_tier = shared_tier
+        # Tiers hold cached blocks: without prefix caching nothing is stored or looked up.
+        self._tiers = tuple(t for t in (self.cpu_tier, shared_tier)
+                            if t is not None and config.enable_prefix_caching)
+        self._external_hits = 0
         self._running: list[_Req] = []
         self._waiting: deque[_Req] = deque()
         self._live: dict[str, _Req] = {}
@@ -600,6 +643,7 @@ class EngineModel:
         waiting = self._waiting
         scheduled: list[tuple[_Req, int]] = []
         preempted = False
+        load_s = 0.0
 
         bs = cfg.block_size
         i = 0
@@ -644,7 +688,9 @@ class EngineModel:
                         skipped.append(waiting.popleft())  # vLLM skips it, keeps scanning
                         continue
                 hit_blocks = self._computed_blocks(r)
-                num_hit = len(hit_blocks) * cfg.block_size
+                loads = self._tier_hits(r, len(hit_blocks)) if self._tiers else ()
+                num_loaded = sum(len(hashes) for _, hashes in loads)
+                num_hit = (len(hit_blocks) + num_loaded) * cfg.block_size
                 if hit_blocks and r.report_full:
                     self.pool.emit_cached(
                         [r.wire_hashes[i] for i in range(len(hit_blocks))], r.tokens,
@@ -654,19 +700,24 @@ class EngineModel:
                     break
                 if not self._allocate(r, n, hit_blocks, num_hit):
                     break
+                for tier, hashes in loads:
+                    load_s += tier.load(hashes)
                 waiting.popleft()
                 running.append(r)
                 if r.num_cached_tokens < 0:
                     r.num_cached_tokens = num_hit
                     if cfg.enable_prefix_caching:
                         self._queries += len(r.tokens)
-                        self._hits += num_hit
+                        self._hits += num_hit - num_loaded * cfg.block_size
+                        self._external_hits += num_loaded * cfg.block_size
                 r.num_computed = num_hit
                 scheduled.append((r, n))
                 budget -= n
             waiting.extendleft(reversed(skipped))
 
         events = self.pool.take_events()
+        if self.cpu_tier is not None:
+            events += self.cpu_tier.take_events()
         if not scheduled:
             return StepResult(0.0, [], events, 0, 0, 0, 0)
 
@@ -721,7 +772,7 @@ class EngineModel:
                 free(r.blocks)
                 r.blocks = []
                 del live[r.request_id]
-        duration = cfg.timing.step_time_s(prefill_tokens, decode_seqs, context_tokens)
+        duration = cfg.timing.step_time_s(prefill_tokens, decode_seqs, context_tokens) + load_s
         return StepResult(duration, outputs, events, prefill_tokens, decode_seqs,
                           context_tokens, len(scheduled))
 
@@ -753,6 +804,7 @@ class EngineModel:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             request_success_total=dict(self._success),
+            external_prefix_cache_hits_total=self._external_hits,
         )
 
     # ------------------------------------------------------------------ internals
@@ -790,6 +842,19 @@ class EngineModel:
             hits.append(b)
         return hits
 
+    def _tier_hits(self, r: _Req, num_device: int) -> list[tuple[OffloadTier, list[BlockHash]]]:
+        """The blocks after a waiting request's device hit that its tiers hold in a row, own
+        tier first, each with the tier to load them from (capped like the device hit)."""
+        max_blocks = (len(r.tokens) - 1) // self.config.block_size
+        start = num_device
+        out: list[tuple[OffloadTier, list[BlockHash]]] = []
+        for tier in self._tiers:
+            n = tier.lookup(r.block_hashes[start:max_blocks])
+            if n:
+                out.append((tier, r.block_hashes[start:start + n]))
+                start += n
+        return out
+
     def _fits_whole(self, r: _Req, hit_blocks: list[int]) -> bool:
         """vLLM's ``can_fit_full_sequence``: could blocks for all of the request's current
         tokens (its prompt, plus output before a preemption) be allocated now?"""
@@ -826,6 +891,12 @@ class EngineModel:
                 r.blocks, r.block_hashes, r.wire_hashes, r.num_cached_blocks, num_full,
                 r.tokens, lora_name=r.lora_name, cache_salt=r.cache_salt, lora_id=r.lora_id,
             )
+            if self._tiers:
+                start = r.num_cached_blocks
+                parent = r.wire_hashes[start - 1] if start else None
+                for tier in self._tiers:
+                    tier.store(r.block_hashes[start:num_full], r.wire_hashes[start:num_full],
+                               parent, r.tokens[start * bs:num_full * bs])
             r.num_cached_blocks = num_full
         return True
 
