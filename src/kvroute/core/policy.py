@@ -9,7 +9,9 @@ kvroute's policy (``KvrouteCostPolicy``) scores each replica by the whole turn t
 would take there (its first token, then its decode at the batch it would join), plus what it
 would cost the streams already decoding there, plus a small charge for the prefill work:
 
-    credit_r    = gpu_r·1.0 + cpu_r·0.75 + storage_r·0.25 + predicted_r·1.0      (blocks)
+    credit_r    = gpu_r·1.0 + cpu_r·c_cpu,r + storage_r·c_storage,r + predicted_r·1.0  (blocks)
+    c_tier,r    = max(0, 1 − load_s_per_token_tier · rate_r)    a tier hit saves its prefill
+                  less the time its load takes (``tier_credit``)
     cached_r    = min(credit_r·B, ⌊(n−1)/B⌋·B)        a hit never covers the last token
     prefill_r   = n − cached_r                        tokens this replica would still compute
     queue_r     = outstanding prefill tokens already sent to r
@@ -120,6 +122,25 @@ from kvroute.core.types import ReplicaId, WireHash
 GPU_CREDIT = 1.0
 CPU_CREDIT = 0.75
 STORAGE_CREDIT = 0.25
+"""Constant per-medium credits: what the peers' scorers use (``peer_policies``); kvroute's own
+policy prices a tier hit by its load time instead (``tier_credit``)."""
+CPU_LOAD_S_PER_TOKEN = 131_072 / 25e9
+"""Seconds to load one token's KV back from host memory: Llama-3.1-8B's 128 KiB in BF16
+(``kvroute plan``) at 25 GB/s (PCIe 5 x16 in practice). Set per deployment from
+``kvroute plan``: bytes per token / the tier's bandwidth."""
+STORAGE_LOAD_S_PER_TOKEN = 131_072 / 3e9
+"""The same from local NVMe at 3 GB/s: slower than recomputing on an H100 (40 us a token)."""
+
+
+def tier_credit(load_s_per_token: float, rate_tps: float) -> float:
+    """The share of a tier hit's prefill that loading it saves, in ``[0, 1]``: recomputing a
+    token takes ``1 / rate_tps`` seconds, loading it ``load_s_per_token``, so a hit is worth
+    ``1 − load · rate`` of a device hit, and nothing when loading is slower than recomputing.
+
+    Example: 5.2 µs a token from host memory on a replica prefilling 25,000 tokens/s (40 µs a
+    token) is worth 0.87 of a device hit; 44 µs from a 3 GB/s disk is worth nothing.
+    """
+    return max(0.0, 1.0 - load_s_per_token * rate_tps)
 # Relative tolerance within which two costs count as a tie.
 TIE_TOLERANCE = 1e-9
 
@@ -212,7 +233,8 @@ class Policy(Protocol):
 
 
 def cached_tokens_for(match: PrefixMatch, num_prompt_tokens: int, block_size: int,
-                      *, predicted_credit: float = 1.0) -> float:
+                      *, predicted_credit: float = 1.0, cpu_credit: float = CPU_CREDIT,
+                      storage_credit: float = STORAGE_CREDIT) -> float:
     """Prefix tokens a replica is expected to serve from cache, in credit-weighted tokens.
 
     Caps at the largest whole-block count below the prompt's last token, as vLLM does
@@ -220,8 +242,8 @@ def cached_tokens_for(match: PrefixMatch, num_prompt_tokens: int, block_size: in
     """
     credit = (
         match.num_gpu_blocks * GPU_CREDIT
-        + match.num_cpu_blocks * CPU_CREDIT
-        + match.num_storage_blocks * STORAGE_CREDIT
+        + match.num_cpu_blocks * cpu_credit
+        + match.num_storage_blocks * storage_credit
         + match.num_predicted_blocks * predicted_credit
     )
     cap = ((num_prompt_tokens - 1) // block_size) * block_size if num_prompt_tokens > 0 else 0
@@ -285,7 +307,13 @@ class KvrouteCostPolicy:
         decode_weight: float = 1.0,
         harm_weight: float = 0.5,
         stale_rate_s: float = 30.0,
+        cpu_load_s_per_token: float = CPU_LOAD_S_PER_TOKEN,
+        storage_load_s_per_token: float = STORAGE_LOAD_S_PER_TOKEN,
     ) -> None:
+        if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
+            raise ValueError(
+                f"kvroute tier load times must be >= 0 s per token (cpu_load_s_per_token="
+                f"{cpu_load_s_per_token}, storage_load_s_per_token={storage_load_s_per_token})")
         if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s,
                waiting_cost_s, decode_weight, harm_weight, stale_rate_s) < 0:
             raise ValueError(
@@ -306,6 +334,8 @@ class KvrouteCostPolicy:
         self.decode_weight = decode_weight
         self.harm_weight = harm_weight
         self.stale_rate_s = stale_rate_s
+        self.cpu_load_s_per_token = cpu_load_s_per_token
+        self.storage_load_s_per_token = storage_load_s_per_token
 
     def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
                      scale: float = 1.0) -> tuple[float, float]:
@@ -329,12 +359,14 @@ class KvrouteCostPolicy:
     def predicted_ttft_s(self, request: PolicyInput, cand: Candidate) -> tuple[float, float]:
         """Return ``(ttft_s, prefill_tokens)`` this replica would give the request."""
         n = request.num_prompt_tokens
-        cached = cached_tokens_for(
-            cand.match, n, request.block_size, predicted_credit=self.predicted_credit
-        )
-        prefill = max(float(n) - cached, 1.0)
         load = cand.load
         rate = max(load.prefill_rate_tps, 1e-9)
+        cached = cached_tokens_for(
+            cand.match, n, request.block_size, predicted_credit=self.predicted_credit,
+            cpu_credit=tier_credit(self.cpu_load_s_per_token, rate),
+            storage_credit=tier_credit(self.storage_load_s_per_token, rate),
+        )
+        prefill = max(float(n) - cached, 1.0)
         slowdown = 1.0 + self.decode_slowdown * load.num_decoding
         waiting = max(0, load.num_in_flight - load.num_decoding)
         queue = load.outstanding_prefill_tokens + self.step_tokens * waiting
@@ -358,6 +390,7 @@ class KvrouteCostPolicy:
         work_weight, inflight_cost_s = self.work_weight, self.inflight_cost_s
         waiting_cost_s = self.waiting_cost_s
         decode_weight, harm_weight = self.decode_weight, self.harm_weight
+        cpu_load, storage_load = self.cpu_load_s_per_token, self.storage_load_s_per_token
         turn = decode_weight > 0 or harm_weight > 0
         timing = request.decode_timing
         t_fixed, t_seq, t_ctx = timing.fixed_s, timing.seq_s, timing.context_token_s
@@ -377,20 +410,20 @@ class KvrouteCostPolicy:
         cached_tokens: dict[ReplicaId, int] = {}
         for cand in candidates:
             match = cand.match
+            load = cand.load
+            rate = max(load.prefill_rate_tps if load.rate_age_s < stale_rate_s else best_rate,
+                       1e-9)
             if match is NO_MATCH:
                 cached = 0.0
             else:
                 credit = (
                     match.num_gpu_blocks * GPU_CREDIT
-                    + match.num_cpu_blocks * CPU_CREDIT
-                    + match.num_storage_blocks * STORAGE_CREDIT
+                    + match.num_cpu_blocks * tier_credit(cpu_load, rate)
+                    + match.num_storage_blocks * tier_credit(storage_load, rate)
                     + match.num_predicted_blocks * predicted_credit
                 )
                 cached = min(credit * block_size, cap)
             prefill = max(float(n) - cached, 1.0)
-            load = cand.load
-            rate = max(load.prefill_rate_tps if load.rate_age_s < stale_rate_s else best_rate,
-                       1e-9)
             in_flight = load.num_in_flight
             waiting = max(0, in_flight - load.num_decoding)
             slowdown = 1.0 + decode_slowdown * load.num_decoding
