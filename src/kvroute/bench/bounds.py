@@ -368,7 +368,8 @@ class BoundsReport:
 
 
 def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, replicas: int,
-                   *, num_gpu_blocks: int | None = None, with_opt: bool = True) -> BoundsReport:
+                   *, num_gpu_blocks: int | None = None, with_opt: bool = True,
+                   shared_blocks: int = 0) -> BoundsReport:
     """Hit-rate bounds and TTFT floors of ``requests`` on ``replicas`` engines of ``profile``.
 
     Args:
@@ -378,6 +379,8 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
         replicas: engines in the fleet (the pooled capacity is ``replicas × num_gpu_blocks``).
         num_gpu_blocks: per-engine KV blocks, overriding the profile's.
         with_opt: also run Belady's MIN (the slowest part: one heap operation per block).
+        shared_blocks: a store shared by the fleet (with the profile's CPU tier: the
+            ``tiers`` rows, ``_tier_rows``).
 
     Raises:
         ConfigError: no requests, or ``replicas`` < 1.
@@ -437,7 +440,57 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
     rows.append(BoundRow(
         f"hits: one engine's KV, LRU ({per_engine:,} blocks)", "estimate",
         sum(lru_one) / n_total, None, "everything on one engine of the fleet's size"))
+    tier = profile.cpu_offload_blocks
+    if tier or shared_blocks:
+        rows += _tier_rows(blocks, profile, replicas, per_engine, shared_blocks, floors, e2e,
+                           decodes, lru, unb_total, with_opt=with_opt)
     return BoundsReport(count, n_total, replicas, per_engine, bs, tuple(rows))
+
+
+def _tier_rows(blocks: PromptBlocks, profile: TimingProfile, replicas: int, per_engine: int,
+               shared_blocks: int, floors: list[float], e2e: list[float],
+               decodes: list[float], lru: Sequence[int], unb_total: int, *,
+               with_opt: bool) -> list[BoundRow]:
+    """The rows of a fleet with offload tiers (each engine's CPU tier, a shared store).
+
+    * Belady over every tier pooled (``replicas × (device + CPU) + shared``): whatever the
+      tiers hold is in their union, so the bound holds; its floor counts loads as free.
+    * LRU with write-through tiers: every computed block is written to the CPU tier, so an
+      engine's device and CPU caches together hold about its ``max(device, CPU)`` most
+      recent blocks; pooled with perfect affinity, plus the shared store. Its TTFT floor
+      pays each hit the device-only LRU estimate would not have at the tier's load time
+      (``cpu_load_s_per_block / B`` a token; the shared store's if there is no CPU tier).
+    """
+    bs = profile.block_size
+    tier = profile.cpu_offload_blocks
+    timing = profile.timing
+    chunk = profile.max_num_batched_tokens
+    n_total = sum(blocks.num_tokens)
+    count = len(blocks)
+    label = " + ".join(x for x in (f"{replicas} x {tier:,} CPU" if tier else "",
+                                   f"{shared_blocks:,} shared" if shared_blocks else "") if x)
+    rows: list[BoundRow] = []
+    if with_opt:
+        pooled = replicas * (per_engine + tier) + shared_blocks
+        opt_total = opt_hit_total(blocks, pooled)
+        extra = timing.prefill_token_s * (unb_total - min(opt_total, unb_total))
+        rows.append(BoundRow(f"hits: fleet KV + tiers ({label}), Belady", "bound",
+                             opt_total / n_total, (sum(floors) + extra) / count,
+                             "every tier pooled, loads free; TTFT floor mean with that total",
+                             e2e_mean_s=(sum(e2e) + extra) / count))
+    capacity = replicas * max(per_engine, tier) + shared_blocks
+    tiered = lru_hits(blocks, capacity)
+    load_per_token = profile.cpu_load_s_per_block / bs
+    ttft = [ttft_floor_s(n, h, timing, chunk) + max(0, h - g) * load_per_token
+            for n, h, g in zip(blocks.num_tokens, tiered, lru)]
+    full = [f + d for f, d in zip(ttft, decodes)]
+    rows.append(BoundRow(
+        f"hits: fleet KV + tiers ({label}), LRU write-through", "estimate",
+        sum(tiered) / n_total, mean(ttft, 0.0),
+        "perfect affinity; tier hits beyond the device-only LRU pay their load",
+        ttft_p99_s=percentile(ttft, 99, 0.0), e2e_mean_s=mean(full, 0.0),
+        e2e_p99_s=percentile(full, 99, 0.0)))
+    return rows
 
 
 def format_bounds_table(report: BoundsReport) -> list[list[str]]:

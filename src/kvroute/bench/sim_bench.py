@@ -22,6 +22,7 @@ overrides each policy ran with (``--policy-param``, ``bench.policy_params``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import random
@@ -41,13 +42,13 @@ from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.peer_policies import POLICY_NAMES, make_policy
 from kvroute.sim.fleet import DigestCache, FleetConfig, FleetResult, FleetSimulation
-from kvroute.sim.profiles import get_profile
+from kvroute.sim.profiles import TimingProfile, get_profile
 from kvroute.sim.workload import WorkloadRequest
 
 HEADLINE_METRICS = (
     "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_mean_s", "itl_p50_s",
     "itl_p90_s", "itl_p99_s", "itl_request_mean_s", "itl_request_p99_s", "e2e_mean_s",
-    "e2e_p99_s", "token_hit_rate", "router_expected_hit_rate", "goodput_rps",
+    "e2e_p99_s", "token_hit_rate", "tier_hit_rate", "router_expected_hit_rate", "goodput_rps",
     "slo_goodput_rps", "slo_goodput_fraction", "throughput_rps", "output_tokens_per_s",
     "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
 )
@@ -94,6 +95,45 @@ class SimBenchSpec:
     trace_sessions: bool = True
     workload_params: dict[str, Any] = field(default_factory=dict)
     jitter_s: float = 0.0
+    num_gpu_blocks: int | None = None
+    cpu_tier: float = 0.0
+    cpu_gbps: float = 25.0
+    shared_store: float = 0.0
+    shared_gbps: float = 10.0
+    kv_bytes_per_token: int = 131_072
+
+    def engine_profile(self) -> TimingProfile:
+        """The profile every engine runs: ``profile`` with the KV capacity and CPU tier of
+        this spec (a tier of ``cpu_tier`` x the engine's usable blocks, loading a block of
+        ``kv_bytes_per_token`` x block size at ``cpu_gbps``)."""
+        profile = get_profile(self.profile)
+        blocks = self.num_gpu_blocks or profile.num_gpu_blocks
+        cpu_blocks = int(self.cpu_tier * (blocks - 1))
+        return dataclasses.replace(
+            profile, num_gpu_blocks=blocks, cpu_offload_blocks=cpu_blocks,
+            cpu_load_s_per_block=(self.block_bytes(profile) / (self.cpu_gbps * 1e9)
+                                  if cpu_blocks else 0.0))
+
+    def block_bytes(self, profile: TimingProfile) -> int:
+        return self.kv_bytes_per_token * profile.block_size
+
+    def shared_store_blocks(self) -> int:
+        """The shared store: ``shared_store`` x the fleet's usable device blocks."""
+        profile = self.engine_profile()
+        return int(self.shared_store * self.replicas * (profile.num_gpu_blocks - 1))
+
+    def run_policy_params(self, policy: str) -> dict[str, float]:
+        """A policy's parameters for a run: kvroute learns each tier's load time per token
+        from the spec (bytes per token / bandwidth) unless it was given one."""
+        params = dict(self.policy_params.get(policy, {}))
+        if policy == "kvroute":
+            if self.cpu_tier:
+                params.setdefault("cpu_load_s_per_token",
+                                  self.kv_bytes_per_token / (self.cpu_gbps * 1e9))
+            if self.shared_store:
+                params.setdefault("storage_load_s_per_token",
+                                  self.kv_bytes_per_token / (self.shared_gbps * 1e9))
+        return params
 
     def validate(self) -> None:
         unknown = [p for p in self.policies if p not in POLICY_NAMES]
@@ -122,9 +162,18 @@ class SimBenchSpec:
         stray = sorted(set(self.policy_params) - set(self.policies))
         if stray:
             raise ConfigError(f"policy parameters given for {stray}, which are not run")
+        for name, value in (("--cpu-tier", self.cpu_tier), ("--shared-store", self.shared_store)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} is a multiple of the GPU KV >= 0, got {value}")
+        for name, value in (("--cpu-gbps", self.cpu_gbps), ("--shared-gbps", self.shared_gbps),
+                            ("KV bytes per token", self.kv_bytes_per_token)):
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ConfigError(f"KV blocks per engine must be >= 2, got {self.num_gpu_blocks}")
         for policy in self.policies:
-            make_policy(policy, random.Random(0), **self.policy_params.get(policy, {}))
-        get_profile(self.profile)
+            make_policy(policy, random.Random(0), **self.run_policy_params(policy))
+        self.engine_profile().engine_config()
 
 
 def build_workload(spec: SimBenchSpec, *, rate_scale: float, seed: int) -> list[WorkloadRequest]:
@@ -157,7 +206,9 @@ def run_sim_bench(
 ) -> tuple[dict[str, Any], dict[tuple[str, float, int], FleetResult]]:
     """Run every (rate, seed, policy) cell; return the JSON report and the raw results."""
     spec.validate()
-    profile = get_profile(spec.profile)
+    profile = spec.engine_profile()
+    shared_blocks = spec.shared_store_blocks()
+    shared_load = spec.block_bytes(profile) / (spec.shared_gbps * 1e9)
     results: dict[tuple[str, float, int], FleetResult] = {}
     runs: list[dict[str, Any]] = []
     for rate in spec.rate_scales:
@@ -168,9 +219,11 @@ def run_sim_bench(
                 if on_run_start is not None:
                     on_run_start(policy, rate, seed, len(workload))
                 config = FleetConfig(num_replicas=spec.replicas, profile=profile, policy=policy,
-                                     policy_params=dict(spec.policy_params.get(policy, {})),
+                                     policy_params=spec.run_policy_params(policy),
                                      seed=seed, ttft_slo_s=spec.ttft_slo_s,
-                                     itl_slo_s=spec.itl_slo_s)
+                                     itl_slo_s=spec.itl_slo_s,
+                                     shared_store_blocks=shared_blocks,
+                                     shared_load_s_per_block=shared_load)
                 started = time.perf_counter()
                 result = FleetSimulation(config, workload, digests=digests,
                                          progress=on_progress).run()
@@ -195,13 +248,13 @@ def run_bounds(spec: SimBenchSpec) -> dict[int, BoundsReport]:
     stream for every seed: it is bounded once, under the first seed.
     """
     spec.validate()
-    profile = get_profile(spec.profile)
+    profile = spec.engine_profile()
     seeds = spec.seeds
     if spec.workload == "trace" and not spec.jitter_s:
         seeds = seeds[:1]
     return {
         seed: compute_bounds(build_workload(spec, rate_scale=spec.rate_scales[0], seed=seed),
-                             profile, spec.replicas)
+                             profile, spec.replicas, shared_blocks=spec.shared_store_blocks())
         for seed in seeds
     }
 
@@ -241,9 +294,15 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
         "profile_source": profile_source, "rate_scales": list(spec.rate_scales),
         "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
         "ttft_slo_s": spec.ttft_slo_s, "itl_slo_s": spec.itl_slo_s,
-        "policy_params": {p: spec.policy_params.get(p, {}) for p in spec.policies},
+        "policy_params": {p: spec.run_policy_params(p) for p in spec.policies},
         "workload_params": spec.workload_params,
         "jitter_s": spec.jitter_s,
+        "kv": {"num_gpu_blocks": spec.engine_profile().num_gpu_blocks,
+               "cpu_offload_blocks": spec.engine_profile().cpu_offload_blocks,
+               "cpu_gbps": spec.cpu_gbps if spec.cpu_tier else None,
+               "shared_store_blocks": spec.shared_store_blocks(),
+               "shared_gbps": spec.shared_gbps if spec.shared_store else None,
+               "kv_bytes_per_token": spec.kv_bytes_per_token},
         "git_sha": git_sha(), "python": sys.version.split()[0], "machine": platform.machine(),
     }
 
@@ -275,6 +334,11 @@ def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[
             f"{m['slo_goodput_fraction']:.1%}", str(m["preemptions"]),
             f"{m['completed']:.0f}/{m['requests']}", "/".join(str(v) for v in per.values()),
         ])
+    if any(m.get("tier_hit_rate", 0.0) for m in report["policies"].values()):
+        # offload tiers: the share of prompt tokens loaded from them, beside the device hits
+        rows[0].insert(2, "tier hits")
+        for row, m in zip(rows[1:], report["policies"].values()):
+            row.insert(2, f"{m['tier_hit_rate']:.3f}")
     if compact:
         keep = [i for i, head in enumerate(rows[0]) if head in COMPACT_COLUMNS]
         rows = [[row[i] for i in keep] for row in rows]

@@ -88,6 +88,16 @@ def bench_sim(
     bounds: Annotated[bool, typer.Option(help="Instead of running policies, print what no router "
                                          "can beat on this workload: oracle token hit rates and "
                                          "the zero-queue TTFT and E2E floors.")] = False,
+    kv_plan: Annotated[str | None, typer.Option(help="KV capacity from `kvroute plan`: "
+                                                "MODEL@GPU[,tp=N][,util=F][,reserve=GIB], e.g. "
+                                                "llama-3.1-8b@h100-80gb,reserve=4 (blocks at the "
+                                                "profile's block size; the tiers' bytes too).")] = None,
+    cpu_tier: Annotated[float, typer.Option(help="Every engine's CPU tier, as a multiple of its "
+                                            "GPU KV blocks (vLLM native offloading; 0: none).")] = 0.0,
+    cpu_gbps: Annotated[float, typer.Option(help="CPU tier load bandwidth, GB/s.")] = 25.0,
+    shared_store: Annotated[float, typer.Option(help="A store shared by the fleet, as a multiple "
+                                                "of the fleet's GPU KV (LMCache-like; 0: none).")] = 0.0,
+    shared_gbps: Annotated[float, typer.Option(help="Shared store load bandwidth, GB/s.")] = 10.0,
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
     params: dict[str, Any] = {}
@@ -99,12 +109,15 @@ def bench_sim(
     console = Console(stderr=True)
     chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
     with exit_on_router_error(console):
+        kv = _kv_from_plan(kv_plan, profile)
         spec = SimBenchSpec(
             workload=workload, trace=trace, block_tokens=block_tokens, replicas=replicas,
             profile=profile, rate_scales=_floats(rate_scale, "--rate-scale"), policies=chosen,
             seeds=_ints(seed, "--seed"), limit=limit, ttft_slo_s=ttft_slo, itl_slo_s=itl_slo,
             policy_params=parse_policy_params(policy_param or [], chosen),
             trace_sessions=trace_sessions, workload_params=params, jitter_s=jitter,
+            cpu_tier=cpu_tier, cpu_gbps=cpu_gbps, shared_store=shared_store,
+            shared_gbps=shared_gbps, **kv,
         )
         spec.validate()
     if bounds:
@@ -133,6 +146,20 @@ def bench_sim(
         for path in write_plots(report, results, plot):
             console.print(f"wrote {path}")
     sys.stdout.flush()
+
+
+def _kv_from_plan(kv_plan: str | None, profile: str) -> dict[str, Any]:
+    """``SimBenchSpec`` KV fields from ``--kv-plan``: the plan's blocks at the profile's
+    block size, and the bytes per token one rank loads (each GPU loads its share over its
+    own link)."""
+    if kv_plan is None:
+        return {}
+    from kvroute.commands.plan import replica_from_spec
+    from kvroute.sim.profiles import get_profile
+
+    plan = replica_from_spec(kv_plan, block_size=get_profile(profile).block_size)
+    return {"num_gpu_blocks": plan.num_gpu_blocks,
+            "kv_bytes_per_token": plan.bytes_per_token // plan.tp}
 
 
 def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -> None:

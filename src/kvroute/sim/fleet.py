@@ -78,7 +78,7 @@ from typing import Any, cast
 
 from kvroute.core.clock import ManualClock
 from kvroute.core.errors import ConfigError
-from kvroute.core.events import BlockRemoved, BlockStored, EventBatch
+from kvroute.core.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.load import DecodeTiming
 from kvroute.core.peer_policies import make_policy
@@ -120,6 +120,7 @@ from kvroute.engine.model import (
     Rejection,
     StepResult,
 )
+from kvroute.engine.offload import MEDIUM_STORAGE, OffloadTier
 from kvroute.sim.profiles import TimingProfile
 from kvroute.sim.workload import WorkloadRequest
 from kvroute.wire.overflow import overflow_numbers, parse_overflow
@@ -289,6 +290,9 @@ class FleetConfig:
         track_recency: the router keeps each replica's LRU order (``core/recency.py``).
         index_reset_at_s: at this virtual time the router forgets its whole index, as a
             restarted router (or one whose event streams had unrecoverable gaps) would.
+        shared_store_blocks / shared_load_s_per_block: a store every engine of the fleet
+            reads and writes (LMCache-like; ``engine/offload.py``), announced with medium
+            ``STORAGE`` under every replica; 0 blocks: none.
     """
 
     num_replicas: int
@@ -317,8 +321,14 @@ class FleetConfig:
     report_hits: bool = False
     track_recency: bool = False
     index_reset_at_s: float | None = None
+    shared_store_blocks: int = 0
+    shared_load_s_per_block: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.shared_store_blocks < 0 or not self.shared_load_s_per_block >= 0:
+            raise ConfigError(
+                f"FleetConfig.shared_store_blocks={self.shared_store_blocks} and "
+                f"shared_load_s_per_block={self.shared_load_s_per_block} must be >= 0")
         if self.num_replicas < 1:
             raise ConfigError(f"num_replicas must be >= 1, got {self.num_replicas}")
         for name in ("event_latency_s", "ttft_slo_s", "itl_slo_s", "sample_interval_s",
@@ -456,6 +466,8 @@ class FleetResult:
     warm_skips: dict[str, int] = field(default_factory=dict)
     """``WarmSkipReason`` value → count."""
     warm_records: list[RequestRecord] = field(default_factory=list)
+    external_prefix_cache_hits: int = 0
+    """Prompt tokens loaded from an offload tier (CPU tier or shared store)."""
 
     def summary(self) -> dict[str, float | int | dict[str, int]]:
         """The benchmark's metrics (keys as ``kvroute bench sim --json`` writes them).
@@ -506,6 +518,10 @@ class FleetResult:
             "e2e_p99_s": percentile(e2e, 99, 0.0),
             "token_hit_rate": (
                 self.prefix_cache_hits / self.prefix_cache_queries
+                if self.prefix_cache_queries else 0.0
+            ),
+            "tier_hit_rate": (
+                self.external_prefix_cache_hits / self.prefix_cache_queries
                 if self.prefix_cache_queries else 0.0
             ),
             "router_expected_hit_rate": (
@@ -563,12 +579,17 @@ class FleetSimulation:
         specs: list[PoolSpec] = []
         self.engines: dict[ReplicaId, EngineModel] = {}
         self.pool_of: dict[ReplicaId, PoolName] = {}
+        self.shared_tier = (
+            OffloadTier(config.shared_store_blocks, profile.block_size, medium=MEDIUM_STORAGE,
+                        load_s_per_block=config.shared_load_s_per_block)
+            if config.shared_store_blocks else None)
         for pool in self.pools:
             engine_config = pool.engine_config()
             prefix = "r" if not config.pools else f"{pool.name}-r"
             names = tuple(ReplicaId(f"{prefix}{i}") for i in range(pool.num_replicas))
             for name in names:
-                self.engines[name] = EngineModel(engine_config, hasher=self.hasher)
+                self.engines[name] = EngineModel(engine_config, hasher=self.hasher,
+                                                 shared_tier=self.shared_tier)
                 self.pool_of[name] = PoolName(pool.name)
             rate = _profile_prefill_rate(pool.profile)
             timing = pool.profile.timing
@@ -692,6 +713,7 @@ class FleetSimulation:
             replica_names=tuple(self.names),
             prefix_cache_queries=sum(m.prefix_cache_queries_total for m in metrics),
             prefix_cache_hits=sum(m.prefix_cache_hits_total for m in metrics),
+            external_prefix_cache_hits=sum(m.external_prefix_cache_hits_total for m in metrics),
             preemptions=sum(m.num_preemptions_total for m in metrics),
             end_s=self.clock.now(),
             pool_of={str(k): str(v) for k, v in self.pool_of.items()},
@@ -976,10 +998,12 @@ class FleetSimulation:
                            "completion_tokens": out.num_output_tokens})
                 finished += 1
         if result.events:
-            seq = self._event_seq[replica]
-            self._event_seq[replica] = seq + 1
-            batch = EventBatch(seq=seq, ts=now, events=tuple(result.events), data_parallel_rank=0)
-            self._push(now + self.config.event_latency_s, _EVENTS, (replica, batch))
+            self._publish(replica, result.events, now)
+        if self.shared_tier is not None:
+            shared = self.shared_tier.take_events()
+            if shared:  # the store's events, under every replica that can load from it
+                for name in self.names:
+                    self._publish(name, shared, now)
         if now - self._scraped_at.get(replica, -1e18) >= self.config.metrics_interval_s:
             self._scraped_at[replica] = now
             metrics = self.engines[replica].metrics()
@@ -989,6 +1013,12 @@ class FleetSimulation:
             )
         self._start_step(replica)
         return finished
+
+    def _publish(self, replica: ReplicaId, events: Sequence[KVEvent], now: float) -> None:
+        seq = self._event_seq[replica]
+        self._event_seq[replica] = seq + 1
+        batch = EventBatch(seq=seq, ts=now, events=tuple(events), data_parallel_rank=0)
+        self._push(now + self.config.event_latency_s, _EVENTS, (replica, batch))
 
     def _release_dependents(self, request_id: str, now: float) -> None:
         for follower in self._dependents.pop(request_id, ()):

@@ -44,6 +44,8 @@ class TimingProfile:
         block_size, num_gpu_blocks, max_model_len, max_num_seqs, max_num_batched_tokens: the
             engine arguments that go with this deployment (KV capacity from memory left after
             weights at ``gpu_memory_utilization=0.9``).
+        cpu_offload_blocks, cpu_load_s_per_block: the engines' CPU tier (none by default;
+            ``kvroute bench sim --cpu-tier`` sets them).
     """
 
     name: str
@@ -57,6 +59,8 @@ class TimingProfile:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    cpu_offload_blocks: int = 0
+    cpu_load_s_per_block: float = 0.0
 
     def engine_config(
         self,
@@ -83,6 +87,8 @@ class TimingProfile:
                 else self.max_num_batched_tokens
             ),
             timing=self.timing,
+            cpu_offload_blocks=self.cpu_offload_blocks,
+            cpu_load_s_per_block=self.cpu_load_s_per_block,
         )
 
     def with_timing(self, timing: StepTiming, *, source: str, calibrated: bool) -> TimingProfile:
