@@ -87,10 +87,14 @@ def serve(
     max_loras: Annotated[int, typer.Option(help="Distinct adapters one running batch holds (vLLM --max-loras).")] = 1,
     reasoning_parser: Annotated[str | None, typer.Option(help="vLLM's --reasoning-parser name: accept thinking_token_budget and report reasoning_tokens (the model thinks as long as allowed).")] = None,
     allow_runtime_lora: Annotated[bool, typer.Option(help="Serve POST /v1/load_lora_adapter (vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).")] = False,
+    kv_plan: Annotated[str | None, typer.Option(help="KV blocks from `kvroute plan`: MODEL@GPU[,tp=N][,util=F][,reserve=GIB] (instead of --num-gpu-blocks).")] = None,
+    cpu_offload_blocks: Annotated[int, typer.Option(help="Blocks of a CPU tier (vLLM native offloading: BlockStored with medium CPU); 0: none.")] = 0,
+    cpu_load_s_per_block: Annotated[float, typer.Option(help="Seconds to load one block back from the CPU tier.")] = 0.0,
 ) -> None:
     """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
+        num_gpu_blocks = _plan_blocks(kv_plan, num_gpu_blocks, profile, block_size)
         step_timing = _parse_timing(timing) if timing is not None else None
         config = SimServerConfig(
             model=model, profile=profile, max_model_len=max_model_len, block_size=block_size,
@@ -107,6 +111,7 @@ def serve(
             root=root, max_chars_per_token=max_chars_per_token, fault_injection=fault_injection,
             lora_modules=_parse_lora_modules(lora_modules or []), max_loras=max_loras,
             reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
+            cpu_offload_blocks=cpu_offload_blocks, cpu_load_s_per_block=cpu_load_s_per_block,
         )
 
         def ready(server: SimServer) -> None:
@@ -137,6 +142,21 @@ def _parse_lora_modules(items: list[str]) -> dict[str, str]:
             )
         modules[name] = path
     return modules
+
+
+def _plan_blocks(kv_plan: str | None, num_gpu_blocks: int | None, profile: str,
+                 block_size: int | None) -> int | None:
+    """``--num-gpu-blocks``, or the block count ``kvroute plan`` gives for ``--kv-plan`` at
+    the engine's block size (``--block-size``, else the profile's)."""
+    if kv_plan is None:
+        return num_gpu_blocks
+    if num_gpu_blocks is not None:
+        raise ConfigError("give --kv-plan or --num-gpu-blocks, not both")
+    from kvroute.commands.plan import replica_from_spec
+    from kvroute.sim.profiles import get_profile
+
+    size = block_size if block_size is not None else get_profile(profile).block_size
+    return replica_from_spec(kv_plan, block_size=size).num_gpu_blocks
 
 
 def _parse_timing(text: str) -> StepTiming:
@@ -184,6 +204,9 @@ def fleet(
     fault_injection: Annotated[bool, typer.Option(help="Every replica serves /sim/faults.")] = False,
     answer_length: Annotated[str, typer.Option(help="'natural' (answers end like a model's) or 'max-tokens' (run to max_tokens, as vLLM with ignore_eos).")] = "natural",
     prompt_tokens_details: Annotated[bool, typer.Option(help="Engines report usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details), which kvroute checks its predictions against.")] = True,
+    kv_plan: Annotated[str | None, typer.Option(help="KV blocks per replica from `kvroute plan`: MODEL@GPU[,tp=N][,util=F][,reserve=GIB].")] = None,
+    cpu_offload_blocks: Annotated[int, typer.Option(help="Every replica's CPU tier, blocks (medium CPU events); 0: none.")] = 0,
+    cpu_load_s_per_block: Annotated[float, typer.Option(help="Seconds to load one block from the CPU tier.")] = 0.0,
 ) -> None:
     """Start a fleet of simulated engines and keep it up until Ctrl-C / SIGTERM."""
     if kv_events_socket not in ("bind", "vllm"):
@@ -191,8 +214,17 @@ def fleet(
     if answer_length not in ANSWER_LENGTH_MODES:
         raise typer.BadParameter(f"--answer-length must be one of {', '.join(ANSWER_LENGTH_MODES)}, "
                                  f"got {answer_length!r}")
+    try:
+        num_gpu_blocks = _plan_blocks(kv_plan, num_gpu_blocks, profile, block_size)
+    except RouterError as exc:
+        raise _fail(exc) from exc
+    tier_args: tuple[str, ...] = ()
+    if cpu_offload_blocks:
+        tier_args = ("--cpu-offload-blocks", str(cpu_offload_blocks),
+                     "--cpu-load-s-per-block", str(cpu_load_s_per_block))
     specs: list[ReplicaSpec] = []
     common = {"block_size": block_size, "num_gpu_blocks": num_gpu_blocks,
+              "extra_args": tier_args,
               "error_style": error_style, "tokenizer": tokenizer,
               "kv_events_socket": kv_events_socket, "fault_injection": fault_injection,
               "answer_length": answer_length,

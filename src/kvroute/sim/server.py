@@ -209,6 +209,8 @@ class SimServerConfig:
             when unlimited) unless the chat template's switch (``enable_thinking`` /
             ``thinking``) turns it off. The text is not split into ``reasoning_content``.
             Without one, a budget is refused with vLLM's 400.
+        cpu_offload_blocks / cpu_load_s_per_block: the engine's CPU tier, as vLLM's native
+            offloading (``engine/offload.py``: ``BlockStored`` with ``medium="CPU"``); 0: none.
     """
 
     model: str = "sim-model"
@@ -218,6 +220,8 @@ class SimServerConfig:
     max_model_len: int | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    cpu_offload_blocks: int = 0
+    cpu_load_s_per_block: float = 0.0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     host: str = "127.0.0.1"
@@ -575,6 +579,8 @@ class SimServer:
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=(config.max_loras if config.lora_modules or config.allow_runtime_lora
                        else None),
+            cpu_offload_blocks=config.cpu_offload_blocks,
+            cpu_load_s_per_block=config.cpu_load_s_per_block,
         )
         self._loras: dict[str, str] = dict(config.lora_modules)
         """The adapters served: the configured ones, then those loaded at run time."""
