@@ -19,7 +19,8 @@ def test_plan_prints_and_writes_the_llama_8b_h100_figures(tmp_path: Path) -> Non
     out = tmp_path / "p.json"
     result = CliRunner().invoke(app, [
         "plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--reserve-gib", "4",
-        "--cpu-gib", "200", "--prefill-rate", "10000", "--context", "8192", "--json", str(out)])
+        "--cpu-gib", "200", "--prefill-rate", "10000", "--context", "8192", "--link-gbps", "50",
+        "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["bytes_per_token"] == 131_072
@@ -30,6 +31,9 @@ def test_plan_prints_and_writes_the_llama_8b_h100_figures(tmp_path: Path) -> Non
     assert report["survival_s"]["gpu"] == pytest.approx(report["tokens"] / 10_000)
     assert "per token        131,072 B (128.0 KiB)" in result.output
     assert "prefix survives" in result.output
+    # moving an 8,192-token prompt's KV (1 GiB) over a 50 GB/s link
+    assert report["transfer_s"]["8192"] == pytest.approx(8192 * 131_072 / 50e9)
+    assert "transfer         21.5 ms for 8,192 tokens" in result.output
 
 
 def test_plan_lists_and_refuses_clearly() -> None:

@@ -135,8 +135,11 @@ def _gib(value: float) -> str:
 
 
 def plan_report(plan: ReplicaPlan, tiers: list[TierPlan], contexts: list[int],
-                prefill_rate: float | None, *, memory: str) -> dict[str, Any]:
-    """The figures ``kvroute plan`` prints, as a JSON-ready dict."""
+                prefill_rate: float | None, *, memory: str,
+                link_gbps: float | None = None) -> dict[str, Any]:
+    """The figures ``kvroute plan`` prints, as a JSON-ready dict (``link_gbps``: the time
+    to move a prompt's KV of each context length between replicas, as disaggregated
+    prefill/decode does)."""
     shape = plan.shape
     report: dict[str, Any] = {
         "model": shape.name,
@@ -160,6 +163,12 @@ def plan_report(plan: ReplicaPlan, tiers: list[TierPlan], contexts: list[int],
                            "load_gbps": t.load_gbps, "load_s_per_block": t.load_s_per_block()}
                   for t in tiers},
     }
+    if link_gbps is not None:
+        if link_gbps <= 0:
+            raise ConfigError(f"--link-gbps must be > 0, got {link_gbps}")
+        report["link_gbps"] = link_gbps
+        report["transfer_s"] = {str(c): plan.bytes_per_token * c / (link_gbps * 1e9)
+                                for c in contexts}
     if prefill_rate is not None:
         report["prefill_tokens_per_s"] = prefill_rate
         report["survival_s"] = {"gpu": plan.survival_s(prefill_rate),
@@ -199,6 +208,9 @@ def _lines(report: dict[str, Any]) -> list[str]:
         out.append(f"{name + ' tier':<16} {tier['blocks']:,} blocks = {tier['tokens']:,} tokens"
                    f" ({tier['blocks'] / max(1, report['num_gpu_blocks'] - 1):.2f}x the GPU)"
                    f"{shared}{load}")
+    for context, seconds in report.get("transfer_s", {}).items():
+        out.append(f"transfer         {seconds * 1e3:,.1f} ms for {int(context):,} tokens of KV at "
+                   f"{report['link_gbps']:g} GB/s (prefill -> decode replica)")
     if "survival_s" in report:
         rate = report["prefill_tokens_per_s"]
         parts = ", ".join(f"{k} {v:,.1f} s" for k, v in report["survival_s"].items())
@@ -305,6 +317,7 @@ def plan(
     shared_replicas: Annotated[int, typer.Option(help="Replicas writing to the shared store.")] = 8,
     shared_gbps: Annotated[float, typer.Option(help="Shared store load bandwidth, GB/s.")] = 10.0,
     prefill_rate: Annotated[float | None, typer.Option(help="New prefill tokens per second per replica: how long an unused prefix survives.")] = None,
+    link_gbps: Annotated[float | None, typer.Option(help="Link between replicas, GB/s: the time to move a prompt's KV (disaggregated prefill/decode).")] = None,
     list_models: Annotated[bool, typer.Option("--list", help="List the bundled models and GPUs.")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
@@ -329,7 +342,8 @@ def plan(
             ("cpu", cpu_gib, 1, cpu_gbps), ("disk", disk_gib, 1, disk_gbps),
             ("shared", shared_gib, shared_replicas, shared_gbps)) if gib is not None]
         tiers = plan_tiers(replica, specs)
-        report = plan_report(replica, tiers, contexts, prefill_rate, memory=memory)
+        report = plan_report(replica, tiers, contexts, prefill_rate, memory=memory,
+                             link_gbps=link_gbps)
     for line in _lines(report):
         typer.echo(line)
     if json_out is not None:
