@@ -69,3 +69,25 @@ def test_weights_from_a_safetensors_file_header(tmp_path: Path) -> None:
     index.write_text(json.dumps({"metadata": {"total_size": 1234}, "weight_map": {}}))
     assert weights_bytes({}, tmp_path)[0] == 1234
     assert weights_bytes({"kvroute_params_b": 1}, None)[0] == 2 * 10**9
+
+
+def test_bench_sim_takes_its_kv_and_tiers_from_the_plan(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(app, [
+        "bench", "sim", "--limit", "40", "--policies", "kvroute", "--quiet",
+        "--kv-plan", "llama-3.1-8b@h100-80gb,reserve=4", "--cpu-tier", "2",
+        "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    config = json.loads(out.read_text())["config"]
+    blocks = replica_from_spec("llama-3.1-8b@h100-80gb,reserve=4", block_size=16).num_gpu_blocks
+    assert config["kv"]["num_gpu_blocks"] == blocks
+    assert config["kv"]["cpu_offload_blocks"] == 2 * (blocks - 1)
+    assert config["policy_params"]["kvroute"]["cpu_load_s_per_token"] == pytest.approx(
+        131_072 / 25e9)
+    bounds = tmp_path / "bounds.json"
+    result = CliRunner().invoke(app, [
+        "bench", "sim", "--bounds", "--limit", "40", "--cpu-tier", "4", "--json", str(bounds)])
+    assert result.exit_code == 0, result.output
+    rows = [r["name"] for r in json.loads(bounds.read_text())["bounds"]["0"]["rows"]]
+    assert any("tiers" in name and "Belady" in name for name in rows), rows
+    assert any("LRU write-through" in name for name in rows), rows
