@@ -56,7 +56,7 @@ def test_fleet_starts_pools_and_stops_every_child(tmp_path: Path) -> None:
         ReplicaSpec(pool="large", model="qwen-large", max_model_len=1024, num_gpu_blocks=128,
                     replay=False),
     ]
-    with start_fleet(specs, timeout_s=20, log_dir=tmp_path) as fleet:
+    with start_fleet(specs, timeout_s=120, log_dir=tmp_path) as fleet:
         assert [r.name for r in fleet.replicas] == ["small-0", "small-1", "large-0"]
         assert len({r.url for r in fleet.replicas}) == 3
         for r in fleet.replicas:
@@ -79,7 +79,7 @@ def test_a_replica_that_cannot_start_fails_the_fleet_with_its_log() -> None:
     specs = [ReplicaSpec(max_model_len=256, num_gpu_blocks=64),
              ReplicaSpec(profile="no-such-profile")]
     with pytest.raises(FleetStartError, match="no-such-profile"):
-        start_fleet(specs, timeout_s=20)
+        start_fleet(specs, timeout_s=120)
 
 
 def test_fleet_refuses_non_loopback_hosts() -> None:
@@ -97,7 +97,7 @@ def test_cli_fleet_prints_endpoints_and_exits_cleanly_on_sigint() -> None:
     )
     assert proc.stdout is not None
     out = b""
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -165,7 +165,7 @@ def test_calibrate_recovers_a_known_profile_from_a_sim_server() -> None:
     plan = CalibrationPlan(prompt_lengths=(16, 256, 1024, 2048), ttft_repeats=2,
                            batch_sizes=(1, 4, 8), decode_prompt_lengths=(16, 1024),
                            decode_tokens=16, max_requests=100, timeout_s=8)
-    with start_fleet([spec], timeout_s=20) as fleet:
+    with start_fleet([spec], timeout_s=120) as fleet:
         fit = asyncio.run(calibrate(fleet.replicas[0].url, plan=plan))
     t = fit.timing
     assert t.fixed_s == pytest.approx(fixed, rel=0.25)
@@ -191,7 +191,7 @@ def test_calibrate_sweep_stays_inside_a_small_window(engine_itl: bool) -> None:
     plan = CalibrationPlan(prompt_lengths=(16, 128, 1024, 4096), ttft_repeats=2,
                            batch_sizes=(1, 4), decode_prompt_lengths=(16, 2048),
                            decode_tokens=16, max_requests=60, timeout_s=8, engine_itl=engine_itl)
-    with start_fleet([spec], timeout_s=20) as fleet:
+    with start_fleet([spec], timeout_s=120) as fleet:
         fit = asyncio.run(calibrate(fleet.replicas[0].url, plan=plan))
     ttft = [o.prefill_tokens for o in fit.observations if o.kind == "ttft"]
     assert ttft == [16, 16, 128, 128, 511, 511]  # 1024 and 4096 replaced by window - 1
@@ -251,7 +251,7 @@ def test_replica_handle_endpoints_carry_events(tmp_path: Path) -> None:
 
     from kvroute.wire.vllm_events import decode_message
 
-    with start_fleet([ReplicaSpec(max_model_len=256, num_gpu_blocks=64)], timeout_s=20) as fleet:
+    with start_fleet([ReplicaSpec(max_model_len=256, num_gpu_blocks=64)], timeout_s=120) as fleet:
         r = fleet.replicas[0]
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
@@ -295,7 +295,7 @@ def test_fleet_replica_in_vllm_socket_mode_connects_to_the_subscriber() -> None:
     spec = ReplicaSpec(max_model_len=256, num_gpu_blocks=64, kv_events_socket="vllm",
                        kv_events_endpoint=endpoint, root="/models/m", fault_injection=True)
     try:
-        with start_fleet([spec], timeout_s=20) as fleet:
+        with start_fleet([spec], timeout_s=120) as fleet:
             r = fleet.replicas[0]
             assert (r.kv_events, r.kv_events_connect) == (endpoint, True)
             assert f"        kv_events: {endpoint}\n        kv_events_bind: true\n" in fleet.yaml()
