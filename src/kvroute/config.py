@@ -47,6 +47,7 @@ __all__ = [
     "AdmissionConfig",
     "DiscoveryConfig",
     "ExternalConfig",
+    "HttpLimitsConfig",
     "ListenConfig",
     "PolicyConfig",
     "PoolConfig",
@@ -275,11 +276,50 @@ class StateConfig:
 
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
-    """A tenant: its API key's environment variable, and whether its cache is salted."""
+    """A tenant: its API key's environment variable, whether its cache is salted, and
+    whether it is shown the routing headers.
+
+    ``cache_salt`` is on unless the file says ``cache_salt: false`` (the router logs every
+    tenant so opted out): an unsalted tenant's prompt is a prefix-cache hit for any other
+    unsalted tenant's, a timing side channel. ``routing_headers`` (off unless set) sends the
+    tenant ``x-kvroute-replica``, ``-pool``, ``-cached-tokens`` and ``-approximate``; they
+    tell which replica holds which prefix, so only trusted clients (a benchmark, an
+    operator's own tenant) should see them. With no tenants configured every client sees
+    them.
+    """
 
     name: TenantName
     api_key_env: str
-    cache_salt: bool = False
+    cache_salt: bool = True
+    routing_headers: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimitsConfig:
+    """Limits on client connections (``http/server.py``), defaults from nginx and Envoy.
+
+    Attributes:
+        max_header_bytes: request line plus headers (431 beyond); Envoy's
+            ``max_request_headers_kb`` default, 60 KiB.
+        header_timeout_s: a request head must be complete this long after its first byte,
+            or after the connection opened (408 beyond); nginx's ``client_header_timeout``.
+        body_timeout_s: longest pause while a body arrives (408); nginx's
+            ``client_body_timeout``.
+        send_timeout_s: longest a client may read nothing of its answer before it is dropped;
+            nginx's ``send_timeout``.
+        idle_timeout_s: a keep-alive connection idle this long is closed; nginx's
+            ``keepalive_timeout``.
+        max_connections: open client connections (503 and close beyond). nginx allows 512
+            per worker by default; one router process is one worker and admission alone may
+            hold 1,280 requests (``admission``), so the default is 4,096.
+    """
+
+    max_header_bytes: int = 60 * 1024
+    header_timeout_s: float = 60.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0
+    max_connections: int = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +439,7 @@ class RouterConfig:
     predicted_ttl_s: float = 2.0
     approx_predicted_ttl_s: float = 120.0
     max_body_bytes: int = 16 * 1024 * 1024
+    http: HttpLimitsConfig = HttpLimitsConfig()
     log_level: str = "info"
     log_format: Literal["json", "kv"] = "json"
     audit_sample: AuditSampleConfig | None = None
@@ -519,6 +560,7 @@ _TOP_KEYS: Final = (
     "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
     "cache_drift", "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
     "audit_sample",
+    "http",
 )
 
 
@@ -844,7 +886,7 @@ def _tenants(data: Any) -> tuple[TenantConfig, ...]:
     for i, item in enumerate(data):
         key = f"tenants[{i}]"
         d = _mapping(key, item, "{name: acme, api_key_env: ACME_KEY}")
-        _check_keys(key, d, ("name", "api_key_env", "cache_salt"))
+        _check_keys(key, d, ("name", "api_key_env", "cache_salt", "routing_headers"))
         name = _name(f"{key}.name", d.get("name"))
         if any(t.name == name for t in out):
             raise _fail(f"{key}.name", name, "is defined twice", "Tenant names must be unique.")
@@ -855,8 +897,29 @@ def _tenants(data: Any) -> tuple[TenantConfig, ...]:
             raise _fail(f"{key}.api_key_env", env, f"is already tenant {seen_envs[env]!r}'s key",
                         "Give each tenant its own key: a shared key cannot tell them apart.")
         seen_envs[env] = name
-        out.append(TenantConfig(TenantName(name), env, _bool(f"{key}.cache_salt", d.get("cache_salt", False))))
+        out.append(TenantConfig(
+            TenantName(name), env, _bool(f"{key}.cache_salt", d.get("cache_salt", True)),
+            _bool(f"{key}.routing_headers", d.get("routing_headers", False))))
     return tuple(out)
+
+
+def _http_limits(data: Any) -> HttpLimitsConfig:
+    d = _mapping("http", data, "{header_timeout_s: 60, max_connections: 4096}")
+    fields_ = ("max_header_bytes", "header_timeout_s", "body_timeout_s", "send_timeout_s",
+               "idle_timeout_s", "max_connections")
+    _check_keys("http", d, fields_)
+    base = HttpLimitsConfig()
+    return HttpLimitsConfig(
+        max_header_bytes=_int("http.max_header_bytes",
+                              d.get("max_header_bytes", base.max_header_bytes), minimum=1024),
+        header_timeout_s=_num("http.header_timeout_s",
+                              d.get("header_timeout_s", base.header_timeout_s)),
+        body_timeout_s=_num("http.body_timeout_s", d.get("body_timeout_s", base.body_timeout_s)),
+        send_timeout_s=_num("http.send_timeout_s", d.get("send_timeout_s", base.send_timeout_s)),
+        idle_timeout_s=_num("http.idle_timeout_s", d.get("idle_timeout_s", base.idle_timeout_s)),
+        max_connections=_int("http.max_connections",
+                             d.get("max_connections", base.max_connections), minimum=1),
+    )
 
 
 def _timeouts(data: Any) -> TimeoutsConfig:
@@ -1064,6 +1127,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         predicted_ttl_s=_num("predicted_ttl_s", data.get("predicted_ttl_s", 2.0)),
         approx_predicted_ttl_s=_num("approx_predicted_ttl_s", data.get("approx_predicted_ttl_s", 120.0)),
         max_body_bytes=_int("max_body_bytes", data.get("max_body_bytes", 16 * 1024 * 1024), minimum=1024),
+        http=_http_limits(data.get("http")),
         log_level=log_level.lower(),
         log_format=log_format,
         audit_sample=_audit_sample(data.get("audit_sample")),
@@ -1157,9 +1221,11 @@ def resolve_secrets(config: RouterConfig, env: Mapping[str, str] | None = None) 
             secret = env.get(config.salt_secret_env, "")
             if not secret:
                 raise ConfigError(
-                    f"tenants[{i}].cache_salt: tenant {tenant.name!r} asks for a cache salt, but "
-                    f"{config.salt_secret_env} (salt_secret_env) is unset or empty. Export a long "
-                    "random secret, the same on every router process."
+                    f"tenants[{i}].cache_salt: tenant {tenant.name!r} is salted (the default "
+                    f"for every tenant), but {config.salt_secret_env} (salt_secret_env) is "
+                    "unset or empty. Export a long random secret, the same on every router "
+                    "process, or write cache_salt: false for a tenant that may share its "
+                    "cache with the other unsalted tenants."
                 )
             salts[tenant.name] = derive_cache_salt(secret, tenant.name)
     admin_key: str | None = None

@@ -477,12 +477,110 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_timeout() -> None:
             writer.write(post("/echo", b"2"))  # activity restarts the idle time
             assert (await read_reply(reader))[0] == 200
             assert await closed_by_server(reader, timeout=2.0)
-            # A request left half-sent does not hold the connection either.
-            reader, writer = await connect(server)
-            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab")
-            assert await closed_by_server(reader, timeout=2.0)
 
     asyncio.run(main())
+
+
+async def trickle(writer: asyncio.StreamWriter, reader: asyncio.StreamReader,
+                  line: bytes, *, every_s: float = 0.05, for_s: float = 5.0) -> Reply:
+    """Send ``line`` every ``every_s`` (a slowloris client) until the server answers; the
+    answer, or an AssertionError after ``for_s``."""
+    answer = asyncio.ensure_future(read_reply(reader))
+    try:
+        for _ in range(int(for_s / every_s)):
+            if answer.done():
+                break
+            try:
+                writer.write(line)
+                await writer.drain()
+            except ConnectionError:
+                break
+            await asyncio.sleep(every_s)
+        return await asyncio.wait_for(answer, 2.0)
+    finally:
+        answer.cancel()
+
+
+def test_a_head_sent_a_line_at_a_time_gets_a_408_at_the_header_timeout() -> None:
+    async def main() -> None:
+        async with serving(ECHO, header_timeout_s=0.3) as server:
+            reader, writer = await connect(server)
+            writer.write(b"GET /echo HTTP/1.1\r\n")
+            status, headers, body = await trickle(writer, reader, b"X-Slow: 1\r\n")
+            assert status == 408 and headers["connection"] == "close"
+            assert "header_timeout_s" in json.loads(body)["error"]["message"]
+            assert await closed_by_server(reader)
+            # A connection that sends nothing at all is closed as well.
+            reader, _ = await connect(server)
+            assert await closed_by_server(reader)
+            # A well-behaved client is served as before.
+            reader, writer = await connect(server)
+            writer.write(post("/echo", b"ok"))
+            assert (await read_reply(reader))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_a_body_that_stops_arriving_gets_a_408_at_the_body_timeout() -> None:
+    async def main() -> None:
+        async with serving(ECHO, body_timeout_s=0.3) as server:
+            reader, writer = await connect(server)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab")
+            status, _, body = await asyncio.wait_for(read_reply(reader), 5.0)
+            assert status == 408 and "body_timeout_s" in json.loads(body)["error"]["message"]
+            assert await closed_by_server(reader)
+
+    asyncio.run(main())
+
+
+def test_connections_over_the_limit_get_a_503_and_the_others_are_served() -> None:
+    async def main() -> None:
+        async with serving(ECHO, max_connections=2) as server:
+            held = [await connect(server) for _ in range(2)]
+            reader, _ = await connect(server)
+            status, headers, body = await asyncio.wait_for(read_reply(reader), 5.0)
+            assert status == 503 and headers["retry-after"] == "1"
+            assert "max_connections" in json.loads(body)["error"]["message"]
+            for held_reader, held_writer in held:
+                held_writer.write(post("/echo", b"x"))
+                assert (await read_reply(held_reader))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_the_send_timeout() -> None:
+    cancelled = asyncio.Event()
+    piece = b"x" * 65536
+
+    async def flood(request: Request) -> StreamResponse:
+        out = StreamResponse(200)
+        await out.prepare(request)
+        try:
+            for _ in range(4096):  # 256 MiB: far beyond every socket buffer
+                await out.write(piece)
+        except ConnectionResetError:
+            cancelled.set()
+            raise
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return out
+
+    async def main() -> None:
+        async with serving({"/f": {"GET": flood}}, send_timeout_s=0.3) as server:
+            _, writer = await connect(server)
+            writer.transport.pause_reading()  # the client reads nothing
+            writer.write(b"GET /f HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(cancelled.wait(), 10)
+
+    asyncio.run(main())
+
+
+def test_limits_must_be_positive() -> None:
+    for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s", "max_connections",
+                 "keepalive_timeout_s", "max_head_bytes"):
+        with pytest.raises(ValueError, match=name):
+            HttpServer(ECHO, max_body_bytes=1024, **{name: 0})
 
 
 def test_upgrade_requests_are_answered_over_http_1_1_or_refused() -> None:

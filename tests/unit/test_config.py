@@ -135,6 +135,13 @@ def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
         (with_("tenants", [{"name": "a", "api_key_env": "sk-123abc"}]), ["tenants[0].api_key_env", "environment variable name"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "a", "api_key_env": "L"}]), ["tenants[1].name", "defined twice"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "b", "api_key_env": "K"}]), ["tenants[1].api_key_env", "already tenant 'a'"]),
+        (with_("tenants", [{"name": "a", "api_key_env": "K", "cache_salt": "no"}]), ["tenants[0].cache_salt", "true or false"]),
+        (with_("tenants", [{"name": "a", "api_key_env": "K", "routing_header": True}]), ["tenants[0].routing_header", "did you mean 'routing_headers'"]),
+        (with_("http", {"header_timeout_s": 0}), ["http.header_timeout_s", "(got 0)", "must be > 0"]),
+        (with_("http", {"max_connections": 0}), ["http.max_connections", "(got 0)", ">= 1"]),
+        (with_("http", {"max_header_bytes": 100}), ["http.max_header_bytes", "(got 100)", ">= 1024"]),
+        (with_("http", {"idle_timeout": 5}), ["http.idle_timeout", "did you mean 'idle_timeout_s'"]),
+        (with_("http", [1]), ["http", "mapping"]),
         (with_("log_level", "loud"), ["log_level", "'loud'", "debug, info"]),
         (with_("routes.admin", {"pools": ["small"]}), ["routes.admin", "reserved"]),
         (with_("listen.port", 70000), ["listen.port", "65535"]),
@@ -182,9 +189,28 @@ def test_load_config_reports_unreadable_and_invalid_yaml(tmp_path: Path) -> None
 
 
 TENANTS = with_("tenants", [
-    {"name": "acme", "api_key_env": "ACME_KEY", "cache_salt": True},
-    {"name": "beta", "api_key_env": "BETA_KEY"},
+    {"name": "acme", "api_key_env": "ACME_KEY"},
+    {"name": "beta", "api_key_env": "BETA_KEY", "cache_salt": False},
 ], base=with_("admin_key_env", "ADMIN_KEY"))
+
+
+def test_tenants_are_salted_and_hidden_from_routing_headers_unless_told() -> None:
+    acme, beta = parse_config(TENANTS, env={}).tenants
+    assert acme.cache_salt is True and beta.cache_salt is False
+    assert acme.routing_headers is False and beta.routing_headers is False
+    shown = with_("tenants", [{"name": "ops", "api_key_env": "OPS_KEY", "routing_headers": True}])
+    assert parse_config(shown, env={}).tenants[0].routing_headers is True
+
+
+def test_http_limits_default_to_nginx_and_envoy_and_can_be_set() -> None:
+    limits = parse_config(MINIMAL, env={}).http
+    assert (limits.max_header_bytes, limits.header_timeout_s, limits.body_timeout_s,
+            limits.send_timeout_s, limits.idle_timeout_s, limits.max_connections) == (
+        60 * 1024, 60.0, 60.0, 60.0, 75.0, 4096)
+    data = with_("http", {"header_timeout_s": 5, "max_connections": 10, "max_header_bytes": 8192})
+    limits = parse_config(data, env={}).http
+    assert (limits.header_timeout_s, limits.max_connections, limits.max_header_bytes) == (
+        5.0, 10, 8192)
 
 
 def test_secrets_resolve_keys_salts_and_admin() -> None:
@@ -209,6 +235,7 @@ def test_no_tenants_means_no_keys() -> None:
         ({"BETA_KEY": "kb", "ADMIN_KEY": "r", "KVROUTE_SALT_SECRET": "s"}, "ACME_KEY (tenant 'acme') is unset"),
         ({"ACME_KEY": "k", "BETA_KEY": "k", "ADMIN_KEY": "r", "KVROUTE_SALT_SECRET": "s"}, "same key as tenant 'acme'"),
         ({"ACME_KEY": "ka", "BETA_KEY": "kb", "ADMIN_KEY": "r"}, "KVROUTE_SALT_SECRET (salt_secret_env) is unset"),
+        ({"ACME_KEY": "ka", "BETA_KEY": "kb", "ADMIN_KEY": "r"}, "or write cache_salt: false"),
         ({"ACME_KEY": "ka", "BETA_KEY": "kb", "KVROUTE_SALT_SECRET": "s"}, "ADMIN_KEY is unset"),
         ({"ACME_KEY": "ka", "BETA_KEY": "kb", "ADMIN_KEY": "ka", "KVROUTE_SALT_SECRET": "s"}, "must differ from every tenant key"),
     ],

@@ -35,7 +35,14 @@ Theory of operation
   and the error is logged with its traceback, never swallowed.
 * ``Expect: 100-continue`` is answered before the body is read (curl sends it for bodies
   over 1 kB and would otherwise wait a second), unless the declared body is too large.
-* A connection idle for ``keepalive_timeout_s`` is closed. A connection closed by the server
+* Time limits, as nginx sets them (``docs/reliability.md``): a connection idle between
+  requests for ``keepalive_timeout_s`` is closed; a request head (request line and headers)
+  not complete ``header_timeout_s`` after its first byte, or after the connection opened for
+  a first request, gets a 408 and the connection closes (a slowloris client sending a header
+  line a second is shut out); a body that stops arriving for ``body_timeout_s`` gets a 408
+  too. A client that reads nothing of its answer for ``send_timeout_s`` is dropped (its
+  handler is cancelled). ``max_connections`` bounds open client connections: one over it gets a 503 with
+  ``Retry-After`` and is closed. A connection closed by the server
   after an answer it sent early (a body too large, a malformed request) is closed
   "lingering": the server half-closes, then reads and drops what the client still sends for
   up to ``_LINGER_S``, so the client reads the answer instead of a reset.
@@ -310,9 +317,12 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._idle_since = 0.0
         self._last_data = 0.0
+        self._head_started = 0.0  # loop time of the first byte of the head being read
+        self._in_head = False  # between a request's first byte and the end of its head
+        self._awaiting_first = True  # no byte yet on this connection
         self._linger_timer: asyncio.TimerHandle | None = None
         self._lingering = False
         self._ignore_input = False  # after an upgrade request or a malformed one
@@ -333,13 +343,23 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport; not an ``asyncio.Transport`` instance under uvloop.
         self._transport = cast(asyncio.Transport, transport)
-        self._server._connections.add(self)
+        server = self._server
+        over = len(server._connections) >= server.max_connections
+        server._connections.add(self)
+        if over:
+            self._ignore_input = True
+            self._send_and_close(server.error(
+                503, f"This {server.name} has {server.max_connections} client connections "
+                     "open, its max_connections limit; retry shortly, reuse keep-alive "
+                     "connections, or raise http.max_connections in its config.",
+                headers={"Retry-After": "1"}))
+            return
         self._arm_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._server._connections.discard(self)
-        for timer in (self._idle_timer, self._linger_timer):
+        for timer in (self._timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         if self._task is not None and not self._task.done():
@@ -397,6 +417,9 @@ class _Connection(asyncio.Protocol):
     # -- llhttp callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._in_head = True
+        self._awaiting_first = False
+        self._head_started = self._last_data  # data_received has just read the clock
         self._url = []
         self._headers = {}
         self._head_bytes = 0
@@ -419,6 +442,7 @@ class _Connection(asyncio.Protocol):
         self._headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         parser = self._parser
         raw = b"".join(self._url)
         path, _, query = raw.partition(b"?")
@@ -509,6 +533,7 @@ class _Connection(asyncio.Protocol):
                 await self._finish_stream(answer, request)
             else:
                 self.send(self._whole(answer, request))
+                await self.drain()  # a client that does not read gets no further answers
         except asyncio.CancelledError:
             if not self._closed:  # cancelled by the server's shutdown, not by the client
                 self._close()
@@ -567,12 +592,23 @@ class _Connection(asyncio.Protocol):
         self._transport.write(data)
 
     async def drain(self) -> None:
+        """Wait while the client's socket is backed up; a client that reads nothing for
+        ``send_timeout_s`` is dropped (``ConnectionResetError``)."""
         if not self._write_paused:
             return
         self.check_open()
         if self._drain_waiter is None:
             self._drain_waiter = self._loop.create_future()
-        await self._drain_waiter
+        stalled = self._loop.call_later(self._server.send_timeout_s, self._send_stalled)
+        try:
+            await self._drain_waiter
+        finally:
+            stalled.cancel()
+
+    def _send_stalled(self) -> None:
+        log.warning("dropping a client that read nothing of its answer for %g s "
+                    "(send_timeout_s)", self._server.send_timeout_s)
+        self.abort()
 
     def _send_and_close(self, answer: Response) -> None:
         if self._closed or self._transport is None:
@@ -614,32 +650,50 @@ class _Connection(asyncio.Protocol):
         self._close()
 
     def _arm_idle(self) -> None:
-        """Note that the connection is idle from now; one timer per connection checks it.
+        """Note that the connection is idle from now; one timer per connection enforces the
+        time limits (module docstring).
 
-        The timer is not re-armed per request or per read: it fires at most once per
-        ``keepalive_timeout_s`` and re-arms itself for whatever is left of the idle time,
-        so a request costs one clock read here and a half-sent request cannot hold the
-        connection past the timeout unless bytes keep arriving.
+        The timer is not re-armed per request or per read: it fires at least once per
+        ``_server.check_interval_s`` (the shortest limit) and re-arms itself for whatever is
+        left of the current limit, so a request costs one clock read here, and a limit is
+        enforced on time whatever state the connection went through since the timer was set.
         """
         self._idle_since = self._loop.time()
-        if self._idle_timer is None:
-            self._idle_timer = self._loop.call_later(self._server.keepalive_timeout_s,
-                                                     self._idle_expired)
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._server.check_interval_s,
+                                                self._check_limits)
 
-    def _idle_expired(self) -> None:
-        self._idle_timer = None
-        timeout = self._server.keepalive_timeout_s
-        if self._closed:
+    def _check_limits(self) -> None:
+        self._timer = None
+        if self._closed or self._lingering:
             return
+        server = self._server
+        now = self._loop.time()
         if self.busy:
-            delay = timeout  # checked again later; _arm_idle also runs once it is idle
+            deadline = now + server.check_interval_s  # a handler is answering: no limit here
+        elif self._in_head:
+            deadline = self._head_started + server.header_timeout_s
+            if now >= deadline:
+                self._refuse(408, f"The request line and headers did not arrive within "
+                                  f"{server.header_timeout_s:g} s (this {server.name}'s "
+                                  "header_timeout_s). Send the whole request head at once.")
+                return
+        elif self._current is not None:
+            deadline = self._last_data + server.body_timeout_s
+            if now >= deadline:
+                self._refuse(408, f"The request body stopped arriving for "
+                                  f"{server.body_timeout_s:g} s (this {server.name}'s "
+                                  "body_timeout_s). Send the body without pauses.")
+                return
         else:
-            quiet = self._loop.time() - max(self._idle_since, self._last_data)
-            if quiet >= timeout:
+            limit = server.header_timeout_s if self._awaiting_first \
+                else server.keepalive_timeout_s
+            deadline = max(self._idle_since, self._last_data) + limit
+            if now >= deadline:
                 self._close()
                 return
-            delay = timeout - quiet
-        self._idle_timer = self._loop.call_later(delay, self._idle_expired)
+        delay = min(deadline - now, server.check_interval_s)
+        self._timer = self._loop.call_later(delay, self._check_limits)
 
     def _pause_reading(self) -> None:
         if self._transport is not None and not self._reading_paused:
@@ -672,15 +726,33 @@ class HttpServer:
         routes: ``{path: {method: handler}}``; a ``GET`` handler also answers ``HEAD``.
         max_body_bytes: the largest request body kept (see ``Request.body_too_large``).
         error_body: renders an error answer's JSON body from ``(status, message)``.
-        keepalive_timeout_s: an idle connection is closed after this long.
+        keepalive_timeout_s: a connection idle between requests is closed after this long.
         max_head_bytes: the largest request line plus headers (431 beyond).
+        header_timeout_s: a request head must be complete this long after its first byte
+            (408 beyond).
+        body_timeout_s: the longest pause while a request body arrives (408 beyond).
+        send_timeout_s: the longest a client may read nothing of an answer it is sent
+            before the connection is dropped.
+        max_connections: open client connections; one more gets a 503 and is closed.
         name: what the server is, in error messages ("router"; the simulated engines serve
             through this module too).
     """
 
     def __init__(self, routes: Mapping[str, Mapping[str, Handler]], *, max_body_bytes: int,
                  error_body: ErrorBody | None = None, keepalive_timeout_s: float = 75.0,
-                 max_head_bytes: int = 64 * 1024, name: str = "router") -> None:
+                 max_head_bytes: int = 60 * 1024, header_timeout_s: float = 60.0,
+                 body_timeout_s: float = 60.0, send_timeout_s: float = 60.0,
+                 max_connections: int = 4096,
+                 name: str = "router") -> None:
+        for what, value in (("max_body_bytes", max_body_bytes),
+                            ("keepalive_timeout_s", keepalive_timeout_s),
+                            ("max_head_bytes", max_head_bytes),
+                            ("header_timeout_s", header_timeout_s),
+                            ("body_timeout_s", body_timeout_s),
+                            ("send_timeout_s", send_timeout_s),
+                            ("max_connections", max_connections)):
+            if not value > 0:
+                raise ValueError(f"HttpServer: {what} must be > 0, got {value!r}")
         self.name = name
         self._routes: dict[str, dict[str, Handler]] = {}
         for path, methods in routes.items():
@@ -691,6 +763,12 @@ class HttpServer:
         self.max_body_bytes = max_body_bytes
         self.max_head_bytes = max_head_bytes
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.max_connections = max_connections
+        self.check_interval_s = min(keepalive_timeout_s, header_timeout_s, body_timeout_s)
+        """The longest a connection's timer waits before looking at its limits again."""
         self._error_body = error_body or _plain_error_body
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()

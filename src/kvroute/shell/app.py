@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from kvroute.config import RouteConfig, RouterConfig, Secrets
 from kvroute.core.clock import Clock
@@ -41,13 +41,56 @@ from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream
 from kvroute.shell.state import MonotonicClock, SessionState
-from kvroute.shell.tenancy import cache_salt, tenant_of
+from kvroute.shell.tenancy import cache_salt, log_tenant_isolation, tenant_of
 from kvroute.shell.tier_pools import TierPools
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.openai import Endpoint, ParsedRequest, RequestError, error_body, parse_request
 
-__all__ = ["DiscoveryView", "PromptTokenizer", "Router", "RouterApp", "build_app", "request_ids"]
+__all__ = ["MAX_JSON_DEPTH", "DiscoveryView", "PromptTokenizer", "Router", "RouterApp",
+           "build_app", "json_depth", "request_ids"]
+
+MAX_JSON_DEPTH: Final = 100
+"""The deepest nesting of arrays and objects a request body may have. OpenAI requests nest
+a few levels (a tool's JSON schema a few more); a bound well below the interpreter's
+recursion limit keeps every later step (encoding the body for the engine) safe."""
+
+_TOO_DEEP: Final = (f"Request body nests arrays and objects more than {MAX_JSON_DEPTH} levels "
+                    "deep. Send a flatter JSON document (OpenAI requests nest a few levels).")
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deeply ``value`` (decoded JSON) nests arrays and objects, counted up to ``limit``
+    + 1 (iteratively: it measures documents too deep to recurse into)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, dict | list))
+    return deepest
+
+
+def _check_depth(raw: bytes, parsed: ParsedRequest) -> None:
+    """Refuse a body nested deeper than ``MAX_JSON_DEPTH`` (counting brackets first: a
+    body with fewer openers than the limit cannot be that deep, and that is almost all).
+
+    Raises:
+        RequestError: 400, the body is too deep.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    if json_depth(parsed.body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise RequestError(_TOO_DEEP)
 
 
 class _PerfCounter:
@@ -93,7 +136,11 @@ class Router:
         try:
             tenant = tenant_of(request, self.secrets)
             raw = self._body(request)
-            parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
+            try:
+                parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
+            except RecursionError:
+                raise RequestError(_TOO_DEEP) from None
+            _check_depth(raw, parsed)
             route, adapter = self._route(parsed)
         except RequestError as exc:
             return error_answer(exc.status, exc.body())
@@ -271,6 +318,13 @@ def build_app(
         "/dashboard": {"GET": dashboard.page},
         "/dashboard/data": {"GET": dashboard.data},
     }
+    limits = config.http
     server = HttpServer(routes, max_body_bytes=config.max_body_bytes,
-                        error_body=_openai_error)
+                        error_body=_openai_error, keepalive_timeout_s=limits.idle_timeout_s,
+                        max_head_bytes=limits.max_header_bytes,
+                        header_timeout_s=limits.header_timeout_s,
+                        body_timeout_s=limits.body_timeout_s,
+                        send_timeout_s=limits.send_timeout_s,
+                        max_connections=limits.max_connections)
+    log_tenant_isolation(config)
     return RouterApp(router, server)

@@ -57,6 +57,7 @@ from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.state import SessionState
+from kvroute.shell.tenancy import routing_header_tenants
 from kvroute.shell.tier_pools import TierPools
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
@@ -113,8 +114,11 @@ def error_answer(status: int, body: bytes, *, pool: str = "none",
 _R = TypeVar("_R", Response, StreamResponse)
 
 
-def routed(response: _R, decision: RoutingDecision) -> _R:
-    """Stamp the decision on a response (every routed answer carries these headers)."""
+def routed(response: _R, decision: RoutingDecision, show: bool = True) -> _R:
+    """Stamp the decision on a response (every routed answer to a client allowed to see
+    them carries these headers; ``show`` False leaves them out)."""
+    if not show:
+        return response
     response.headers[HDR_REPLICA] = decision.replica
     response.headers[HDR_POOL] = decision.request.pool
     response.headers[HDR_CACHED] = str(decision.expected_cached_tokens)
@@ -178,6 +182,15 @@ class Forwarder:
     lora_loader: LoraLoader | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
+    _header_tenants: frozenset[TenantName] | None = None
+
+    def __post_init__(self) -> None:
+        self._header_tenants = routing_header_tenants(self.config)
+
+    def _shows(self, tenant: TenantName) -> bool:
+        """Whether ``tenant`` is shown the routing headers (``TenantConfig.routing_headers``)."""
+        allowed = self._header_tenants
+        return allowed is None or tenant in allowed
 
     async def serve(self, request: Request, raw: bytes, parsed: ParsedRequest,
                     route: RouteConfig, tenant: TenantName, request_id: RequestId,
@@ -216,10 +229,10 @@ class Forwarder:
                     action = walk.tokens(action.pool, await self._token_ids(ex, action.pool))
                     continue
                 if isinstance(action, Refuse):
-                    return self._refused(action)
+                    return self._refused(action, self._shows(tenant))
                 if isinstance(action, Fail):
                     assert ex.error is not None, "a Fail answers a reported failure"
-                    return self._failed(action, ex.error)
+                    return self._failed(action, ex.error, self._shows(tenant))
                 reply = await self._attempt(ex, action)
                 if isinstance(reply, UpstreamReply):
                     break
@@ -228,7 +241,7 @@ class Forwarder:
             walk.answered()
             if reply.response is None:
                 reasons, usage = completion_of(reply.body)
-                whole = routed(self._whole(reply), decision)
+                whole = routed(self._whole(reply), decision, self._shows(tenant))
                 self._router_time(request, reply, time.perf_counter_ns())
                 return whole
             watcher = StreamWatcher()
@@ -346,7 +359,7 @@ class Forwarder:
 
     # -- answers --------------------------------------------------------------------------------
 
-    def _refused(self, refuse: Refuse) -> Response:
+    def _refused(self, refuse: Refuse, show: bool) -> Response:
         if self.activity is not None:
             self.activity.refused(refuse.status, refuse.pool or "none",
                                   f"{refuse.outcome}: {refuse.message}")
@@ -354,17 +367,17 @@ class Forwarder:
                           param=refuse.param, code=refuse.code)
         if refuse.decision is not None:
             return routed(Response(status=refuse.status, body=body, content_type=_JSON),
-                          refuse.decision)
+                          refuse.decision, show)
         return error_answer(refuse.status, body, pool=refuse.pool or "none")
 
-    def _failed(self, fail: Fail, exc: UpstreamError) -> Response:
+    def _failed(self, fail: Fail, exc: UpstreamError, show: bool) -> Response:
         """The engine's own error answer as it is, or a 502/504 that says what failed and
         why it was not tried elsewhere."""
         decision = fail.decision
         if exc.kind == "status" and exc.status is not None:
             content_type = exc.content_type.split(";", 1)[0].strip() or _JSON
             return routed(Response(status=exc.status, body=exc.body, content_type=content_type),
-                          decision)
+                          decision, show)
         status = 504 if exc.kind == "timeout" else 502
         if fail.reason is FailReason.NOT_RETRYABLE:
             why = ("Not retried: the engine may already have run the request (raise "
@@ -378,7 +391,7 @@ class Forwarder:
             why = "No other healthy replica was left to retry on; check the engines' /health."
         message = f"kvroute could not get an answer from replica {decision.replica}: {exc}. {why}"
         return routed(Response(status=status, body=error_body(message, status=status),
-                               content_type=_JSON), decision)
+                               content_type=_JSON), decision, show)
 
     def _whole(self, reply: UpstreamReply) -> Response:
         response = Response(status=reply.status, body=reply.body)
@@ -391,7 +404,7 @@ class Forwarder:
         response = StreamResponse(status=reply.status)
         for key, value in reply.headers.items():
             response.headers[key] = value
-        routed(response, decision)
+        routed(response, decision, self._shows(ex.tenant))
 
         def failed(kind: str, message: str) -> None:
             ex.walk.outcome = f"stream_{kind}"

@@ -2,23 +2,47 @@
 
 Tenants never share, see or steer each other's cache: a request's tenant scopes every index
 lookup (``core/index.TenantScope``), and a salted tenant's ``cache_salt`` is the router's,
-so its blocks hash apart from everyone else's on the engines themselves. Keys are compared
-in constant time.
+so its blocks hash apart from everyone else's on the engines themselves. Every tenant is
+salted unless its config opts out (``cache_salt: false``, logged at start). The routing
+headers, which say where a prefix is cached, go only to tenants allowed to see them. Keys are
+compared in constant time, and never logged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Mapping
 
-from kvroute.config import DEFAULT_TENANT, Secrets
+from kvroute.config import DEFAULT_TENANT, RouterConfig, Secrets
 from kvroute.core.index import AdminCapability
 from kvroute.core.types import TenantName
 from kvroute.http.server import Request
 from kvroute.wire.openai import RequestError
 
-__all__ = ["bearer", "cache_salt", "check_admin", "tenant_of"]
+__all__ = ["bearer", "cache_salt", "check_admin", "log_tenant_isolation", "routing_header_tenants",
+           "tenant_of"]
+
+log = logging.getLogger("kvroute.tenancy")
+
+
+def log_tenant_isolation(config: RouterConfig) -> None:
+    """Warn about every tenant whose config opts out of its cache salt (it shares prefix
+    cache hits, and their timing, with the other unsalted tenants)."""
+    shared = [tenant.name for tenant in config.tenants if not tenant.cache_salt]
+    if shared:
+        log.warning("tenants %s opt out of cache salting (cache_salt: false): their prompts "
+                    "share prefix-cache blocks with each other, so one can time another's "
+                    "prompts; remove cache_salt: false to isolate them", ", ".join(shared))
+
+
+def routing_header_tenants(config: RouterConfig) -> frozenset[TenantName] | None:
+    """The tenants shown the routing headers (``x-kvroute-*``); None: every client (no
+    tenants are configured)."""
+    if not config.tenants:
+        return None
+    return frozenset(t.name for t in config.tenants if t.routing_headers)
 
 
 def bearer(request: Request) -> str | None:
