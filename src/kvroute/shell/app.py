@@ -47,7 +47,7 @@ from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.openai import Endpoint, ParsedRequest, RequestError, error_body, parse_request
 
-__all__ = ["MAX_JSON_DEPTH", "DiscoveryView", "PromptTokenizer", "Router", "RouterApp",
+__all__ = ["MAX_JSON_DEPTH", "MAX_N", "DiscoveryView", "PromptTokenizer", "Router", "RouterApp",
            "build_app", "json_depth", "request_ids"]
 
 MAX_JSON_DEPTH: Final = 100
@@ -80,13 +80,22 @@ def json_depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def _check_depth(raw: bytes, parsed: ParsedRequest) -> None:
-    """Refuse a body nested deeper than ``MAX_JSON_DEPTH`` (counting brackets first: a
-    body with fewer openers than the limit cannot be that deep, and that is almost all).
+MAX_N: Final = 128
+"""The most completions one request may ask for (``n``): OpenAI's own limit. An engine asked
+for 10**30 would try to schedule them."""
+
+
+def _check_size(raw: bytes, parsed: ParsedRequest) -> None:
+    """Refuse what parses but no engine should be sent: a body nested deeper than
+    ``MAX_JSON_DEPTH`` (counting brackets first: a body with fewer openers than the limit
+    cannot be that deep, and that is almost all) or ``n`` over ``MAX_N``.
 
     Raises:
-        RequestError: 400, the body is too deep.
+        RequestError: 400, saying which and what to send instead.
     """
+    if parsed.n > MAX_N:
+        raise RequestError(f"'n' is {parsed.n}, over the {MAX_N} completions one request may "
+                           f"ask for. Send n <= {MAX_N}, or several requests.", param="n")
     if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
         return
     if json_depth(parsed.body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
@@ -140,7 +149,7 @@ class Router:
                 parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
             except RecursionError:
                 raise RequestError(_TOO_DEEP) from None
-            _check_depth(raw, parsed)
+            _check_size(raw, parsed)
             route, adapter = self._route(parsed)
         except RequestError as exc:
             return error_answer(exc.status, exc.body())
