@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Self, TypeVar
 
-import pytest
 import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
+from required import skip_unless_required
 
 from kvroute.bench.processes import free_port
 from kvroute.config import RouterConfig
@@ -113,10 +113,11 @@ def find_litellm() -> tuple[LiteLLMInstall | None, str]:
 
 
 def require_litellm() -> LiteLLMInstall:
-    """The install, or skip the calling test with the recorded reason."""
+    """The install, or skip the calling test with the recorded reason (fail under CI or
+    with ``KVROUTE_REQUIRE_LITELLM=1``: ``tests/required.py``)."""
     install, reason = find_litellm()
     if install is None:
-        pytest.skip(reason)
+        skip_unless_required("the LiteLLM suite", reason, env="KVROUTE_REQUIRE_LITELLM")
     return install
 
 

@@ -57,6 +57,7 @@ from typing import Any, Literal, Self
 
 import pytest
 import zmq
+from required import skip_unless_required
 
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL = "tiny"
@@ -120,13 +121,12 @@ def find_install() -> tuple[RealVllmInstall | None, str]:
 def require_real_vllm() -> RealVllmInstall:
     """Return the install or skip the calling test with the reason it is unavailable.
 
-    With ``KVROUTE_REQUIRE_REALVLLM=1`` the test fails instead of skipping.
+    Under CI (``KVROUTE_CI=1``, ``tests/required.py``) or with
+    ``KVROUTE_REQUIRE_REALVLLM=1`` the test fails instead of skipping.
     """
     install, reason = find_install()
     if install is None:
-        if os.environ.get("KVROUTE_REQUIRE_REALVLLM") == "1":
-            pytest.fail(f"KVROUTE_REQUIRE_REALVLLM=1 but {reason}")
-        pytest.skip(reason)
+        skip_unless_required("the real vLLM suite", reason, env="KVROUTE_REQUIRE_REALVLLM")
     return install
 
 

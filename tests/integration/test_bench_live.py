@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from required import skip_unless_required
 
 from kvroute.bench.live import (
     FIDELITY_SCENARIOS,
@@ -63,9 +63,7 @@ PROFILE = "llama-3.1-8b-h100"
 def require_peers() -> PeerRouters:
     peers = find_peer_routers()
     if not peers.available:
-        if os.environ.get("KVROUTE_REQUIRE_PEERS") == "1":
-            pytest.fail(f"KVROUTE_REQUIRE_PEERS=1 but {peers.reason}")
-        pytest.skip(peers.reason)
+        skip_unless_required("the peer-router suite", peers.reason, env="KVROUTE_REQUIRE_PEERS")
     return peers
 
 

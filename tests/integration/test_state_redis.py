@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from required import skip_unless_required
 
 from kvroute.bench.processes import free_port
 from kvroute.config import parse_config
@@ -50,9 +51,17 @@ def _redis_reachable() -> str | None:
     return None
 
 
-needs_redis = pytest.mark.skipif(
-    (reason := _redis_reachable()) is not None, reason=reason or ""
-)
+_REDIS_MISSING = _redis_reachable()
+
+
+@pytest.fixture
+def redis_reachable() -> None:
+    """Skip without Redis (fail under CI: ``tests/required.py``)."""
+    if _REDIS_MISSING is not None:
+        skip_unless_required("the Redis suite", _REDIS_MISSING, env="KVROUTE_REQUIRE_REDIS")
+
+
+needs_redis = pytest.mark.usefixtures("redis_reachable")
 
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
