@@ -36,15 +36,21 @@ import asyncio
 import json
 import logging
 import random
+import shutil
+import subprocess
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
 import pytest
+import redis
 import zmq
 import zmq.asyncio
+from required import skip_unless_required
 from settling import settled
 
+from kvroute.bench.processes import free_port
 from kvroute.config import RouterConfig
 from kvroute.core.clock import ManualClock
 from kvroute.core.events import BlockStored, EventBatch
@@ -493,3 +499,144 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(
             await body(rt, session)
 
     run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# A tenth of the event batches lost (docs/reliability.md)
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_tenth_of_event_batches_dropped_and_the_index_still_equals_the_engine(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    """40 requests straight to the engine, every tenth one's event batch lost on the PUB
+    socket: the router replays each gap, resets nothing, and its index ends equal to the
+    engine's own event history."""
+    fleet = make_fleet(1, fault_injection=True)
+    engine = fleet.replicas[0]
+    name = engine.name
+    assert engine.kv_replay is not None
+    rng = random.Random(43)
+    config = config_for(fleet, predicted_ttl_s=0.05)
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        await direct(session, engine, words(rng, 40, "warm"))
+        await wait_for(lambda: entries(rt, name) > 0, what="the warm-up's events")
+        for i in range(40):
+            if i % 10 == 3:
+                await faults(session, engine, {"drop_events": 1})
+            await direct(session, engine, words(rng, 40, f"r{i}-"))
+        last_sent = asyncio.get_running_loop().time()
+        assert (await faults(session, engine))["fired"]["events_dropped"] == 4
+        history = await engine_history(engine.kv_replay)  # type: ignore[arg-type]
+        truth = PrefixIndex(clock=ManualClock())
+        for batch in history:
+            truth.apply_batch(ReplicaId(name), batch)
+        want = truth.stats().num_entries_by_replica[ReplicaId(name)]
+        await wait_for(lambda: entries(rt, name) == want, timeout_s=10.0,
+                       what=f"the router's index to equal the engine's {want} blocks")
+        caught_up_s = asyncio.get_running_loop().time() - last_sent
+        assert await event_counter(session, rt, "gaps", name) == 4
+        assert await event_counter(session, rt, "resets", name) == 0
+        print(f"\n10% of event batches dropped: index equal to the engine's {want} blocks "
+              f"{caught_up_s:.3f} s after the last request")
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# Redis stopped and started under traffic (docs/reliability.md)
+# --------------------------------------------------------------------------------------------
+
+
+def _start_redis(port: int) -> subprocess.Popen[bytes]:
+    server = shutil.which("redis-server")
+    if server is None:
+        skip_unless_required("the Redis suite", "redis-server is not installed; install "
+                             "redis-server to run this", env="KVROUTE_REQUIRE_REDIS")
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            redis.Redis(port=port, socket_timeout=0.5).ping()
+            return proc
+        except (redis.RedisError, OSError):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError(f"redis-server on port {port} did not start") from None
+            time.sleep(0.05)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_redis_stopped_and_started_under_traffic_fails_no_request(
+        make_fleet: FleetFactory, config_for: ConfigFor, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A private Redis (the machine's own serves other tests) holds the session pins; it is
+    stopped after 10 requests and started again after 20 more. Every request is answered
+    (failed 0, hung 0); the outage is logged, the router runs without pins meanwhile, and
+    pins are written to Redis again once it is back."""
+    port = free_port()
+    server = _start_redis(port)
+    fleet = make_fleet(2)
+    url = f"redis://127.0.0.1:{port}/0"
+    config = config_for(fleet, state={"backend": "redis", "url": url, "timeout_s": 0.25})
+    rng = random.Random(44)
+    outcome = {"ok": 0, "failed": 0, "hung": 0}
+    client = redis.Redis(port=port, socket_timeout=1.0)
+
+    async def ask(rt: RouterRuntime, session: aiohttp.ClientSession, i: int) -> None:
+        request = chat(words(rng, 30, f"q{i}-"))
+        try:
+            async with asyncio.timeout(10.0):
+                async with session.post(rt.url + "/v1/chat/completions", json=request,
+                                        headers={"x-session-id": f"session-{i % 3:04d}"}) as resp:
+                    await resp.read()
+                    outcome["ok" if resp.status == 200 else "failed"] += 1
+        except TimeoutError:
+            outcome["hung"] += 1
+
+    def pins() -> int:
+        return len(client.keys("kvroute:session:*"))
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        nonlocal server
+        for i in range(10):
+            await ask(rt, session, i)
+        assert pins() == 3
+        _stop(server)
+        for i in range(10, 30):
+            await ask(rt, session, i)
+        assert rt.state is not None and not getattr(rt.state, "available", True)
+        server = _start_redis(port)  # empty: what it held is gone, as after a crash
+        for i in range(30, 40):
+            await ask(rt, session, i)
+        await wait_for(lambda: pins() == 3, what="pins written to the restarted Redis")
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvroute"):
+            run(main(), timeout_s=90.0)
+    finally:
+        client.close()
+        _stop(server)
+    assert outcome == {"ok": 40, "failed": 0, "hung": 0}
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("shared state (Redis) unavailable" in m for m in messages)
+    assert any("shared state (Redis) reachable again" in m for m in messages)
