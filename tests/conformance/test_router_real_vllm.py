@@ -731,9 +731,10 @@ def test_an_engine_restarted_under_the_router_is_dropped_and_rebuilt(
 
 def test_salted_tenants_never_share_cached_blocks(pair: list[RealVllmEngine]) -> None:
     engine = pair[1]
+    # Salted by default; the routing headers the measurement reads must be allowed.
     tenants = [
-        {"name": "acme", "api_key_env": "KVROUTE_TEST_ACME", "cache_salt": True},
-        {"name": "globex", "api_key_env": "KVROUTE_TEST_GLOBEX", "cache_salt": True},
+        {"name": "acme", "api_key_env": "KVROUTE_TEST_ACME", "routing_headers": True},
+        {"name": "globex", "api_key_env": "KVROUTE_TEST_GLOBEX", "routing_headers": True},
     ]
     acme = {"Authorization": "Bearer acme-key"}
     globex = {"Authorization": "Bearer globex-key"}

@@ -20,6 +20,7 @@ slowloris cases take seconds; its defaults are nginx's (``docs/reliability.md``)
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -152,6 +153,8 @@ def served(router: Router) -> None:
 BATCH = 10
 SENT: list[int] = [0]
 """Requests the generated test has sent (checked at the end: at least GENERATED)."""
+STATUSES: collections.Counter[int] = collections.Counter()
+"""How the generated requests were answered (printed at the end, for docs/reliability.md)."""
 GENERATED = 10_000
 
 ODD: list[Any] = [None, True, False, 0, -1, 1, 2**63, -(2**63) - 1, 10**40, 1.5, 1e308, -0.0,
@@ -264,6 +267,7 @@ def test_generated_requests_get_an_answer_or_an_openai_error_never_a_5xx(
         for _ in pending:
             answer = keep_alive.read_answer()
             check(answer)
+            STATUSES[answer.status] += 1
             answered += 1
             if answer.closed:  # the rest were dropped with the connection: send them anew
                 break
@@ -399,3 +403,5 @@ def test_the_router_survived_with_bounded_memory_and_a_clean_log(router: Router,
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert rss < baseline_rss + RSS_GROWTH_BOUND, (rss, baseline_rss)
     assert SENT[0] >= GENERATED, f"only {SENT[0]} generated requests were sent"
+    print(f"\n{SENT[0]} generated requests, answers {dict(sorted(STATUSES.items()))}; "
+          f"router RSS {baseline_rss / 2**20:.0f} -> {rss / 2**20:.0f} MiB")
