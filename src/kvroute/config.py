@@ -335,6 +335,9 @@ class TimeoutsConfig:
     connect_s: float = 2.0
     first_byte_s: float = 60.0
     total_s: float = 600.0
+    stall_s: float = 60.0
+    """A started stream silent this long is ended with an error event and its engine
+    request aborted (a stalled engine); nginx's ``proxy_read_timeout``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -924,12 +927,13 @@ def _http_limits(data: Any) -> HttpLimitsConfig:
 
 def _timeouts(data: Any) -> TimeoutsConfig:
     d = _mapping("timeouts", data, "{connect_s: 2, first_byte_s: 60, total_s: 600}")
-    _check_keys("timeouts", d, ("connect_s", "first_byte_s", "total_s"))
+    _check_keys("timeouts", d, ("connect_s", "first_byte_s", "total_s", "stall_s"))
     base = TimeoutsConfig()
     cfg = TimeoutsConfig(
         connect_s=_num("timeouts.connect_s", d.get("connect_s", base.connect_s)),
         first_byte_s=_num("timeouts.first_byte_s", d.get("first_byte_s", base.first_byte_s)),
         total_s=_num("timeouts.total_s", d.get("total_s", base.total_s)),
+        stall_s=_num("timeouts.stall_s", d.get("stall_s", base.stall_s)),
     )
     if cfg.first_byte_s > cfg.total_s:
         raise _fail("timeouts.first_byte_s", cfg.first_byte_s, f"is longer than timeouts.total_s ({cfg.total_s:g})",

@@ -361,6 +361,56 @@ def test_the_total_deadline_ends_a_stream_that_stalls() -> None:
     run(main())
 
 
+def test_a_watched_stream_that_goes_silent_fails_and_frees_the_engine() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(chunked_head() + chunk(b"data: 0\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(chunk(b"data: 1\n\n"))  # a live engine: the stall time starts again
+        await writer.drain()
+        await server.read_request(reader)  # then silent until the client goes
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            c = client(total=10.0)
+            resp = await c.post(server.url, b"{}")
+            resp.watch_stall(0.3)
+            assert await resp.readany() == b"data: 0\n\n"
+            assert await resp.readany() == b"data: 1\n\n"
+            with pytest.raises(TimeoutError, match="stall_s"):
+                await resp.readany()
+            await asyncio.wait_for(server.closed_by_client.wait(), 5.0)
+            await c.close()
+
+    run(main())
+
+
+def test_a_watched_stream_read_slowly_is_not_a_stall() -> None:
+    total = 8 * 1024 * 1024
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        block = b"x" * 65536
+        for _ in range(total // len(block)):
+            writer.write(block)
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            c = client()
+            resp = await c.post(server.url, b"{}")
+            resp.watch_stall(0.2)
+            await asyncio.sleep(0.8)  # nobody reads: the socket pauses, the engine waits
+            assert len(await resp.read()) == total
+            await c.close()
+
+    run(main())
+
+
 def test_a_slow_reader_pauses_the_socket_instead_of_buffering_everything() -> None:
     total = 8 * 1024 * 1024
 

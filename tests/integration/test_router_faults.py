@@ -37,6 +37,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -493,6 +494,71 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(
         status, _, answer = await post_json(session, rt.url + "/v1/chat/completions",
                                             chat(words(rng, 30), max_tokens=3))
         assert status == 200, answer
+
+    async def main() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+            await body(rt, session)
+
+    run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# An engine stalled mid-stream (docs/reliability.md)
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_engine_stalled_mid_stream_ends_the_stream_and_its_request_is_aborted(
+        make_fleet: FleetFactory, config_for: ConfigFor) -> None:
+    """The engine process is stopped (SIGSTOP) after the stream's first tokens: its socket
+    stays open and silent. After ``timeouts.stall_s`` the client gets every event so far, a
+    well-formed error event and ``[DONE]``; the router drops the upstream connection, so once
+    the engine runs again it aborts the request; the next request is served."""
+    fleet = make_fleet(2)
+    rng = random.Random(45)
+    config = config_for(fleet, timeouts={"connect_s": 1.0, "first_byte_s": 5.0,
+                                         "total_s": 60.0, "stall_s": 1.0},
+                        discovery=SLOW_PROBES)
+
+    async def aborted(session: aiohttp.ClientSession, engine: ReplicaHandle) -> bool:
+        """The (fresh) engine has aborted a request."""
+        success = await samples(session, engine.url, "vllm:request_success_total")
+        return sum(v for k, v in success.items() if "finished_reason=abort" in k) >= 1
+
+    async def body(rt: RouterRuntime, session: aiohttp.ClientSession) -> None:
+        request = chat(words(rng, 30), stream=True, max_tokens=4000)
+        stopped: int | None = None
+        try:
+            async with session.post(rt.url + "/v1/chat/completions", json=request) as resp:
+                assert resp.status == 200
+                victim = resp.headers["x-kvroute-replica"]
+                index = [r.name for r in fleet.replicas].index(victim)
+                engine = fleet.replicas[index]
+                received = b""
+                while received.count(b"data: ") < 3:
+                    chunk = await resp.content.readany()
+                    assert chunk, "the stream ended early"
+                    received += chunk
+                stopped = fleet.processes[index].pid
+                fleet.processes[index].send_signal(signal.SIGSTOP)
+                started = asyncio.get_running_loop().time()
+                async with asyncio.timeout(20.0):  # stall_s is 1 s: hung if this runs out
+                    received += await resp.content.read()
+                ended_s = asyncio.get_running_loop().time() - started
+        finally:
+            if stopped is not None:
+                fleet.processes[index].send_signal(signal.SIGCONT)
+        events = [e for e in received.decode().split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert "stall_s" in error["message"] and error["code"] == 502
+        assert all(json.loads(e.removeprefix("data: "))["object"] == "chat.completion.chunk"
+                   for e in events[:-2])
+        await wait_for(lambda: aborted(session, engine), timeout_s=10.0,
+                       what="the engine to abort the stalled request")
+        status, _, answer = await post_json(session, rt.url + "/v1/chat/completions",
+                                            chat(words(rng, 30), max_tokens=3))
+        assert status == 200, answer
+        print(f"\nstalled engine: the stream ended {ended_s:.2f} s after SIGSTOP (stall_s 1)")
 
     async def main() -> None:
         async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:

@@ -137,6 +137,7 @@ def test_tokenizer_forms(value: Any, mode: str, path: str | None) -> None:
         (with_("tenants", [{"name": "a", "api_key_env": "K"}, {"name": "b", "api_key_env": "K"}]), ["tenants[1].api_key_env", "already tenant 'a'"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K", "cache_salt": "no"}]), ["tenants[0].cache_salt", "true or false"]),
         (with_("tenants", [{"name": "a", "api_key_env": "K", "routing_header": True}]), ["tenants[0].routing_header", "did you mean 'routing_headers'"]),
+        (with_("timeouts.stall_s", 0), ["timeouts.stall_s", "(got 0)", "must be > 0"]),
         (with_("http", {"header_timeout_s": 0}), ["http.header_timeout_s", "(got 0)", "must be > 0"]),
         (with_("http", {"max_connections": 0}), ["http.max_connections", "(got 0)", ">= 1"]),
         (with_("http", {"max_header_bytes": 100}), ["http.max_header_bytes", "(got 100)", ">= 1024"]),
@@ -200,6 +201,11 @@ def test_tenants_are_salted_and_hidden_from_routing_headers_unless_told() -> Non
     assert acme.routing_headers is False and beta.routing_headers is False
     shown = with_("tenants", [{"name": "ops", "api_key_env": "OPS_KEY", "routing_headers": True}])
     assert parse_config(shown, env={}).tenants[0].routing_headers is True
+
+
+def test_stall_timeout_defaults_to_nginx_proxy_read_timeout() -> None:
+    assert parse_config(MINIMAL, env={}).timeouts.stall_s == 60.0
+    assert parse_config(with_("timeouts.stall_s", 5), env={}).timeouts.stall_s == 5.0
 
 
 def test_http_limits_default_to_nginx_and_envoy_and_can_be_set() -> None:

@@ -112,6 +112,9 @@ class EngineResponse:
         "_conn",
         "_eof",
         "_error",
+        "_last_feed",
+        "_stall_s",
+        "_stall_timer",
         "_timer",
         "_waiter",
         "buffered",
@@ -134,6 +137,9 @@ class EngineResponse:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._stall_s = 0.0  # 0: not watched (watch_stall)
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._last_feed = 0.0
         self.tcp_nodelay: bool | None = conn.nodelay
         """``TCP_NODELAY`` as read back from the connection's socket (None: not TCP)."""
         self.sent_ns = 0
@@ -187,9 +193,42 @@ class EngineResponse:
             self._error = Disconnected("the response was closed before its end")
         self._finish()
 
+    def watch_stall(self, stall_s: float) -> None:
+        """From now on, fail the body with ``TimeoutError`` (and drop the connection, so the
+        engine aborts the request) when no bytes arrive for ``stall_s`` seconds: a stalled
+        engine. One timer, re-armed at most once per ``stall_s``; a chunk costs a clock read.
+        """
+        if self._eof or self._error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._stall_s = stall_s
+        self._last_feed = loop.time()
+        if self._stall_timer is None:
+            self._stall_timer = loop.call_later(stall_s, self._check_stall)
+
+    def _check_stall(self) -> None:
+        self._stall_timer = None
+        if self._eof or self._error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        conn = self._conn
+        if self._chunks or (conn is not None and conn.paused):
+            # Bytes wait unread, or reading is paused: the reader is slow, not the engine.
+            self._last_feed = loop.time()
+        quiet = loop.time() - self._last_feed
+        if quiet < self._stall_s:
+            self._stall_timer = loop.call_later(self._stall_s - quiet, self._check_stall)
+            return
+        self._fail(TimeoutError(f"the engine sent nothing for {self._stall_s:g}s "
+                                "(timeouts.stall_s)"))
+        if conn is not None:
+            conn.abort()
+
     # -- fed by the connection ----------------------------------------------------------
 
     def _feed(self, chunk: bytes) -> None:
+        if self._stall_s:
+            self._last_feed = asyncio.get_running_loop().time()
         if not self.first_body_ns:
             self.first_body_ns = time.perf_counter_ns()
         self._chunks.append(chunk)
@@ -221,6 +260,9 @@ class EngineResponse:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
 
     def _wake(self) -> None:
         waiter = self._waiter

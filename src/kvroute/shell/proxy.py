@@ -15,7 +15,8 @@ Theory of operation
 * streamed: the response headers *and the first body chunk*, bounded by
   ``timeouts.first_byte_s``. Engines send their headers at once and the first chunk after
   the prefill, so an engine that dies during the prefill fails here, while nothing has been
-  sent to the client yet, and the request can be retried on another replica.
+  sent to the client yet, and the request can be retried on another replica. After that,
+  a stream silent for ``timeouts.stall_s`` (a stalled engine) is ended like a dead one.
 
 Every failure inside ``open`` raises ``UpstreamError`` with a ``kind`` (``connect``,
 ``timeout``, ``disconnect``, ``status``) and whether a retry elsewhere makes sense (5xx and
@@ -198,6 +199,7 @@ class Upstream:
                         "disconnect", f"{url} ended the stream before its first byte",
                         retryable=True,
                     )
+                resp.watch_stall(self.timeouts.stall_s)
                 return UpstreamReply(resp.status, relay_headers(resp.headers), first, resp,
                                      resp.sent_ns, resp.first_body_ns)
         except UpstreamError:
