@@ -41,9 +41,9 @@ Theory of operation
   a first request, gets a 408 and the connection closes (a slowloris client sending a header
   line a second is shut out); a body that stops arriving for ``body_timeout_s`` gets a 408
   too. A client that reads nothing of its answer for ``send_timeout_s`` is dropped (its
-  handler is cancelled). ``max_connections`` bounds open client connections: one over it gets a 503 with
-  ``Retry-After`` and is closed. A connection closed by the server
-  after an answer it sent early (a body too large, a malformed request) is closed
+  handler is cancelled). ``max_connections`` bounds open client connections: one over it
+  gets a 503 with ``Retry-After`` and is closed. A connection closed by the server after
+  an answer it sent early (a body too large, a malformed request) is closed
   "lingering": the server half-closes, then reads and drops what the client still sends for
   up to ``_LINGER_S``, so the client reads the answer instead of a reset.
 * ``Upgrade`` (h2c, websocket) is not supported: a request that asks for it is answered over
