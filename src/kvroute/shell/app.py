@@ -48,15 +48,18 @@ from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.openai import Endpoint, ParsedRequest, RequestError, error_body, parse_request
 
 __all__ = ["MAX_JSON_DEPTH", "MAX_N", "DiscoveryView", "PromptTokenizer", "Router", "RouterApp",
-           "build_app", "json_depth", "request_ids"]
+           "build_app", "check_n", "json_depth", "request_ids"]
 
 MAX_JSON_DEPTH: Final = 100
-"""The deepest nesting of arrays and objects a request body may have. OpenAI requests nest
-a few levels (a tool's JSON schema a few more); a bound well below the interpreter's
-recursion limit keeps every later step (encoding the body for the engine) safe."""
+"""Nesting of arrays and objects beyond which a body that fails with ``RecursionError`` is
+the client's doing (a 400), not the router's (a 500). Nothing is scanned for it up front:
+a scan of every body cost as much as decoding it. A body too deep to decode fails at once;
+one that decodes but is too deep to encode again for the engine (Python's recursion limit,
+about 970 levels) fails before anything is sent."""
 
-_TOO_DEEP: Final = (f"Request body nests arrays and objects more than {MAX_JSON_DEPTH} levels "
-                    "deep. Send a flatter JSON document (OpenAI requests nest a few levels).")
+_TOO_DEEP: Final = ("Request body nests arrays and objects too deeply for this router (it "
+                    f"reads up to about 970 levels, OpenAI requests nest a few; over "
+                    f"{MAX_JSON_DEPTH} is never needed). Send a flatter JSON document.")
 
 
 def json_depth(value: Any, limit: int) -> int:
@@ -85,21 +88,15 @@ MAX_N: Final = 128
 for 10**30 would try to schedule them."""
 
 
-def _check_size(raw: bytes, parsed: ParsedRequest) -> None:
-    """Refuse what parses but no engine should be sent: a body nested deeper than
-    ``MAX_JSON_DEPTH`` (counting brackets first: a body with fewer openers than the limit
-    cannot be that deep, and that is almost all) or ``n`` over ``MAX_N``.
+def check_n(parsed: ParsedRequest) -> None:
+    """Refuse ``n`` over ``MAX_N``: it parses, but no engine should be sent it.
 
     Raises:
-        RequestError: 400, saying which and what to send instead.
+        RequestError: 400, saying what to send instead.
     """
     if parsed.n > MAX_N:
         raise RequestError(f"'n' is {parsed.n}, over the {MAX_N} completions one request may "
                            f"ask for. Send n <= {MAX_N}, or several requests.", param="n")
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return
-    if json_depth(parsed.body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise RequestError(_TOO_DEEP)
 
 
 class _PerfCounter:
@@ -149,7 +146,7 @@ class Router:
                 parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
             except RecursionError:
                 raise RequestError(_TOO_DEEP) from None
-            _check_size(raw, parsed)
+            check_n(parsed)
             route, adapter = self._route(parsed)
         except RequestError as exc:
             return error_answer(exc.status, exc.body())
@@ -167,6 +164,12 @@ class Router:
             salt = cache_salt(self.secrets, tenant, parsed.cache_salt)
             return await self.forwarder.serve(request, raw, parsed, route, tenant, request_id,
                                               salt, adapter=adapter)
+        except RecursionError:
+            # Decoded, but too deep to encode again for the engine (nothing was sent): the
+            # body's fault only if it is deep, otherwise a bug of ours (a 500, logged).
+            if json_depth(parsed.body, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH:
+                raise
+            return error_answer(400, RequestError(_TOO_DEEP).body())
         finally:
             self.admission.release()
 
