@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from kvroute.config import RouteConfig, RouterConfig, Secrets
 from kvroute.core.clock import Clock
@@ -40,64 +40,15 @@ from kvroute.shell.forward import Forwarder, error_answer
 from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream
+from kvroute.shell.request_limits import TOO_DEEP, parse_within_limits, too_deep
 from kvroute.shell.state import MonotonicClock, SessionState
 from kvroute.shell.tenancy import cache_salt, log_tenant_isolation, tenant_of
 from kvroute.shell.tier_pools import TierPools
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
-from kvroute.wire.openai import Endpoint, ParsedRequest, RequestError, error_body, parse_request
+from kvroute.wire.openai import Endpoint, ParsedRequest, RequestError, error_body
 
-__all__ = ["MAX_JSON_DEPTH", "MAX_N", "DiscoveryView", "PromptTokenizer", "Router", "RouterApp",
-           "build_app", "check_n", "json_depth", "request_ids"]
-
-MAX_JSON_DEPTH: Final = 100
-"""Nesting of arrays and objects beyond which a body that fails with ``RecursionError`` is
-the client's doing (a 400), not the router's (a 500). Nothing is scanned for it up front:
-a scan of every body cost as much as decoding it. A body too deep to decode fails at once;
-one that decodes but is too deep to encode again for the engine (Python's recursion limit,
-about 970 levels) fails before anything is sent."""
-
-_TOO_DEEP: Final = ("Request body nests arrays and objects too deeply for this router (it "
-                    f"reads up to about 970 levels, OpenAI requests nest a few; over "
-                    f"{MAX_JSON_DEPTH} is never needed). Send a flatter JSON document.")
-
-
-def json_depth(value: Any, limit: int) -> int:
-    """How deeply ``value`` (decoded JSON) nests arrays and objects, counted up to ``limit``
-    + 1 (iteratively: it measures documents too deep to recurse into)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, dict | list))
-    return deepest
-
-
-MAX_N: Final = 128
-"""The most completions one request may ask for (``n``): OpenAI's own limit. An engine asked
-for 10**30 would try to schedule them."""
-
-
-def check_n(parsed: ParsedRequest) -> None:
-    """Refuse ``n`` over ``MAX_N``: it parses, but no engine should be sent it.
-
-    Raises:
-        RequestError: 400, saying what to send instead.
-    """
-    if parsed.n > MAX_N:
-        raise RequestError(f"'n' is {parsed.n}, over the {MAX_N} completions one request may "
-                           f"ask for. Send n <= {MAX_N}, or several requests.", param="n")
-
+__all__ = ["DiscoveryView", "PromptTokenizer", "Router", "RouterApp", "build_app", "request_ids"]
 
 class _PerfCounter:
     """``time.perf_counter`` as the walk's routing timer."""
@@ -142,11 +93,8 @@ class Router:
         try:
             tenant = tenant_of(request, self.secrets)
             raw = self._body(request)
-            try:
-                parsed = parse_request(raw, endpoint, max_body_bytes=self.config.max_body_bytes)
-            except RecursionError:
-                raise RequestError(_TOO_DEEP) from None
-            check_n(parsed)
+            parsed = parse_within_limits(raw, endpoint,
+                                         max_body_bytes=self.config.max_body_bytes)
             route, adapter = self._route(parsed)
         except RequestError as exc:
             return error_answer(exc.status, exc.body())
@@ -167,9 +115,9 @@ class Router:
         except RecursionError:
             # Decoded, but too deep to encode again for the engine (nothing was sent): the
             # body's fault only if it is deep, otherwise a bug of ours (a 500, logged).
-            if json_depth(parsed.body, MAX_JSON_DEPTH) <= MAX_JSON_DEPTH:
+            if not too_deep(parsed):
                 raise
-            return error_answer(400, RequestError(_TOO_DEEP).body())
+            return error_answer(400, RequestError(TOO_DEEP).body())
         finally:
             self.admission.release()
 

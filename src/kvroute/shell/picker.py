@@ -51,6 +51,7 @@ from kvroute.shell.forward import (
     Forwarder,
     _Exchange,
 )
+from kvroute.shell.request_limits import parse_within_limits
 from kvroute.shell.tenancy import cache_salt, tenant_of
 from kvroute.wire import endpoint_picker as epp
 from kvroute.wire.openai import (
@@ -58,7 +59,6 @@ from kvroute.wire.openai import (
     ParsedRequest,
     RequestError,
     error_body,
-    parse_request,
     session_from_request,
 )
 from kvroute.wire.relay import StreamWatcher, completion_of, prompt_ids_from_body
@@ -189,7 +189,8 @@ class Picker(Forwarder):
                     f"Request body is {size} bytes, over this router's limit of "
                     f"{self.config.max_body_bytes} bytes. Send a shorter prompt, or raise the "
                     "router's max_body_bytes setting.", status=413)
-            parsed = parse_request(body, endpoint, max_body_bytes=self.config.max_body_bytes)
+            parsed = parse_within_limits(body, endpoint,
+                                         max_body_bytes=self.config.max_body_bytes)
             route = self._route_of(parsed, headers)
         except RequestError as exc:
             return Refused(exc.status, exc.body())
@@ -255,7 +256,7 @@ class Picker(Forwarder):
             picked.finish()
             raise
         if isinstance(action, Refuse):
-            answer = self._refused(action)
+            answer = self._refused(action, self._shows(tenant))
             picked.finish()
             return Refused(answer.status, answer.body)
         # A Fail answers a reported failure, and nothing has been sent yet.
@@ -325,15 +326,16 @@ class PickedWalk:
         if decision is None:
             return {}
         self._streamed = content_type.split(";", 1)[0].strip() == "text/event-stream"
+        shown = picker._shows(self.ex.tenant)  # TenantConfig.routing_headers
         if not followed:  # the walk gave up following the gateway and has ended
-            return _routed_headers(decision)
+            return _routed_headers(decision) if shown else {}
         if 200 <= status < 300:
             walk.answered()
         else:
             walk.outcome = "upstream_status"
             picker.metrics.upstream_error(decision.replica, "status")
         picker._drain(walk)
-        return _routed_headers(decision)
+        return _routed_headers(decision) if shown else {}
 
     def _follow(self, served: str) -> bool:
         """The gateway served the request at ``served``: when that is a fallback, move the
