@@ -367,17 +367,20 @@ def test_a_watched_stream_that_goes_silent_fails_and_frees_the_engine() -> None:
         await server.read_request(reader)
         writer.write(chunked_head() + chunk(b"data: 0\n\n"))
         await writer.drain()
-        await asyncio.sleep(0.1)
+        await read_first.wait()
         writer.write(chunk(b"data: 1\n\n"))  # a live engine: the stall time starts again
         await writer.drain()
         await server.read_request(reader)  # then silent until the client goes
 
+    read_first = asyncio.Event()
+
     async def main() -> None:
         async with Server(handler) as server:
-            c = client(total=10.0)
+            c = client(total=30.0)
             resp = await c.post(server.url, b"{}")
-            resp.watch_stall(0.3)
+            resp.watch_stall(2.0)  # generous: a loaded machine must not look like a stall
             assert await resp.readany() == b"data: 0\n\n"
+            read_first.set()
             assert await resp.readany() == b"data: 1\n\n"
             with pytest.raises(TimeoutError, match="stall_s"):
                 await resp.readany()
@@ -403,8 +406,13 @@ def test_a_watched_stream_read_slowly_is_not_a_stall() -> None:
         async with Server(handler) as server:
             c = client()
             resp = await c.post(server.url, b"{}")
+            for _ in range(500):  # bounded: until the engine's first bytes wait unread
+                if resp.buffered:
+                    break
+                await asyncio.sleep(0.01)
             resp.watch_stall(0.2)
             await asyncio.sleep(0.8)  # nobody reads: the socket pauses, the engine waits
+            resp.watch_stall(60.0)  # no stall so far, or the read below raises it
             assert len(await resp.read()) == total
             await c.close()
 
