@@ -69,7 +69,7 @@ def _rss(pid: int) -> int:
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Fleet]:
     fleet = start_fleet([ReplicaSpec(name="s0", pool="small", model="sim-model",
-                                     eos_after_tokens=4)], timeout_s=20.0)
+                                     eos_after_tokens=4)], timeout_s=120.0)
     try:
         yield fleet
     finally:
