@@ -40,6 +40,16 @@ predicted at its first token. The cost policy prices a new request's own decode 
 slowdown it causes to the streams already there with these (docs/architecture.md, "The cost
 model").
 
+Sessions at rest, and the KV they hold: when a request of a session ends, its blocks stay in
+the engine's prefix cache, free (no request holds them) but cached, until the engine's LRU
+evicts them to make room. The tracker remembers each such session on the replica it ended
+on (``resting``: its context, prompt plus answer, and when it ended) until the session sends
+its next request (anywhere: then its blocks are in use again or it moved) or
+``SESSION_RETURN_S`` passes (it is then unlikely to come back soon, and its blocks are the
+oldest in the LRU order, evicted first). With the replica's KV capacity (from the engine's
+``vllm:cache_config_info``) and what its requests in flight hold, the cost policy prices the
+resting sessions' blocks a placement would evict (docs/architecture.md, "The cost model").
+
 Learned speeds must not lock in: a replica that once looked slow would never be sent another
 request to show otherwise. A prefill rate learned *below* the configured one therefore decays
 back toward it with a half-life (``RATE_STALE_HALF_LIFE_S``) since its last sample, so an
@@ -56,6 +66,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
@@ -74,6 +85,12 @@ prefill: it teaches no rate (one such sample would make an idle replica look man
 faster than its peers and keep them out)."""
 MIN_ITL_SAMPLE_TOKENS = 8
 """Answers shorter than this say little about the inter-token latency and teach nothing."""
+SESSION_RETURN_S = 300.0
+"""A session whose last request ended less than this long ago is likely to send its next
+one: its cached context counts as ``resting_session_tokens`` (module docstring)."""
+MAX_RESTING_SESSIONS = 4096
+"""Resting sessions remembered per replica (the oldest is forgotten first): a bound on
+memory, far above the sessions one engine's KV holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +147,11 @@ class ReplicaLoad(NamedTuple):
         rate_age_s: seconds since ``prefill_rate_tps`` last learned from a sample (infinite
             when it never did: the rate is the configured one).
         itl_scale: learned factor on the decode step model for this replica (1: as modelled).
+        kv_capacity_tokens: the replica's KV cache size in tokens (0: unknown).
+        kv_used_tokens: KV tokens its requests in flight hold (the larger of the engine's
+            reported usage and the router's own count of their contexts).
+        resting_session_tokens: cached context of the sessions that ended a request there
+            less than ``SESSION_RETURN_S`` ago and have not sent their next one.
     """
 
     outstanding_prefill_tokens: int = 0
@@ -147,6 +169,9 @@ class ReplicaLoad(NamedTuple):
     waiting_context_tokens: int = 0
     waiting_output_tokens: int = 0
     rate_age_s: float = 0.0
+    kv_capacity_tokens: int = 0
+    kv_used_tokens: int = 0
+    resting_session_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -161,6 +186,7 @@ class _InFlight:
     first_token_s: float = 0.0
     predicted_step_s: float = 0.0
     prefill_mark: int = 0
+    session: str | None = None
 
 
 @dataclass(slots=True)
@@ -188,6 +214,26 @@ class _ReplicaRecord:
     prefill_dispatched_total: int = 0
     waiting_context_tokens: int = 0
     waiting_output_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    resting: OrderedDict[str, tuple[int, float]] = field(default_factory=OrderedDict)
+    """Sessions at rest here: session → (cached context tokens, end time), oldest first."""
+    resting_tokens: int = 0
+
+    def drop_resting(self, session: str) -> None:
+        entry = self.resting.pop(session, None)
+        if entry is not None:
+            self.resting_tokens -= entry[0]
+
+    def oldest_resting(self, now_s: float | None) -> str | None:
+        """The session resting longest if it is to be forgotten (more than
+        ``MAX_RESTING_SESSIONS`` remembered, or at rest ``SESSION_RETURN_S``), else None."""
+        if not self.resting:
+            return None
+        session, (_, ended_s) = next(iter(self.resting.items()))
+        if len(self.resting) > MAX_RESTING_SESSIONS or (
+                now_s is not None and ended_s <= now_s - SESSION_RETURN_S):
+            return session
+        return None
 
     def effective_rate(self, now_s: float | None) -> float:
         """The learned prefill rate; one below the configured rate decays back toward it
@@ -232,14 +278,18 @@ class LoadTracker:
             raise ValueError(f"rate_ewma_alpha must be in (0, 1], got {rate_ewma_alpha}")
         self._alpha = rate_ewma_alpha
         self._replicas: dict[ReplicaId, _ReplicaRecord] = {}
+        self._resting_on: dict[str, ReplicaId] = {}
+        """Where each resting session rests (a session rests on one replica at most)."""
         self.num_unknown_completions = 0
 
     # -- membership -------------------------------------------------------------------------
 
     def add_replica(self, replica: ReplicaId, *, prefill_rate_tps: float,
-                    decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING) -> None:
-        """Start tracking ``replica`` with a configured (profile) prefill rate and decode
-        step model.
+                    decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING,
+                    kv_capacity_tokens: int | None = None) -> None:
+        """Start tracking ``replica`` with a configured (profile) prefill rate, decode step
+        model and, when known, KV capacity (the engine may report it later,
+        ``on_engine_metrics``).
 
         Re-adding a known replica keeps its learned state and only updates the base values.
         """
@@ -249,15 +299,20 @@ class LoadTracker:
             )
         record = self._replicas.get(replica)
         if record is None:
-            self._replicas[replica] = _ReplicaRecord(prefill_rate_tps, prefill_rate_tps,
-                                                     decode_timing)
+            record = self._replicas[replica] = _ReplicaRecord(prefill_rate_tps,
+                                                              prefill_rate_tps, decode_timing)
         else:
             record.base_rate_tps = prefill_rate_tps
             record.timing = decode_timing
+        if kv_capacity_tokens is not None:
+            record.kv_capacity_tokens = max(0, kv_capacity_tokens)
 
     def remove_replica(self, replica: ReplicaId) -> None:
-        """Forget ``replica`` and everything in flight there."""
-        self._replicas.pop(replica, None)
+        """Forget ``replica``, everything in flight there and the sessions resting there."""
+        record = self._replicas.pop(replica, None)
+        if record is not None:
+            for session in record.resting:
+                self._resting_on.pop(session, None)
 
     def reset_replica(self, replica: ReplicaId) -> None:
         """Drop what is in flight on ``replica`` (it restarted), keeping its learned rate."""
@@ -274,6 +329,10 @@ class LoadTracker:
         record.decode_first_token_sum = 0.0
         record.waiting_context_tokens = 0
         record.waiting_output_tokens = 0
+        for session in record.resting:  # a restarted engine's cache is empty
+            self._resting_on.pop(session, None)
+        record.resting.clear()
+        record.resting_tokens = 0
 
     def replicas(self) -> list[ReplicaId]:
         return list(self._replicas)
@@ -290,16 +349,23 @@ class LoadTracker:
         expected_output_tokens: int,
         now_s: float,
         predicted_output_tokens: int | None = None,
+        session: str | None = None,
     ) -> None:
         """Count a request sent to ``replica`` that must still compute ``prefill_tokens``.
 
         ``expected_output_tokens`` (the budget) counts in its KV footprint;
         ``predicted_output_tokens`` (what it will likely produce; the budget when None)
-        in the decode it adds once its first token comes.
+        in the decode it adds once its first token comes. ``session`` (a session key) is
+        no longer at rest anywhere; it rests here once this request ends.
         """
         record = self._record(replica)
         if request_id in record.in_flight:
             return
+        if session is not None:
+            home = self._resting_on.pop(session, None)
+            home_record = self._replicas.get(home) if home is not None else None
+            if home_record is not None:
+                home_record.drop_resting(session)
         prefill_tokens = max(0, prefill_tokens)
         kv_tokens = max(0, prompt_tokens) + max(0, expected_output_tokens)
         ahead = record.drained_backlog(now_s)
@@ -314,6 +380,7 @@ class LoadTracker:
             context_tokens=max(0, prompt_tokens),
             predicted_output_tokens=max(0, expected_output_tokens if predicted_output_tokens
                                         is None else predicted_output_tokens),
+            session=session,
         )
         backlog = ahead + prefill_tokens
         flight = record.in_flight[request_id]
@@ -376,6 +443,18 @@ class LoadTracker:
         if record is None or flight is None:
             self.num_unknown_completions += 1
             return
+        if flight.session is not None and now_s is not None:
+            # Its prompt and answer stay cached here, free, until the LRU needs the room.
+            answer = flight.predicted_output_tokens if output_tokens is None else output_tokens
+            home = self._resting_on.get(flight.session)
+            if home is not None and home != replica and home in self._replicas:
+                self._replicas[home].drop_resting(flight.session)
+            record.drop_resting(flight.session)
+            tokens = flight.context_tokens + max(0, answer)
+            record.resting[flight.session] = (tokens, now_s)
+            record.resting_tokens += tokens
+            self._resting_on[flight.session] = replica
+            self._forget_resting(record, now_s)
         if flight.decoding:
             record.num_decoding = max(0, record.num_decoding - 1)
             record.decoding_context_tokens = max(0, record.decoding_context_tokens - (
@@ -415,14 +494,18 @@ class LoadTracker:
         running: int | None,
         waiting: int | None,
         kv_usage: float | None,
+        kv_capacity_tokens: int | None = None,
     ) -> None:
-        """Record what the engine's ``/metrics`` says about itself."""
+        """Record what the engine's ``/metrics`` says about itself (``kv_capacity_tokens``:
+        ``num_gpu_blocks`` × ``block_size`` of its ``vllm:cache_config_info``, if read)."""
         record = self._replicas.get(replica)
         if record is None:
             return
         record.engine_running = running
         record.engine_waiting = waiting
         record.kv_usage = kv_usage
+        if kv_capacity_tokens is not None:
+            record.kv_capacity_tokens = max(0, kv_capacity_tokens)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -445,13 +528,25 @@ class LoadTracker:
             # Work queued by other router processes (or before our restart) is invisible to
             # our own accounting; the engine's waiting count times a typical prompt is a floor.
             outstanding = max(outstanding, int(record.engine_waiting * record.mean_prompt_tokens))
+        capacity = record.kv_capacity_tokens
+        used = record.decoding_context_tokens + record.waiting_context_tokens
+        if capacity and record.kv_usage is not None:
+            used = max(used, int(record.kv_usage * capacity))
         return ReplicaLoad(  # positional (field order): the fastest way to build one
             outstanding, len(record.in_flight), record.num_decoding, rate,
             record.engine_running, record.engine_waiting, record.kv_usage,
             record.active_kv_tokens, record.last_chosen_s, record.decoding_context_tokens,
             left, record.itl_scale, record.waiting_context_tokens, record.waiting_output_tokens,
             float("inf") if now_s is None else now_s - record.rate_sampled_s,
+            capacity, used, self._forget_resting(record, now_s),
         )
+
+    def _forget_resting(self, record: _ReplicaRecord, now_s: float | None) -> int:
+        """Forget ``record``'s sessions at rest too long (or too many); its resting tokens."""
+        while (session := record.oldest_resting(now_s)) is not None:
+            record.drop_resting(session)
+            self._resting_on.pop(session, None)
+        return record.resting_tokens
 
     def _record(self, replica: ReplicaId) -> _ReplicaRecord:
         record = self._replicas.get(replica)

@@ -21,8 +21,13 @@ would cost the streams already decoding there, plus a small charge for the prefi
     decode_r    = m · step(in_flight_r + 1, context_r + n + m/2)          its own decode
     harm_r      = left_r · [step(in_flight_r + 1, …) − step(in_flight_r, context_r)]
                   + decoding_r · prefill_r / rate_r                   the others' lost time
+    free_r      = kv_capacity_r − kv_used_r                    KV no request in flight holds
+    resting_r   = min(resting_session_tokens_r, free_r)      live sessions' cached context
+    evicted_r   = min(max(0, prefill_r + m − (free_r − resting_r)), resting_r − cached_r)
+    pressure_r  = evicted_r / rate_r                the returning sessions' lost prefill
     cost_r      = ttft_r + work_weight · prefill_r / rate_r + inflight_cost_s · in_flight_r
                   + waiting_cost_s · waiting_r + decode_weight · decode_r + harm_weight · harm_r
+                  + pressure_weight · pressure_r
 
 ``m`` is the output the request will likely produce (``PolicyInput.predicted_output_tokens``:
 the session's last answer, else the route's mean, at most ``max_tokens``); ``context_r`` and
@@ -38,6 +43,21 @@ decode_slowdown 0, work_weight 0.5, no decoding anywhere, so the turn terms are 
     A        992     9,000   8        0.9008   0.9012      holds the prefix, but deep queue
     B        0       0       1,000    0.1000   0.1500      cold and idle  ← chosen
     C        496     2,000   504      0.2504   0.2756      half cached, some queue
+
+The pressure term prices KV a placement takes from sessions likely to return. A session
+whose request ended on r less than ``SESSION_RETURN_S`` ago and has not sent its next one
+rests there: its prompt and answer stay cached in blocks no request holds, which the
+engine's LRU evicts, oldest first, when new blocks are needed (``core/load.py``). The
+request allocates ``prefill_r + m`` tokens of blocks; the free KV that holds nothing live
+(empty blocks, and sessions gone quiet, which are older in the LRU order) gives them first;
+past that each token evicts a resting session's, which that session recomputes when it
+returns, at r's rate. The request's own cached prefix is taken, not evicted, so it does not
+count. The capacity is the engine's (``num_gpu_blocks``·``block_size`` of
+``vllm:cache_config_info``); while it is unknown the term is 0. Worked example: 396k tokens
+of KV, 250k held by requests in flight, 120k of resting sessions: a cold 60k-token prompt
+with a 1k answer finds 26k tokens of spare KV and evicts 35k of the resting sessions'
+tokens, 1.4 s of prefill at 25k tokens/s that they pay on return; on a replica with the
+same load and no resting session it evicts nothing.
 
 And of the turn terms (the 8B/H100 step: 6 ms + 20 µs a sequence + 50 ns a context token;
 m = 256): a request that A holds entirely but where 5 streams decode over 400k tokens of
@@ -98,8 +118,8 @@ for everyone else. At 0.5 a request accepts waiting behind up to half the prefil
 a burst of about ten siblings of one prompt stays together, while distinct suffixes behind a
 shared system prompt spread as soon as their own queue builds up.
 
-Ties are broken by the session's pin, then least-recently-chosen, then randomly; never by list
-order (list order is how peers send every cold request at low load to the first worker).
+Ties are broken by the session's pin, then the fewest requests in flight, then the most free
+KV, then least-recently-chosen, then randomly; never by list order (list order is how peers send every cold request at low load to the first worker).
 A replica whose prefill rate was not sampled for ``stale_rate_s`` (30 s, or never) is scored
 at the fastest candidate's rate: an estimate that has gone stale is re-sampled instead of
 keeping the replica out, so idle replicas share unique prompts sent one after another rather
@@ -257,9 +277,11 @@ def rank_by_cost(
     *,
     lower_is_better: bool = True,
     preferred: ReplicaId | None = None,
+    spread: bool = False,
 ) -> tuple[ReplicaId, ...]:
-    """Order replicas by cost; ties go to ``preferred`` (a session pin), then to the least
-    recently chosen, then at random.
+    """Order replicas by cost; ties go to ``preferred`` (a session pin), then (``spread``)
+    to the fewest requests in flight and the most free KV, then to the least recently
+    chosen, then at random.
 
     The random key is drawn for every candidate so that the order never depends on the
     candidates' list order.
@@ -267,8 +289,14 @@ def rank_by_cost(
     sign = 1.0 if lower_is_better else -1.0
     # Plain tuples sort natively (no key function); the replica name at the end is never
     # reached, the random draw before it being unique.
-    keyed = [(sign * costs[cand.replica], cand.replica != preferred, cand.load.last_chosen_s,
-              rng.random(), cand.replica) for cand in candidates]
+    if spread:
+        keyed = [(sign * costs[cand.replica], cand.replica != preferred,
+                  cand.load.num_in_flight,
+                  cand.load.kv_used_tokens - cand.load.kv_capacity_tokens,
+                  cand.load.last_chosen_s, rng.random(), cand.replica) for cand in candidates]
+    else:
+        keyed = [(sign * costs[cand.replica], cand.replica != preferred, 0, 0,
+                  cand.load.last_chosen_s, rng.random(), cand.replica) for cand in candidates]
     keyed.sort()
     # Collapse float noise: costs equal within the tolerance compare as equal.
     collapsed = False
@@ -279,7 +307,7 @@ def rank_by_cost(
             collapsed = True
     if collapsed:
         keyed.sort()
-    return tuple(item[4] for item in keyed)
+    return tuple(item[6] for item in keyed)
 
 
 class KvrouteCostPolicy:
@@ -309,20 +337,21 @@ class KvrouteCostPolicy:
         stale_rate_s: float = 30.0,
         cpu_load_s_per_token: float = CPU_LOAD_S_PER_TOKEN,
         storage_load_s_per_token: float = STORAGE_LOAD_S_PER_TOKEN,
+        pressure_weight: float = 1.0,
     ) -> None:
         if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
             raise ValueError(
                 f"kvroute tier load times must be >= 0 s per token (cpu_load_s_per_token="
                 f"{cpu_load_s_per_token}, storage_load_s_per_token={storage_load_s_per_token})")
         if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s,
-               waiting_cost_s, decode_weight, harm_weight, stale_rate_s) < 0:
+               waiting_cost_s, decode_weight, harm_weight, stale_rate_s, pressure_weight) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
                 f"predicted_credit={predicted_credit}, step_tokens={step_tokens}, "
                 f"inflight_cost_s={inflight_cost_s}, waiting_cost_s={waiting_cost_s}, "
                 f"decode_weight={decode_weight}, harm_weight={harm_weight}, "
-                f"stale_rate_s={stale_rate_s})"
+                f"stale_rate_s={stale_rate_s}, pressure_weight={pressure_weight})"
             )
         self._rng = rng
         self.work_weight = work_weight
@@ -336,6 +365,7 @@ class KvrouteCostPolicy:
         self.stale_rate_s = stale_rate_s
         self.cpu_load_s_per_token = cpu_load_s_per_token
         self.storage_load_s_per_token = storage_load_s_per_token
+        self.pressure_weight = pressure_weight
 
     def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
                      scale: float = 1.0) -> tuple[float, float]:
@@ -355,6 +385,24 @@ class KvrouteCostPolicy:
         others_left = load.decode_tokens_left + load.waiting_output_tokens
         harm = others_left * (step_with - step_now) + decoding * prefill_tokens / rate
         return m * step_with, harm
+
+    def evicted_resting_tokens(self, request: PolicyInput, cand: Candidate,
+                               prefill_tokens: float) -> float:
+        """Tokens of sessions at rest on this replica that placing the request there would
+        evict (module docstring): the blocks it allocates (its prefill and its answer) come
+        first out of the free KV that holds no resting session's context; past that, the
+        engine's LRU takes resting sessions' blocks. Its own cached prefix is not evicted
+        (it takes those blocks), so it does not count. 0 when the capacity is unknown."""
+        load = cand.load
+        if not load.kv_capacity_tokens:
+            return 0.0
+        m = (request.expected_output_tokens if request.predicted_output_tokens is None
+             else request.predicted_output_tokens)
+        free = max(0, load.kv_capacity_tokens - load.kv_used_tokens)
+        resting = min(load.resting_session_tokens, free)
+        cached = request.num_prompt_tokens - prefill_tokens
+        spare = free - resting
+        return min(max(0.0, prefill_tokens + m - spare), max(0.0, resting - cached))
 
     def predicted_ttft_s(self, request: PolicyInput, cand: Candidate) -> tuple[float, float]:
         """Return ``(ttft_s, prefill_tokens)`` this replica would give the request."""
@@ -391,6 +439,7 @@ class KvrouteCostPolicy:
         waiting_cost_s = self.waiting_cost_s
         decode_weight, harm_weight = self.decode_weight, self.harm_weight
         cpu_load, storage_load = self.cpu_load_s_per_token, self.storage_load_s_per_token
+        pressure_weight = self.pressure_weight
         turn = decode_weight > 0 or harm_weight > 0
         timing = request.decode_timing
         t_fixed, t_seq, t_ctx = timing.fixed_s, timing.seq_s, timing.context_token_s
@@ -440,9 +489,17 @@ class KvrouteCostPolicy:
                         * (step_with - step_now) + load.num_decoding * prefill / rate)
                 cost += decode_weight * (m * step_with)
                 cost += harm_weight * harm
+            capacity = load.kv_capacity_tokens
+            if capacity and pressure_weight > 0:  # evicted_resting_tokens written out inline
+                free = max(0, capacity - load.kv_used_tokens)
+                resting = min(load.resting_session_tokens, free)
+                evicted = min(max(0.0, prefill + m - (free - resting)),
+                              max(0.0, resting - (n - prefill)))
+                cost += pressure_weight * (evicted / rate)
             costs[cand.replica] = cost
             cached_tokens[cand.replica] = int(max(0.0, n - prefill))
-        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica)
+        ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica,
+                               spread=True)
         return Selection(
             ranking=ranking, expected_cached_tokens=cached_tokens, scores=costs, reason="cost"
         )

@@ -58,10 +58,12 @@ APPROX_CHUNK_CHARS = 64
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:
-    """A replica as the router core needs it: its name and its configured prefill speed."""
+    """A replica as the router core needs it: its name, its configured prefill speed and,
+    when known before the engine reports it, its KV capacity in tokens."""
 
     name: ReplicaId
     prefill_rate_tps: float = 10_000.0
+    kv_capacity_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +235,8 @@ class RouterCore:
                     )
                 self._pool_of[rep.name] = spec.name
                 self.load.add_replica(rep.name, prefill_rate_tps=rep.prefill_rate_tps,
-                                      decode_timing=spec.decode_timing)
+                                      decode_timing=spec.decode_timing,
+                                      kv_capacity_tokens=rep.kv_capacity_tokens)
             self._pools[spec.name] = _Pool(
                 spec=spec,
                 hasher=BlockHashMemo(BlockHasher(spec.hash_algo, spec.block_size,
@@ -381,8 +384,10 @@ class RouterCore:
             counts[held[1]] -= 1
 
     def on_engine_metrics(self, replica: ReplicaId, *, running: int | None,
-                          waiting: int | None, kv_usage: float | None) -> None:
-        self.load.on_engine_metrics(replica, running=running, waiting=waiting, kv_usage=kv_usage)
+                          waiting: int | None, kv_usage: float | None,
+                          kv_capacity_tokens: int | None = None) -> None:
+        self.load.on_engine_metrics(replica, running=running, waiting=waiting, kv_usage=kv_usage,
+                                    kv_capacity_tokens=kv_capacity_tokens)
 
     # -- routing --------------------------------------------------------------------------
 
@@ -556,6 +561,7 @@ class RouterCore:
             expected_output_tokens=request.expected_output_tokens,
             now_s=self._clock.now(),
             predicted_output_tokens=request.predicted_output_tokens,
+            session=request.session_id,
         )
         if request.lora is not None:
             self._release_adapter(request.request_id)

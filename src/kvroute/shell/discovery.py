@@ -513,7 +513,7 @@ class Discovery:
             info.kv_usage = parsed.kv_cache_usage_perc
             self._core.on_engine_metrics(
                 rep.config.name, running=info.running, waiting=info.waiting,
-                kv_usage=info.kv_usage,
+                kv_usage=info.kv_usage, kv_capacity_tokens=_kv_capacity_tokens(parsed),
             )
             self._metrics.discovery(name, "metrics_ok")
         else:
@@ -566,3 +566,12 @@ class Discovery:
 
 def _as_int(value: float | None) -> int | None:
     return None if value is None else round(value)
+
+
+def _kv_capacity_tokens(parsed: VllmMetrics) -> int | None:
+    """The engine's KV capacity in tokens (``num_gpu_blocks`` less the null block, times
+    ``block_size``, of ``vllm:cache_config_info``), or None when it does not say."""
+    blocks = parsed.cache_config.get("num_gpu_blocks", "")
+    if parsed.block_size is None or not blocks.isdigit() or int(blocks) < 2:
+        return None
+    return (int(blocks) - 1) * parsed.block_size

@@ -593,7 +593,11 @@ class FleetSimulation:
                 self.pool_of[name] = PoolName(pool.name)
             rate = _profile_prefill_rate(pool.profile)
             timing = pool.profile.timing
-            specs.append(PoolSpec(PoolName(pool.name), tuple(ReplicaSpec(n, rate) for n in names),
+            # The engine's KV capacity, as its vllm:cache_config_info would report it (less
+            # the null block).
+            capacity = (engine_config.num_gpu_blocks - 1) * engine_config.block_size
+            specs.append(PoolSpec(PoolName(pool.name),
+                                  tuple(ReplicaSpec(n, rate, capacity) for n in names),
                                   block_size=engine_config.block_size, hash_algo=config.hash_algo,
                                   decode_timing=DecodeTiming(timing.fixed_s, timing.decode_seq_s,
                                                              timing.context_token_s)))
