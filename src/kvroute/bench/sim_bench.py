@@ -51,6 +51,7 @@ HEADLINE_METRICS = (
     "e2e_p99_s", "token_hit_rate", "tier_hit_rate", "router_expected_hit_rate", "goodput_rps",
     "slo_goodput_rps", "slo_goodput_fraction", "throughput_rps", "output_tokens_per_s",
     "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
+    "idle_while_overloaded",
 )
 
 
@@ -318,11 +319,12 @@ def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[
     ITL columns: ``ITL`` pools every token gap, ``ITL/req`` is each request's own mean gap
     (mean and p99 over requests); ``SLO good`` counts requests within both objectives
     (``config.ttft_slo_s`` and ``config.itl_slo_s``, which :func:`table_title` states), per
-    second and as a share of all.
+    second and as a share of all; ``idle 2x`` is the share of the run's load samples in which
+    a replica sat idle while another ran more than twice the fleet's mean load.
     """
     rows = [["policy", "hit rate", "TTFT mean", "TTFT p99", "ITL mean", "ITL p99",
              "ITL/req mean", "ITL/req p99", "E2E mean", "E2E p99", "SLO good/s", "SLO good",
-             "preempt", "done", "per replica"]]
+             "preempt", "idle 2x", "done", "per replica"]]
     for name, m in report["policies"].items():
         per = m["requests_per_replica"]
         rows.append([
@@ -332,7 +334,7 @@ def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[
             f"{m['itl_request_p99_s'] * 1e3:.1f}ms", f"{m['e2e_mean_s']:.2f}s",
             f"{m['e2e_p99_s']:.2f}s", f"{m['slo_goodput_rps']:.2f}",
             f"{m['slo_goodput_fraction']:.1%}", str(m["preemptions"]),
-            f"{m['completed']:.0f}/{m['requests']}", "/".join(str(v) for v in per.values()),
+            f"{m.get('idle_while_overloaded', 0.0):.1%}", f"{m['completed']:.0f}/{m['requests']}", "/".join(str(v) for v in per.values()),
         ])
     if any(m.get("tier_hit_rate", 0.0) for m in report["policies"].values()):
         # offload tiers: the share of prompt tokens loaded from them, beside the device hits

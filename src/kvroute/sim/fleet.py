@@ -477,7 +477,9 @@ class FleetResult:
         long answers cannot hide many slow ones. ``goodput_rps`` counts first tokens within
         ``ttft_slo_s``; ``slo_goodput_*`` count finished requests within both ``ttft_slo_s``
         and ``itl_slo_s`` (``RequestRecord.meets_slo``), per second of the run and as a
-        fraction of all requests.
+        fraction of all requests. ``idle_while_overloaded`` is the fraction of load samples
+        (one per ``sample_interval_s``, running + waiting per replica) in which a replica
+        sat idle while another ran more than twice the fleet's mean load.
         """
         done = [r for r in self.records if r.finish_s is not None]
         ttfts = sorted(r.ttft_s for r in self.records if r.ttft_s is not None)
@@ -495,10 +497,13 @@ class FleetResult:
             if r.replica:
                 per_replica[r.replica] += 1
         ratios = []
+        idle_overloaded = 0
         for _, loads in self.load_samples:
             total = sum(loads)
             if total > 0:
                 ratios.append(max(loads) / (total / len(loads)))
+                if min(loads) == 0 and max(loads) > 2 * total / len(loads):
+                    idle_overloaded += 1
         return {
             "requests": len(self.records),
             "completed": len(done),
@@ -535,6 +540,7 @@ class FleetResult:
             "output_tokens_per_s": sum(r.num_output_tokens for r in done) / span,
             "preemptions": self.preemptions,
             "load_imbalance_mean": mean(ratios, 1.0),
+            "idle_while_overloaded": idle_overloaded / max(1, len(self.load_samples)),
             "requests_per_replica": per_replica,
             "makespan_s": span,
         }

@@ -83,3 +83,14 @@ def test_a_lone_request_records_its_own_decode_steps_as_its_itl() -> None:
 def test_an_itl_objective_below_zero_is_refused() -> None:
     with pytest.raises(ConfigError, match="itl_slo_s"):
         FleetConfig(num_replicas=1, profile=H100, itl_slo_s=-0.001)
+
+
+def test_idle_while_overloaded_counts_samples_with_an_idle_replica_beside_a_hot_one() -> None:
+    res = result([])
+    res.load_samples = [
+        (0.0, (0, 9, 1, 2)),  # mean 3: an idle replica while one runs 9 > 6 — counted
+        (1.0, (0, 5, 3, 4)),  # mean 3: idle, but nobody above 6
+        (2.0, (1, 9, 1, 1)),  # hot, but nobody idle
+        (3.0, (0, 0, 0, 0)),  # an idle fleet
+    ]
+    assert res.summary()["idle_while_overloaded"] == pytest.approx(1 / 4)
