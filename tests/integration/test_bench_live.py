@@ -341,3 +341,38 @@ def test_distinct_prefixes_are_spread_evenly_by_cache_aware(tmp_path: Path) -> N
         assert report["skipped"] == {"sglang-router": peers.reason,
                                      "vllm-router": peers.reason}
         require_peers()  # skips (or fails under KVROUTE_REQUIRE_PEERS=1) with the reason
+
+
+def test_a_requests_session_travels_in_an_x_session_id_header() -> None:
+    """Real HTTP on loopback: the stand-in router records the header of each request."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from kvroute.sim.workload import WorkloadRequest
+
+    seen: dict[str, str | None] = {}
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen[body["messages"][-1]["content"]] = request.headers.get("x-session-id")
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    workload = [WorkloadRequest(0.0, "a", [1, 2, 3], 4, session_id="agent-7"),
+                WorkloadRequest(0.0, "b", [4, 5, 6], 4)]
+    reqs = build_live_requests(workload, model="m", stream=False)
+    assert [r.session_id for r in reqs] == ["agent-7", None]
+
+    async def scenario() -> ClientRun:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            return await run_client([str(server.make_url("")).rstrip("/")], reqs,
+                                    request_timeout_s=5, duration_s=10)
+        finally:
+            await server.close()
+
+    run = asyncio.run(scenario())
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    assert len(seen) == 2 and set(seen.values()) == {"agent-7", None}

@@ -93,6 +93,8 @@ class LiveRequest:
     max_tokens: int
     group: str | None = None
     stream: bool = True
+    session_id: str | None = None
+    """Sent as ``x-session-id`` (what kvroute, LiteLLM and vLLM read) when set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,8 @@ def build_live_requests(
     Requests with ``messages`` (generators called with ``with_messages=True``) send them as
     they are; others (trace replays) send their prompt as one user message of
     :func:`~kvroute.tokenize.words.to_text` words, so the simulated engines' built-in
-    tokenizer sees the same ids. Closed-loop dependencies (``depends_on``) are ignored: the
+    tokenizer sees the same ids. A request's ``session_id`` goes in an ``x-session-id``
+    header. Closed-loop dependencies (``depends_on``) are ignored: the
     live replay is open loop on ``arrival_s``.
 
     Args:
@@ -195,7 +198,8 @@ def build_live_requests(
         if stream:
             body["stream_options"] = {"include_usage": True}
         out.append(LiveRequest(req.request_id, req.arrival_s, json.dumps(body).encode(),
-                               req.num_prompt_tokens, max_tokens, req.group, stream))
+                               req.num_prompt_tokens, max_tokens, req.group, stream,
+                               req.session_id))
     return out
 
 
@@ -327,7 +331,8 @@ async def _one(
     resp: EngineResponse | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await client.post(url, req.body)
+            resp = await client.post(url, req.body, None if req.session_id is None
+                                     else {"x-session-id": req.session_id})
             result.status = resp.status
             if not nodelay:
                 nodelay.append(resp.tcp_nodelay)
