@@ -193,3 +193,28 @@ def test_a_session_rests_on_one_replica_only() -> None:
     t.on_complete(R0, RequestId("a"), now_s=2.0, output_tokens=10)
     assert t.snapshot(R0, 3.0).resting_session_tokens == 1010
     assert t.snapshot(R1, 3.0).resting_session_tokens == 0
+
+
+def test_the_router_core_tells_the_tracker_where_a_session_rests_and_each_capacity() -> None:
+    """Through RouterCore: the configured capacity and a session's ended request reach the
+    snapshot the policy scores; the engine's report of its capacity replaces the config's."""
+    from kvroute.core.clock import ManualClock
+    from kvroute.core.index import TenantScope
+    from kvroute.core.peer_policies import make_policy
+    from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
+    from kvroute.core.types import PoolName, TenantName
+
+    clock = ManualClock()
+    pool = PoolName("p")
+    rc = RouterCore([PoolSpec(pool, (ReplicaSpec(R0, RATE, kv_capacity_tokens=CAPACITY),),
+                              block_size=16)],
+                    lambda: make_policy("kvroute", random.Random(0)), clock=clock)
+    decision = rc.route(RouteRequest(RequestId("a"), pool, TenantScope(TenantName("t")),
+                                     num_prompt_tokens=3000, session_id="s1",
+                                     expected_output_tokens=100))
+    rc.on_first_token(decision.replica, RequestId("a"))
+    rc.on_complete(decision.replica, RequestId("a"), output_tokens=100)
+    snap = rc.load.snapshot(R0, clock.now())
+    assert (snap.kv_capacity_tokens, snap.resting_session_tokens) == (CAPACITY, 3100)
+    rc.on_engine_metrics(R0, running=0, waiting=0, kv_usage=0.0, kv_capacity_tokens=5000)
+    assert rc.load.snapshot(R0, clock.now()).kv_capacity_tokens == 5000
