@@ -561,7 +561,9 @@ class RouterCore:
             expected_output_tokens=request.expected_output_tokens,
             now_s=self._clock.now(),
             predicted_output_tokens=request.predicted_output_tokens,
-            session=request.session_id,
+            # Two tenants' sessions of one id are two sessions.
+            session=None if request.session_id is None else (
+                f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}"),
         )
         if request.lora is not None:
             self._release_adapter(request.request_id)

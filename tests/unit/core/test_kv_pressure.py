@@ -218,3 +218,27 @@ def test_the_router_core_tells_the_tracker_where_a_session_rests_and_each_capaci
     assert (snap.kv_capacity_tokens, snap.resting_session_tokens) == (CAPACITY, 3100)
     rc.on_engine_metrics(R0, running=0, waiting=0, kv_usage=0.0, kv_capacity_tokens=5000)
     assert rc.load.snapshot(R0, clock.now()).kv_capacity_tokens == 5000
+
+
+def test_two_tenants_sessions_of_one_id_rest_apart() -> None:
+    from kvroute.core.clock import ManualClock
+    from kvroute.core.index import TenantScope
+    from kvroute.core.peer_policies import make_policy
+    from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
+    from kvroute.core.types import PoolName, TenantName
+
+    clock = ManualClock()
+    pool = PoolName("p")
+    rc = RouterCore([PoolSpec(pool, (ReplicaSpec(R0, RATE, kv_capacity_tokens=CAPACITY),),
+                              block_size=16)],
+                    lambda: make_policy("kvroute", random.Random(0)), clock=clock)
+
+    def send(rid: str, tenant: str) -> None:
+        rc.route(RouteRequest(RequestId(rid), pool, TenantScope(TenantName(tenant)),
+                              num_prompt_tokens=1000, session_id="same",
+                              expected_output_tokens=10))
+
+    send("a", "acme")
+    rc.on_complete(R0, RequestId("a"), output_tokens=10)
+    send("b", "zeta")  # another tenant's session that happens to share the id
+    assert rc.load.snapshot(R0, clock.now()).resting_session_tokens == 1010
