@@ -45,3 +45,7 @@ app.add_typer(sim_cmd.sim_app, name="sim")
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+if __name__ == "__main__":  # `python -m kvroute.cli ...` runs the same commands as `kvroute`
+    main()

@@ -124,3 +124,14 @@ def test_missing_tokens_file(tmp_path: Path) -> None:
     code, _, err = _run("--tokens-file", str(tmp_path / "absent.json"))
     assert code == 2
     assert "cannot read --tokens-file" in err
+
+
+def test_python_dash_m_kvroute_cli_runs_the_commands() -> None:
+    """``python -m kvroute.cli`` is the console script, not a silent no-op."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvroute.cli", "--help"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "plan" in done.stdout and "serve" in done.stdout
