@@ -263,6 +263,9 @@ class StateConfig:
         session_ttl_s: a pin's lifetime, refreshed on every request of the session.
         max_pins: bound of the in-memory pin map (LRU).
         max_warm: bound of the warm-ahead cooldown map (LRU).
+        max_chain_tokens: bound, in prompt tokens over all sessions, of the per-session
+            block-hash chains a growing conversation reuses (``core/hashing_chains.py``;
+            about 6.5 bytes a token; 0 turns them off). Per process, whatever the backend.
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -272,6 +275,7 @@ class StateConfig:
     session_ttl_s: float = 3600.0
     max_pins: int = 100_000
     max_warm: int = 256
+    max_chain_tokens: int = 8_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -848,7 +852,7 @@ def _policy(data: Any) -> PolicyConfig:
 def _state(data: Any) -> StateConfig:
     d = _mapping("state", data, "{backend: memory}")
     _check_keys("state", d, ("backend", "url", "namespace", "timeout_s", "session_ttl_s",
-                             "max_pins", "max_warm"))
+                             "max_pins", "max_warm", "max_chain_tokens"))
     backend = d.get("backend", "memory")
     if backend not in ("memory", "redis"):
         raise _fail("state.backend", backend, "must be memory or redis", 'Write backend: memory, or backend: redis with url: "redis://host:6379/0".')
@@ -868,6 +872,8 @@ def _state(data: Any) -> StateConfig:
         session_ttl_s=_num("state.session_ttl_s", d.get("session_ttl_s", base.session_ttl_s)),
         max_pins=_int("state.max_pins", d.get("max_pins", base.max_pins), minimum=1),
         max_warm=_int("state.max_warm", d.get("max_warm", base.max_warm), minimum=1),
+        max_chain_tokens=_int("state.max_chain_tokens",
+                              d.get("max_chain_tokens", base.max_chain_tokens), minimum=0),
     )
 
 

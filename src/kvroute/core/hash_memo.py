@@ -172,6 +172,16 @@ class BlockHashMemo:
             return hasher.hash_blocks(token_ids, cache_salt=cache_salt)
         return self._walk(token_ids, cache_salt)[0]
 
+    def hash_chain(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                   lora: LoraKey | None = None) -> tuple[list[BlockHash], list[WireHash]]:
+        """Digests and wire hashes of ``token_ids``' full blocks together (what a session's
+        chain keeps, ``core/hashing_chains.py``), memoised as ``wire_hashes`` is."""
+        hasher = self.hasher
+        if lora is not None or hasher.lookahead_tokens or not self.max_entries:
+            digests = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora)
+            return digests, [to_wire_hash(d) for d in digests]
+        return self._walk(token_ids, cache_salt)
+
     def _walk(self, token_ids: Sequence[int],
               cache_salt: str | None) -> tuple[list[BlockHash], list[WireHash]]:
         """Digests and wire hashes of every full block: spans while they hit, then blocks,

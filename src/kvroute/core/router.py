@@ -46,6 +46,7 @@ from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.events import EventBatch
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher, LoraKey
+from kvroute.core.hashing_chains import DEFAULT_CHAIN_TOKENS, SessionChains
 from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
@@ -204,6 +205,7 @@ class RouterCore:
         predicted_ttl_s: float = 2.0,
         approx_predicted_ttl_s: float = 120.0,
         track_recency: bool = False,
+        session_chain_tokens: int = DEFAULT_CHAIN_TOKENS,
     ) -> None:
         if not pools:
             raise ConfigError("the router needs at least one pool; add one under 'pools:'")
@@ -216,6 +218,9 @@ class RouterCore:
         self._no_prefix_caching: set[ReplicaId] = set()
         self.recency: BlockRecency | None = BlockRecency() if track_recency else None
         """Per-replica LRU order of GPU blocks from the events (``core/recency.py``)."""
+        # A session's previous prompt as hashed, so its next turn hashes only what it added
+        # (``core/hashing_chains.py``; reused only after checking ids and hashing basis).
+        self.chains = SessionChains(session_chain_tokens)
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
         self._adapters: dict[ReplicaId, Mapping[str, str]] = {}
@@ -402,9 +407,14 @@ class RouterCore:
         assert request.prompt_token_ids is not None
         if request.block_hashes is not None:
             return tuple(request.block_hashes)
-        hashes = entry.hasher.wire_hashes(
-            request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora
-        )
+        if request.session_id is not None:
+            hashes = self.chains.wire_hashes(
+                (request.scope, request.pool, request.session_id), entry.hasher,
+                request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora)
+        else:
+            hashes = entry.hasher.wire_hashes(
+                request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora
+            )
         return tuple(hashes)
 
     def exact_cached_tokens(self, request: RouteRequest, replica: ReplicaId) -> int | None:

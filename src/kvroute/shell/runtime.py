@@ -95,7 +95,8 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
     core = RouterCore(pools, policy_factory, clock=clock,
                       predicted_ttl_s=config.predicted_ttl_s,
                       approx_predicted_ttl_s=config.approx_predicted_ttl_s,
-                      track_recency=any(pool.report_hits for pool in config.pools.values()))
+                      track_recency=any(pool.report_hits for pool in config.pools.values()),
+                      session_chain_tokens=config.state.max_chain_tokens)
     for pool in config.pools.values():
         if pool.report_hits:
             for rep in pool.replicas:
