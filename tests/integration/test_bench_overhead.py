@@ -376,3 +376,29 @@ def test_a_kvroute_router_may_carry_another_of_its_policies() -> None:
         parse_overhead_routers("kvroute-auto:fastest")
     with pytest.raises(ConfigError, match="unknown router"):
         parse_overhead_routers("kvroutex:round_robin")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_growing_sessions_run_as_a_phase_and_as_a_sweep(tmp_path: Path) -> None:
+    spec = OverheadSpec(routers=parse_overhead_routers("direct,kvroute-local"),
+                        phases=parse_phases("g2"), engines=2, phase_s=1.0, warmup_s=0.0,
+                        passes=1, same_window=3, long_sweep=True, long_target_tokens=14_000,
+                        long_growth_chars=(3_000, 9_000), plot=tmp_path / "sweep.png")
+    report = run_overhead_bench(spec)
+    rows = {row["router"]: row for row in report["results"]}
+    for router, row in rows.items():
+        assert row["errors"] == {}, row
+        assert row["long_completed"] >= 1 and 0 < row["long_p50_ms"] <= row["long_p99_ms"]
+        assert row["same_window_direct_long_p50_ms"] is not None
+    assert rows["kvroute-local"]["added_long_p50_ms"] is not None
+    sweep = report["long_sweep"]
+    assert set(sweep) == {"direct", "kvroute-local"}
+    for router, turns in sweep.items():
+        assert {t["growth_chars"] for t in turns} == {3_000, 9_000}
+        assert all(t["status"] == 200 for t in turns)
+        assert max(t["total_tokens"] for t in turns) >= 14_000
+        cpu = [t["router_cpu_ms"] for t in turns]
+        assert all(c is None for c in cpu) if router == "direct" else all(c > 0 for c in cpu)
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    json.dumps(report)

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvroute.bench.live_client import (
+    ClientRun,
     ControlLane,
     LiveRequest,
     build_live_requests,
@@ -84,6 +85,14 @@ from kvroute.bench.live_routers import (
     find_peer_routers,
     http_text,
     start_router,
+)
+from kvroute.bench.overhead_long import (
+    DEFAULT_GROWTH_CHARS,
+    LONG_MAX_MODEL_LEN,
+    LONG_TARGET_TOKENS,
+    long_session_requests,
+    plot_long_sweep,
+    run_long_sweep,
 )
 from kvroute.bench.procfs import pin_process_tree, process_tree_cpu_s
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
@@ -115,12 +124,19 @@ ROUTER_CHOICES: Final = ("direct", "passthrough", "kvroute", "kvroute-local", "k
 _WORKLOAD: Final = {"num_groups": 32, "prompts_per_group": 64, "system_prompt_len": 300,
                     "question_len": 24, "output_len": 8}
 _WARMUP_RATE: Final = 50.0
+_LONG_TURNS_PER_S: Final = 1.0
+"""Turns a second per session in a ``g`` phase."""
+_LONG_NEAR: Final = 0.75
+"""A ``g`` phase's ``long_*`` figures are over turns of at least this share of the target
+(96K-131K tokens; each adds ~6K)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Phase:
     """One measured phase: ``kind`` r (fixed rate, whole), s (fixed rate, streamed), c
-    (closed loop, whole); ``value`` is the rate in req/s or the number of workers."""
+    (closed loop, whole), g (growing agentic sessions, streamed at a fixed rate,
+    ``bench/overhead_long.py``); ``value`` is the rate in req/s, the number of workers or
+    the number of sessions at once."""
 
     name: str
     kind: str
@@ -128,7 +144,7 @@ class Phase:
 
     @property
     def stream(self) -> bool:
-        return self.kind == "s"
+        return self.kind in ("s", "g")
 
     @property
     def fixed_rate(self) -> bool:
@@ -147,10 +163,12 @@ def parse_phases(text: str) -> tuple[Phase, ...]:
             value = float(number)
         except ValueError:
             value = -1.0
-        if kind not in ("r", "s", "c") or not value > 0 or (kind == "c" and value != int(value)):
+        if kind not in ("r", "s", "c", "g") or not value > 0 or (
+                kind in ("c", "g") and value != int(value)):
             raise ConfigError(
                 f"phase {item!r} is not r<rate> (fixed-rate, whole responses), s<rate> "
-                "(fixed-rate, streamed) or c<workers> (closed loop), e.g. r400,s100,c32")
+                "(fixed-rate, streamed), c<workers> (closed loop) or g<sessions> (growing "
+                "agentic sessions to 128K tokens, streamed), e.g. r400,s100,c32,g4")
         out.append(Phase(item, kind, value))
     if not out:
         raise ConfigError("give at least one phase, e.g. --phases r100,r400,s100,c32")
@@ -238,6 +256,20 @@ class OverheadSpec:
     same_window: int = 0
     """Per this many requests to a router in a fixed-rate phase, one more straight to the
     engines in the same stream (0: no same-window baseline; see the module docstring)."""
+    long_sweep: bool = False
+    """After the passes, each router once more, one growing session at a time, turn by turn,
+    with its CPU per turn (``bench/overhead_long.run_long_sweep``)."""
+    long_target_tokens: int = LONG_TARGET_TOKENS
+    """Where ``g`` phases' and the sweep's sessions stop growing."""
+    long_growth_chars: tuple[int, ...] = DEFAULT_GROWTH_CHARS
+    """The sweep's sessions: one per per-turn growth, in characters of tool result."""
+    plot: Path | None = None
+    """Where the sweep's plot goes (router CPU against new and against total tokens)."""
+
+    @property
+    def long(self) -> bool:
+        """Long sessions are sent: the engines need a window above the target."""
+        return self.long_sweep or any(p.kind == "g" for p in self.phases)
 
     def apparatus_cpus(self) -> frozenset[int] | None:
         """The CPUs left to the engines and the load generator (None when not pinned)."""
@@ -267,6 +299,12 @@ class OverheadSpec:
                     f"router_cpus={sorted(self.router_cpus)} must be some, not all, of the CPUs "
                     f"this process may use ({sorted(usable)}): the engines and the load "
                     "generator need the others")
+        if self.long and not 0 < self.long_target_tokens <= LONG_MAX_MODEL_LEN // 2:
+            raise ConfigError(f"long_target_tokens={self.long_target_tokens} must be > 0 and "
+                              f"at most {LONG_MAX_MODEL_LEN // 2} (the engines' window is "
+                              f"{LONG_MAX_MODEL_LEN})")
+        if self.plot is not None and not self.long_sweep:
+            raise ConfigError("a plot is drawn from the long sweep: add --long-sweep")
         if self.phase_s > 120:
             raise ConfigError(f"phase_s={self.phase_s} is over 120 s; a phase is a sample, "
                               "not a soak test: use at most 120")
@@ -298,6 +336,31 @@ def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float,
     return out
 
 
+def _long_schedule(phase: Phase, spec: OverheadSpec) -> list[LiveRequest]:
+    """A ``g`` phase's requests: every turn of ``phase.value`` sessions once, each session a
+    turn every ``1 / _LONG_TURNS_PER_S`` s (faster by ``(K + 1) / K`` with a same-window
+    lane, so the router still gets its rate); bodies built once per run and phase size."""
+    sessions = int(phase.value)
+    rate = _LONG_TURNS_PER_S * sessions
+    if spec.same_window:
+        rate *= (spec.same_window + 1) / spec.same_window
+    return long_session_requests(sessions, model=spec.model, seed=spec.seed, rate=rate,
+                                 target_tokens=spec.long_target_tokens,
+                                 prefix=f"{phase.name}")
+
+
+def _long_figures(run: ClientRun, requests: Sequence[LiveRequest], spec: OverheadSpec,
+                  control: bool | None) -> dict[str, Any]:
+    """TTFT p50/p99 over the turns near the target (``_LONG_NEAR``) of a ``g`` phase."""
+    near = {r.request_id for r in requests
+            if r.prompt_tokens >= _LONG_NEAR * spec.long_target_tokens}
+    picked = ClientRun([r for r in run.results if r.request_id in near], run.wall_s,
+                       run.tcp_nodelay)
+    summary = summarize(picked, control=control)
+    return {"long_p50_ms": summary["ttft_p50_ms"], "long_p99_ms": summary["ttft_p99_ms"],
+            "long_completed": summary["completed"]}
+
+
 def _control_lane(phase: Phase, spec: OverheadSpec, fleet: Fleet) -> ControlLane | None:
     """The same-window baseline of a fixed-rate phase (None: off, or a closed loop)."""
     if not spec.same_window or not phase.fixed_rate:
@@ -323,11 +386,13 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
     control = _control_lane(phase, spec, fleet)
     own0 = _router_time_buckets(metrics_url)
     router0, engines0, client0 = cpu(), _engine_cpu_s(fleet), time.process_time()
+    span_s = max((r.arrival_s for r in requests), default=0.0) if phase.kind == "g" else 0.0
     run = replay(
         router_targets, requests,
         concurrency=int(phase.value) if phase.kind == "c" else None,
         max_in_flight=spec.max_in_flight, request_timeout_s=spec.request_timeout_s,
-        duration_s=spec.phase_s + (spec.request_timeout_s if phase.kind != "c" else 0.0),
+        duration_s=max(spec.phase_s, span_s)
+        + (spec.request_timeout_s if phase.kind != "c" else 0.0),
         control=control)
     router1, engines1, client1 = cpu(), _engine_cpu_s(fleet), time.process_time()
     own1 = _router_time_buckets(metrics_url)
@@ -349,6 +414,16 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
     }
     if control is not None:
         _add_same_window(row, summarize(run, control=True), key)
+    if phase.kind == "g":
+        row.update(_long_figures(run, requests, spec, None if control is None else False))
+        if control is not None:
+            lane = _long_figures(run, requests, spec, True)
+            row["same_window_direct_long_p50_ms"] = lane["long_p50_ms"]
+            row["same_window_direct_long_p99_ms"] = lane["long_p99_ms"]
+            for q in ("p50", "p99"):
+                mine, ref = row[f"long_{q}_ms"], lane[f"long_{q}_ms"]
+                row[f"added_same_window_long_{q}_ms"] = (
+                    None if mine is None or ref is None else round(mine - ref, 3))
     if router0 is not None and router1 is not None and done:
         row["router_cpu_ms_per_req"] = round(1e3 * (router1 - router0) / done, 4)
         row["router_cores"] = round((router1 - router0) / max(run.wall_s, 1e-9), 3)
@@ -402,9 +477,12 @@ def run_overhead_bench(
             skipped[r.name] = peers.reason or "peer routers not installed"
             routers.remove(r)
     pools = {False: _requests(spec, stream=False), True: _requests(spec, stream=True)}
+    long_pools = {p.name: _long_schedule(p, spec) for p in spec.phases if p.kind == "g"}
     tokenizer = str(bundled_tokenizer_dir())
-    specs = [ReplicaSpec(name=f"e{i}", model=spec.model, profile="zero",
+    window = LONG_MAX_MODEL_LEN if spec.long else None
+    specs = [ReplicaSpec(name=f"e{i}", model=spec.model, profile="zero", max_model_len=window,
                          extra_args=("--tokenizer", tokenizer)) for i in range(spec.engines)]
+    sweeps: dict[str, list[dict[str, Any]]] = {}
     results: list[dict[str, Any]] = []
     # The engines and every router start from this process and inherit its CPUs; a router is
     # then moved to its own.
@@ -436,8 +514,9 @@ def run_overhead_bench(
                                 metrics_url, fleet.replicas, f"{router_spec.name}-{pass_no}",
                                 model=spec.model, request_timeout_s=spec.request_timeout_s)
                         for phase in spec.phases:
-                            requests = _schedule(pools[phase.stream], phase, spec.phase_s,
-                                                 spec.same_window)
+                            requests = (long_pools[phase.name] if phase.kind == "g" else
+                                        _schedule(pools[phase.stream], phase, spec.phase_s,
+                                                  spec.same_window))
                             row = _run_phase(router.targets, requests, phase, spec,
                                              router.cpu_s, fleet, metrics_url)
                             row = {"router": router_spec.name, "pass": pass_no,
@@ -446,9 +525,35 @@ def run_overhead_bench(
                             if on_phase is not None:
                                 on_phase(router_spec.name, pass_no, phase.name, row)
                             time.sleep(0.5)
+            if spec.long_sweep:
+                sweeps = _long_sweeps(spec, routers, fleet, work_dir, peers)
     _add_overheads(results)
-    return {"results": results, "skipped": skipped,
-            "config": _config(spec, pools[False], peers)}
+    report: dict[str, Any] = {"results": results, "skipped": skipped,
+                              "config": _config(spec, pools[False], peers)}
+    if spec.long_sweep:
+        report["long_sweep"] = sweeps
+        if spec.plot is not None:
+            plot_long_sweep(sweeps, spec.plot, title=(
+                f"router CPU per turn of growing sessions to {spec.long_target_tokens} tokens, "
+                f"{spec.engines} zero-time engines, {time.strftime('%Y-%m-%d')}"))
+    return report
+
+
+def _long_sweeps(spec: OverheadSpec, routers: Sequence[RouterSpec], fleet: Fleet,
+                 work_dir: Path, peers: PeerRouters) -> dict[str, list[dict[str, Any]]]:
+    """Each router (its own fresh process) through ``run_long_sweep``."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for router_spec in routers:
+        router = start_router(router_spec, fleet.replicas, work_dir=work_dir, peers=peers,
+                              model=spec.model, seed=spec.seed)
+        if spec.router_cpus is not None and router.process is not None:
+            pin_process_tree(router.process.pid, spec.router_cpus)
+        with router:
+            out[router_spec.name] = run_long_sweep(
+                router.targets[0], router.pid, model=spec.model, seed=spec.seed,
+                target_tokens=spec.long_target_tokens, growth_chars=spec.long_growth_chars,
+                request_timeout_s=spec.request_timeout_s)
+    return out
 
 
 def _engine_warmup(pool: Sequence[LiveRequest], engines: int) -> list[LiveRequest]:
@@ -493,7 +598,9 @@ def _add_overheads(results: list[dict[str, Any]]) -> None:
     direct = {(r["pass"], r["phase"]): r for r in results if r["router"] == "direct"}
     for row in results:
         base = direct.get((row["pass"], row["phase"]))
-        for q in ("p50", "p99"):
+        for q in ("p50", "p99", "long_p50", "long_p99"):
+            if q.startswith("long") and f"{q}_ms" not in row:
+                continue
             mine = row.get(f"{q}_ms")
             ref = base.get(f"{q}_ms") if base is not None else None
             row[f"added_{q}_ms"] = (None if mine is None or ref is None or row is base
@@ -509,6 +616,10 @@ def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
         "warmup_s": spec.warmup_s, "passes": spec.passes, "seed": spec.seed,
         "workload": {"generator": "generated_shared_prefix", **_WORKLOAD},
         "mean_body_bytes": round(sum(len(r.body) for r in pool) / len(pool)),
+        "long_sessions": {"generator": "bench/overhead_long.py", "target_tokens":
+                          spec.long_target_tokens, "turns_per_s_per_session": _LONG_TURNS_PER_S,
+                          "near_target_share": _LONG_NEAR, "sweep": spec.long_sweep,
+                          "engines_max_model_len": LONG_MAX_MODEL_LEN} if spec.long else None,
         "routers": [r.name for r in spec.routers],
         "router_cpus": sorted(spec.router_cpus) if spec.router_cpus is not None else None,
         "same_window": spec.same_window,

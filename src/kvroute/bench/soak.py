@@ -19,6 +19,14 @@ plateau can be told from slow growth:
 * ``unique`` (one in five): a prompt nobody else sends, so the block-hash memo and the piece
   cache churn.
 
+With ``long_sessions`` = *n* (off by default), *n* growing agentic sessions run beside that mix
+at ``long_rate`` turns a second in all (``bench/overhead_long.py``: a system prompt, then a
+~7.8 KB tool result a turn, to 128K real tokens; a finished session is followed by a new one),
+so the per-session chains (``state.max_chain_tokens``) and the piece cache hold long prompts
+while the short traffic churns; the engines' window is then 262,144 tokens, which needs
+``num_gpu_blocks`` above 16,384. Their answers are summarized apart (``long_*`` in
+``summary``): a 128K-token turn is not the short traffic's latency.
+
 The engines run with ``num_gpu_blocks`` small enough that they evict within seconds, so the
 index, which follows their events, has a steady size too.
 
@@ -45,7 +53,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +61,11 @@ import aiohttp
 
 from kvroute.bench.live_client import ClientRun, LiveRequest, run_client, summarize
 from kvroute.bench.live_routers import RouterSpec, start_router
+from kvroute.bench.overhead_long import (
+    LONG_MAX_MODEL_LEN,
+    LONG_TARGET_TOKENS,
+    long_session_requests,
+)
 from kvroute.bench.procfs import process_tree_cpu_s
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
@@ -71,6 +84,7 @@ _MAX_MODEL_LEN = 8192
 """The engines' window: the longest prompt here is a few thousand tokens, and an engine must
 hold one full window in its ``num_gpu_blocks`` (as vLLM checks at start)."""
 _BLOCK_SIZE = 16
+_LONG_MAX_TARGET = LONG_MAX_MODEL_LEN // 2
 _EVENT_COUNTERS = {f"kvroute_kv_event_{kind}_total": f"kv_{kind}"
                    for kind in ("gaps", "replays", "resets")}
 """The KV-event subscribers' troubles, summed over replicas: each is work (a replay) or lost
@@ -95,6 +109,15 @@ class SoakSpec:
     log_dir: Path | None = None
     policy: str = "kvroute"
     tokenizer: str = "auto"
+    long_sessions: int = 0
+    """Growing agentic sessions at once beside the mix (module docstring; 0: none)."""
+    long_rate: float = 1.0
+    """Turns a second of the long sessions, all of them together."""
+    long_target_tokens: int = LONG_TARGET_TOKENS
+
+    @property
+    def max_model_len(self) -> int:
+        return LONG_MAX_MODEL_LEN if self.long_sessions else _MAX_MODEL_LEN
 
     def validate(self) -> None:
         """Raises ``ConfigError`` naming the value and the fix."""
@@ -105,10 +128,15 @@ class SoakSpec:
             (0 < self.sample_s <= self.seconds,
              f"sample_s={self.sample_s} must be > 0 and at most seconds={self.seconds}"),
             (self.max_pins >= 1, f"max_pins={self.max_pins} must be >= 1"),
-            (self.num_gpu_blocks > _MAX_MODEL_LEN // _BLOCK_SIZE,
+            (self.num_gpu_blocks > self.max_model_len // _BLOCK_SIZE,
              (f"num_gpu_blocks={self.num_gpu_blocks} must be > "
-              f"{_MAX_MODEL_LEN // _BLOCK_SIZE} (one window of {_MAX_MODEL_LEN} tokens in "
-              f"blocks of {_BLOCK_SIZE})")),
+              f"{self.max_model_len // _BLOCK_SIZE} (one window of {self.max_model_len} "
+              f"tokens in blocks of {_BLOCK_SIZE}"
+              + (", the window long sessions need)" if self.long_sessions else ")"))),
+            (self.long_sessions >= 0, f"long_sessions={self.long_sessions} must be >= 0"),
+            (self.long_rate > 0, f"long_rate={self.long_rate} must be > 0 turns a second"),
+            (0 < self.long_target_tokens <= _LONG_MAX_TARGET,
+             f"long_target_tokens={self.long_target_tokens} must be in 1..{_LONG_MAX_TARGET}"),
             (self.request_timeout_s > 0, f"request_timeout_s={self.request_timeout_s} must be > 0"),
         )
         for ok, message in checks:
@@ -172,6 +200,26 @@ def soak_requests(spec: SoakSpec) -> list[LiveRequest]:
         out.append(LiveRequest(f"soak-{i}", i / spec.rate, json.dumps(body).encode(),
                                prompt_tokens=words, max_tokens=_OUTPUT_TOKENS, group=group,
                                stream=False))
+    if spec.long_sessions:
+        out = sorted(out + _long_requests(spec), key=lambda r: r.arrival_s)
+    return out
+
+
+def _long_requests(spec: SoakSpec) -> list[LiveRequest]:
+    """The long sessions' turns over the run: batches of ``long_sessions`` sessions, each
+    batch starting when the one before has sent its last turn, at ``long_rate`` in all."""
+    out: list[LiveRequest] = []
+    start, batch = 0.0, 0
+    while start < spec.seconds:
+        turns = long_session_requests(spec.long_sessions, model=spec.model,
+                                      seed=spec.seed * 1000 + batch, rate=spec.long_rate,
+                                      stream=False, max_tokens=_OUTPUT_TOKENS,
+                                      target_tokens=spec.long_target_tokens,
+                                      prefix=f"soak-long-{batch}")
+        out += [replace(t, arrival_s=start + t.arrival_s) for t in turns
+                if start + t.arrival_s < spec.seconds]
+        start += len(turns) / spec.long_rate
+        batch += 1
     return out
 
 
@@ -347,6 +395,8 @@ def _summary(run: ClientRun, samples: Sequence[Mapping[str, Any]],
     def p99_between(lo: float, hi: float) -> float | None:
         return _ms(percentile([e2e for start, e2e in timed if lo <= start < hi], 99))
 
+    long = summarize(ClientRun([r for r in run.results if r.request_id.startswith("soak-long-")],
+                               run.wall_s, run.tcp_nodelay))
     rss = [float(s["rss_mb"]) for s in samples if s.get("rss_mb") is not None]
     mid = rss[len(rss) // 2] if rss else None
     last = rss[-1] if rss else None
@@ -361,6 +411,8 @@ def _summary(run: ClientRun, samples: Sequence[Mapping[str, Any]],
         "rss_max_mb": _round(max(rss), 1) if rss else None,
         "rss_growth_second_half_mb": (round(last - mid, 1)
                                       if last is not None and mid is not None else None),
+        "long_requests": long["requests"], "long_completed": long["completed"],
+        "long_p50_ms": long["e2e_p50_ms"], "long_p99_ms": long["e2e_p99_ms"],
     }
 
 
@@ -373,7 +425,7 @@ def run_soak(spec: SoakSpec,
     tokenizer = str(bundled_tokenizer_dir())
     engines = [ReplicaSpec(name=f"e{i}", model=spec.model, profile="zero",
                            num_gpu_blocks=spec.num_gpu_blocks, block_size=_BLOCK_SIZE,
-                           max_model_len=_MAX_MODEL_LEN,
+                           max_model_len=spec.max_model_len,
                            extra_args=("--tokenizer", tokenizer)) for i in range(spec.engines)]
     router_spec = RouterSpec(f"kvroute-{spec.tokenizer}", "kvroute", spec.policy,
                              spec.tokenizer)
@@ -399,5 +451,8 @@ def run_soak(spec: SoakSpec,
                    "num_gpu_blocks": spec.num_gpu_blocks, "seed": spec.seed,
                    "policy": spec.policy, "tokenizer": spec.tokenizer,
                    "mix": {"shared": 0.5, "session": 0.3, "unique": 0.2},
+                   "long_sessions": spec.long_sessions, "long_rate": spec.long_rate,
+                   "long_target_tokens": spec.long_target_tokens,
+                   "max_model_len": spec.max_model_len,
                    "elapsed_s": round(elapsed, 1), "date": time.strftime("%Y-%m-%d")},
     }

@@ -27,7 +27,9 @@ def bench_overhead(
                                          "vllm-router; a kvroute one may name another of "
                                          "its policies: kvroute-auto:round_robin.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
     phases: Annotated[str, typer.Option(help="r<rate> fixed-rate whole responses, s<rate> "
-                                        "streamed, c<workers> closed loop.")] = "r100,r200,r400,s100,c32",
+                                        "streamed, c<workers> closed loop, g<sessions> growing "
+                                        "agentic sessions to 128K tokens at once (streamed, "
+                                        "one turn a second each).")] = "r100,r200,r400,s100,c32",
     engines: Annotated[int, typer.Option(help="Simulated engines (zero timing profile).")] = 8,
     phase_seconds: Annotated[float, typer.Option(help="Seconds per phase.")] = 10.0,
     passes: Annotated[int, typer.Option(help="Passes; even ones run the routers in reverse.")] = 2,
@@ -42,6 +44,14 @@ def bench_overhead(
         help="Per K requests to a router in a fixed-rate phase, send one more straight to "
              "the engines in the same stream, and report the router's added latency against "
              "those too (steadier than direct's own phase on a noisy machine). 0: off.")] = 0,
+    long_sweep: Annotated[bool, typer.Option(
+        help="After the passes, each router once more with one growing session at a time "
+             "(several growth sizes), its CPU read per turn from /proc.")] = False,
+    long_target_tokens: Annotated[int, typer.Option(
+        help="Where the g phases' and the sweep's sessions stop growing.")] = 131_072,
+    plot: Annotated[Path | None, typer.Option(
+        help="Draw the sweep here (PNG): router CPU per turn against new and against total "
+             "tokens. Needs --long-sweep.")] = None,
 ) -> None:
     """Router overhead side by side (see ``kvroute.bench.overhead``)."""
     from kvroute.bench.overhead import (
@@ -60,6 +70,9 @@ def bench_overhead(
         if "same_window_direct_p99_ms" in row:
             same = (f" (direct in the same window: p50 {row['same_window_direct_p50_ms']} ms, "
                     f"p99 {row['same_window_direct_p99_ms']} ms)")
+        if "long_p50_ms" in row:
+            same += (f"; turns near the target: p50 {row['long_p50_ms']} ms, "
+                     f"p99 {row['long_p99_ms']} ms")
         console.print(f"pass {pass_no} {router:>14} {phase:>5}: {row['achieved_rps']} req/s, "
                       f"p50 {row['p50_ms']} ms, p99 {row['p99_ms']} ms{same}, router CPU "
                       f"{row['router_cpu_ms_per_req']} ms/req, errors {row['errors']}")
@@ -69,7 +82,8 @@ def bench_overhead(
                             engines=engines, phase_s=phase_seconds, passes=passes, seed=seed,
                             log_dir=log_dir,
                             router_cpus=parse_cpus(router_cpus) if router_cpus else None,
-                            same_window=same_window)
+                            same_window=same_window, long_sweep=long_sweep,
+                            long_target_tokens=long_target_tokens, plot=plot)
         report = run_overhead_bench(spec, on_phase=on_phase)
     wide_console(230).print(rows_table(
         f"router overhead: {engines} engines, cells are pass 1 / pass 2 ...",

@@ -40,6 +40,11 @@ def bench_soak(
     policy: Annotated[str, typer.Option(help="The router's policy (kvroute, round_robin, ...).")] = "kvroute",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Keep configs and logs here.")] = None,
+    long_sessions: Annotated[int, typer.Option(
+        help="Growing agentic sessions (to 128K tokens) at once beside the mix; needs "
+             "--num-gpu-blocks above 16384.")] = 0,
+    long_rate: Annotated[float, typer.Option(
+        help="Turns a second of the long sessions, together.")] = 1.0,
 ) -> None:
     """A long steady run (see ``kvroute.bench.soak``)."""
     from kvroute.bench.soak import SoakSpec, run_soak
@@ -54,7 +59,7 @@ def bench_soak(
         spec = SoakSpec(seconds=minutes * 60.0, rate=rate, engines=engines,
                         sample_s=sample_seconds, max_pins=max_pins,
                         num_gpu_blocks=num_gpu_blocks, seed=seed, log_dir=log_dir,
-                        policy=policy)
+                        policy=policy, long_sessions=long_sessions, long_rate=long_rate)
         report = run_soak(spec, on_sample=on_sample)
     rows = [[("-" if w.get(k) is None else str(w[k])) for k in _KEYS]
             for w in report["windows"]]

@@ -78,3 +78,18 @@ def test_windows_count_what_finished_in_each_and_the_cost_per_decision() -> None
 def test_a_bad_spec_says_what_is_wrong(bad: dict[str, float], says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         soak_requests(SoakSpec(**bad))  # type: ignore[arg-type]
+
+
+def test_long_sessions_join_the_mix_and_need_a_window_for_them() -> None:
+    spec = SoakSpec(seconds=12, rate=10, sample_s=4, num_gpu_blocks=16_500, long_sessions=2,
+                    long_rate=2.0, long_target_tokens=12_000)
+    reqs = soak_requests(spec)
+    long = [r for r in reqs if r.request_id.startswith("soak-long-")]
+    short = [r for r in reqs if not r.request_id.startswith("soak-long-")]
+    assert len(short) == 120 and len(long) == 24  # 2 turns a second for 12 s
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    assert max(r.prompt_tokens for r in long) >= 12_000
+    # Sessions of a later batch start once the batch before has sent its last turn.
+    assert len({r.request_id.rsplit("-t", 1)[0] for r in long}) > 2
+    with pytest.raises(ConfigError, match="num_gpu_blocks=4096 must be > 16384"):
+        soak_requests(SoakSpec(long_sessions=1))
