@@ -309,3 +309,30 @@ def test_long_random_prefixes_against_model() -> None:
         for scope in SCOPES:
             expected = model.match(request, _owner(scope), isinstance(scope, FleetScope), 0.0)
             assert index.match(request, scope) == expected, f"trial {trial}, {scope!r}"
+
+
+def test_predictions_in_some_chunks_only_against_model() -> None:
+    """Predicted runs that cover some match chunks and not others (a long prompt's newest
+    blocks, or a middle range): chunks without a prediction take the int-key path."""
+    rng = random.Random(11)
+    for trial in range(30):
+        clock = ManualClock()
+        index = PrefixIndex(clock=clock, predicted_ttl_s=TTL_S)
+        model = Model(10**9)
+        request = [WireHash(rng.getrandbits(64)) for _ in range(rng.randint(300, 1500))]
+        for r in range(rng.randint(1, 6)):
+            replica = ReplicaId(f"r{r}")
+            hi = rng.randint(0, len(request))
+            medium = rng.choice(MEDIUM_SPELLINGS)
+            index.apply_event(replica, BlockStored(tuple(request[:hi]), None, (), 16,
+                                                   medium=medium))
+            model.store(replica, Medium.from_wire(medium), tuple(request[:hi]))
+            for _ in range(rng.randint(1, 3)):
+                scope = rng.choice(SCOPES)
+                lo = rng.randint(0, len(request))
+                top = rng.randint(lo, len(request))
+                index.add_predicted(replica, request[lo:top], scope)
+                model.predict(_owner(scope), replica, request[lo:top], clock.now())
+        for scope in SCOPES:
+            expected = model.match(request, _owner(scope), isinstance(scope, FleetScope), 0.0)
+            assert index.match(request, scope) == expected, f"trial {trial}, {scope!r}"

@@ -5,7 +5,8 @@ A session opens with a ~8,000-character system prompt and a short task, then gro
 turn at a time: a short assistant message and a tool result of ``turn_chars`` characters,
 until the prompt passes ``target_tokens``. Token counts are *real*: the rendered chat prompt
 encoded by the engines' own tokenizer (the bundled one, which the simulated engines serve),
-so "128K" means what an engine would count. The text is random lowercase words (no two
+so "128K" means what an engine would count. Each turn asks for 8 output tokens (one can
+decode to no text, which the client counts as an error); TTFT is the figure read. The text is random lowercase words (no two
 sessions or turns share text beyond their own history), each session names itself in the
 body's ``user`` field, which kvroute reads as its session id and the peers pass through.
 
@@ -107,7 +108,7 @@ def _session_turns(name: str, rng: random.Random, tokenizer: HFTokenizer, *, mod
 
 def long_session_requests(sessions: int, *, model: str, seed: int = 0, rate: float = 2.0,
                           stream: bool = True, turn_chars: int = TURN_CHARS,
-                          target_tokens: int = LONG_TARGET_TOKENS, max_tokens: int = 1,
+                          target_tokens: int = LONG_TARGET_TOKENS, max_tokens: int = 8,
                           prefix: str = "g") -> list[LiveRequest]:
     """Every turn of ``sessions`` growing sessions, turn-major, one every ``1 / rate`` s.
 

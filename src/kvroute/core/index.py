@@ -687,15 +687,23 @@ class PrefixIndex:
             # The per-block work runs in C (map/compress); Python sees only the blocks whose
             # holders differ from the block before, and chunks let a dead run stop early.
             keys: list[Any] = list(map(get, chunk, repeat(0)))
+            paired = False
             if pred_get is not None:
-                keys = list(zip(keys, map(pred_get, chunk, repeat(0)), strict=True))
+                # Predictions cover a request's newest blocks, seldom a long prompt's older
+                # ones: a chunk none of whose blocks is predicted keeps the int keys (a
+                # key's form changing at a chunk's edge only adds a change point, which
+                # leaves the state as it was).
+                predicted = list(map(pred_get, chunk, repeat(0)))
+                if any(predicted):
+                    keys = list(zip(keys, predicted, strict=True))
+                    paired = True
             changed = compress(range(len(keys)), map(ne, keys, [prev_key, *keys[:-1]]))
             prev_key = keys[-1]
             for j in changed:
-                if pred_get is None:
-                    m, p = keys[j], 0
-                else:
+                if paired:
                     m, p = keys[j]
+                else:
+                    m, p = keys[j], 0
                 i = chunk_start + j
                 alive &= m | (m >> 1) | (m >> 2) | p
                 g = m & alive

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -60,11 +61,19 @@ def routing_text(parsed: ParsedRequest) -> str:
     return ""
 
 
-def prompt_ids_from_body(parsed: ParsedRequest) -> list[int] | None:
-    """A completions prompt sent as one list of token ids is already exact."""
+def prompt_ids_from_body(parsed: ParsedRequest) -> Sequence[int] | None:
+    """A completions prompt sent as one list of token ids is already exact.
+
+    ``parse_request`` has checked every item is a non-negative int, so the ids are taken in
+    one C-level conversion to ``array('I')`` (what the local tokenizer gives too: the
+    block-hash memo and the session chains read its raw bytes), or as a copy of the list
+    when an id does not fit in 32 bits (the engine will refuse it; routing stays exact)."""
     prompt = parsed.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return [int(t) for t in prompt if isinstance(t, int)]
+        try:
+            return array("I", prompt)
+        except (OverflowError, TypeError):
+            return [int(t) for t in prompt if isinstance(t, int)]
     return None
 
 

@@ -28,7 +28,7 @@ def test_sessions_grow_turn_by_turn_to_the_target_with_real_counts() -> None:
     for i, req in enumerate(reqs):
         assert req.arrival_s == pytest.approx(i / 4.0)
         body = json.loads(req.body)
-        assert body["stream"] is True and body["max_tokens"] == 1
+        assert body["stream"] is True and body["max_tokens"] == 8
         text = tok.render_chat(body["messages"])
         assert req.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
         by_session.setdefault(body["user"], []).append(body)
