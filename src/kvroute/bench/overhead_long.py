@@ -6,9 +6,10 @@ turn at a time: a short assistant message and a tool result of ``turn_chars`` ch
 until the prompt passes ``target_tokens``. Token counts are *real*: the rendered chat prompt
 encoded by the engines' own tokenizer (the bundled one, which the simulated engines serve),
 so "128K" means what an engine would count. Each turn asks for 8 output tokens (one can
-decode to no text, which the client counts as an error); TTFT is the figure read. The text is random lowercase words (no two
-sessions or turns share text beyond their own history), each session names itself in the
-body's ``user`` field, which kvroute reads as its session id and the peers pass through.
+decode to no text, which the client counts as an error); TTFT is the figure read. The text is
+words of one random vocabulary drawn with Zipf weights (``_Language``); no two sessions or
+turns share text beyond their own history. Each session names itself in the body's ``user``
+field, which kvroute reads as its session id and the peers pass through.
 
 Two uses:
 
@@ -29,6 +30,7 @@ Bounds: every turn is one request with ``request_timeout_s``; a sweep is at most
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -57,16 +59,31 @@ DEFAULT_GROWTH_CHARS: Final = (1_000, 4_000, 10_000, 20_000)
 """Per-turn growth of the sweep's sessions (about 0.8K to 16K new tokens a turn)."""
 _SYSTEM_CHARS: Final = 8_000
 _MAX_TURNS: Final = 400
+_VOCABULARY: Final = 20_000
 
 
-def _words(rng: random.Random, nchars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < nchars:
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-        out.append(word)
-        n += len(word) + 1
-    return " ".join(out)
+class _Language:
+    """Text as a tool or a person writes it, to the tokenizer's eye: words of a fixed
+    vocabulary (``_VOCABULARY`` random lowercase words of 2-9 letters) drawn with Zipf
+    weights, so common words recur and rare ones are new, as in prose and code. (Words of
+    random letters each time would make every word new to the tokenizer's word cache and
+    cost several times its usual CPU a token, on the router and the engines alike.)"""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(f"vocabulary-{seed}")
+        self.words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                              for _ in range(rng.randint(2, 9))) for _ in range(_VOCABULARY)]
+        self.cum_weights = list(itertools.accumulate(1.0 / (rank + 1)
+                                                     for rank in range(_VOCABULARY)))
+
+    def text(self, rng: random.Random, nchars: int) -> str:
+        out: list[str] = []
+        n = 0
+        while n < nchars:
+            batch = rng.choices(self.words, cum_weights=self.cum_weights, k=64)
+            out += batch
+            n += sum(map(len, batch)) + len(batch)
+        return " ".join(out)[:nchars]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +98,13 @@ class LongTurn:
     new_tokens: int
 
 
-def _session_turns(name: str, rng: random.Random, tokenizer: HFTokenizer, *, model: str,
-                   turn_chars: int, target_tokens: int, stream: bool,
-                   max_tokens: int) -> list[LongTurn]:
+def _session_turns(name: str, rng: random.Random, language: _Language,
+                   tokenizer: HFTokenizer, *, model: str, turn_chars: int, target_tokens: int,
+                   stream: bool, max_tokens: int) -> list[LongTurn]:
+    words = language.text
     messages: list[dict[str, str]] = [
-        {"role": "system", "content": "You are a coding agent. " + _words(rng, _SYSTEM_CHARS)},
-        {"role": "user", "content": "Do the task. " + _words(rng, 400)},
+        {"role": "system", "content": "You are a coding agent. " + words(rng, _SYSTEM_CHARS)},
+        {"role": "user", "content": "Do the task. " + words(rng, 400)},
     ]
     out: list[LongTurn] = []
     previous = 0
@@ -101,8 +119,9 @@ def _session_turns(name: str, rng: random.Random, tokenizer: HFTokenizer, *, mod
         if tokens >= target_tokens:
             break
         previous = tokens
-        messages = [*messages, {"role": "assistant", "content": "Calling a tool: " + _words(rng, 60)},
-                    {"role": "user", "content": "Tool result: " + _words(rng, turn_chars)}]
+        messages = [*messages,
+                    {"role": "assistant", "content": "Calling a tool: " + words(rng, 60)},
+                    {"role": "user", "content": "Tool result: " + words(rng, turn_chars)}]
     return out
 
 
@@ -120,7 +139,8 @@ def long_session_requests(sessions: int, *, model: str, seed: int = 0, rate: flo
                           f"turn_chars={turn_chars} and target_tokens={target_tokens} >= 1")
     tokenizer = HFTokenizer.from_dir(bundled_tokenizer_dir())
     rng = random.Random(seed)
-    per_session = [_session_turns(f"{prefix}-{seed}-{s}", rng, tokenizer, model=model,
+    language = _Language(seed)
+    per_session = [_session_turns(f"{prefix}-{seed}-{s}", rng, language, tokenizer, model=model,
                                   turn_chars=turn_chars, target_tokens=target_tokens,
                                   stream=stream, max_tokens=max_tokens)
                    for s in range(sessions)]
