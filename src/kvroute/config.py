@@ -265,7 +265,8 @@ class StateConfig:
         max_warm: bound of the warm-ahead cooldown map (LRU).
         max_chain_tokens: bound, in prompt tokens over all sessions, of the per-session
             block-hash chains a growing conversation reuses (``core/hashing_chains.py``;
-            about 6.5 bytes a token; 0 turns them off). Per process, whatever the backend.
+            about 6.8 bytes a token: the default 4M tokens is ~27 MB, ~30 sessions of 128K
+            tokens; 0 turns them off). Per process, whatever the backend.
     """
 
     backend: Literal["memory", "redis"] = "memory"
@@ -275,7 +276,7 @@ class StateConfig:
     session_ttl_s: float = 3600.0
     max_pins: int = 100_000
     max_warm: int = 256
-    max_chain_tokens: int = 8_000_000
+    max_chain_tokens: int = 4_000_000
 
 
 @dataclass(frozen=True, slots=True)

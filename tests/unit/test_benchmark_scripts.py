@@ -24,6 +24,7 @@ CASES = {
     "bench_handler.py": ["--requests", "20", "--repeats", "1", "--gap-ms", "0.5"],
     "bench_hashing.py": ["--repeats", "2", "--blocks", "4"],
     "bench_index.py": ["--quick"],
+    "bench_long_turn.py": ["--turn-chars", "2000", "--target-tokens", "9000", "--last", "2"],
     "bench_kv_catchup.py": ["--batches", "200", "--replicas", "2", "--repeats", "1"],
     "bench_kv_subscriber.py": ["--messages", "200", "--gap-ms", "0.5"],
     "bench_memo_churn.py": ["--bound", "64", "--calls", "50"],

@@ -541,7 +541,9 @@ def run_overhead_bench(
 
 def _long_sweeps(spec: OverheadSpec, routers: Sequence[RouterSpec], fleet: Fleet,
                  work_dir: Path, peers: PeerRouters) -> dict[str, list[dict[str, Any]]]:
-    """Each router (its own fresh process) through ``run_long_sweep``."""
+    """Each router (its own fresh process) through ``run_long_sweep``; a kvroute router once
+    its KV-event catch-up is over (the engines' earlier phases left thousands of batches to
+    replay, which would be counted in its first turns' CPU)."""
     out: dict[str, list[dict[str, Any]]] = {}
     for router_spec in routers:
         router = start_router(router_spec, fleet.replicas, work_dir=work_dir, peers=peers,
@@ -549,6 +551,10 @@ def _long_sweeps(spec: OverheadSpec, routers: Sequence[RouterSpec], fleet: Fleet
         if spec.router_cpus is not None and router.process is not None:
             pin_process_tree(router.process.pid, spec.router_cpus)
         with router:
+            if router_spec.kind == "kvroute":
+                settle_kvroute(router.targets[0] + "/metrics", fleet.replicas,
+                               f"{router_spec.name}-sweep", model=spec.model,
+                               request_timeout_s=spec.request_timeout_s)
             out[router_spec.name] = run_long_sweep(
                 router.targets[0], router.pid, model=spec.model, seed=spec.seed,
                 target_tokens=spec.long_target_tokens, growth_chars=spec.long_growth_chars,
