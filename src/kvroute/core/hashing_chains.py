@@ -114,14 +114,18 @@ class SessionChains:
         if chain is not None:
             self._held -= len(chain.tokens) // 4
 
-    def wire_hashes(self, key: Hashable, memo: BlockHashMemo, token_ids: Sequence[int], *,
-                    cache_salt: str | None = None,
+    def wire_hashes(self, key: Hashable | None, memo: BlockHashMemo, token_ids: Sequence[int],
+                    *, cache_salt: str | None = None,
                     lora: LoraKey | None = None) -> list[WireHash]:
         """The wire hashes of ``token_ids``' full blocks under ``memo``'s hasher, as
         ``BlockHasher.wire_hashes`` gives them; ``key`` names the session (its scope, pool
-        and id). The returned list is the caller's (the entry keeps its own)."""
+        and id), None for a request of no session (the memo alone). The returned list is
+        the caller's (the entry keeps its own).
+
+        Every input of the hash is a parameter here and part of the basis compared before
+        reuse; a new one (multimodal keys, prompt embeddings) must join both, or bypass."""
         hasher = memo.hasher
-        if not self.max_tokens or hasher.lookahead_tokens:
+        if key is None or not self.max_tokens or hasher.lookahead_tokens:
             return memo.wire_hashes(token_ids, cache_salt=cache_salt, lora=lora)
         raw = _raw_ids(token_ids)
         if raw is None:

@@ -407,14 +407,12 @@ class RouterCore:
         assert request.prompt_token_ids is not None
         if request.block_hashes is not None:
             return tuple(request.block_hashes)
-        if request.session_id is not None:
-            hashes = self.chains.wire_hashes(
-                (request.scope, request.pool, request.session_id), entry.hasher,
-                request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora)
-        else:
-            hashes = entry.hasher.wire_hashes(
-                request.prompt_token_ids, cache_salt=request.cache_salt, lora=request.lora
-            )
+        # One call site for every exact prompt: whatever else comes to enter the hash must be
+        # passed here, where SessionChains makes it part of its reuse check (or bypasses).
+        session = (None if request.session_id is None
+                   else (request.scope, request.pool, request.session_id))
+        hashes = self.chains.wire_hashes(session, entry.hasher, request.prompt_token_ids,
+                                         cache_salt=request.cache_salt, lora=request.lora)
         return tuple(hashes)
 
     def exact_cached_tokens(self, request: RouteRequest, replica: ReplicaId) -> int | None:

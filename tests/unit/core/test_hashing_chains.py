@@ -216,3 +216,10 @@ def test_incremental_equals_from_scratch_on_random_edits(
         got = chains.wire_hashes((A, "p", session), m, ids, cache_salt=salt, lora=adapter)
         assert got == truth(ids, salt=salt, lora=adapter)
         assert chains.held_tokens <= 150
+
+
+def test_no_session_goes_to_the_memo_and_keeps_nothing() -> None:
+    chains, m = SessionChains(), memo()
+    prompt = ids_of(48)
+    assert chains.wire_hashes(None, m, prompt) == truth(prompt)
+    assert len(chains) == 0 and chains.stats.rebuilt == 0
