@@ -34,7 +34,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import ne
 from typing import Any
 
@@ -697,7 +697,7 @@ class PrefixIndex:
                 if any(predicted):
                     keys = list(zip(keys, predicted, strict=True))
                     paired = True
-            changed = compress(range(len(keys)), map(ne, keys, [prev_key, *keys[:-1]]))
+            changed = compress(range(len(keys)), map(ne, keys, chain((prev_key,), keys)))
             prev_key = keys[-1]
             for j in changed:
                 if paired:
