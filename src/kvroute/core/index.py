@@ -629,11 +629,15 @@ class PrefixIndex:
         self._num_predicted -= num_dropped
         return num_dropped
 
-    def _predicted_lookup(self, owner: TenantName | None) -> Callable[[int, int], int] | None:
+    def _predicted_tables(self, owner: TenantName | None) -> list[dict[int, int]]:
+        """The predicted-entry tables a lookup in ``owner``'s scope sees (None: the fleet's)."""
         if owner is not None:
             masks = self._pred_masks.get(owner)
-            return masks.get if masks else None
-        tables = [m for m in self._pred_masks.values() if m]
+            return [masks] if masks else []
+        return [m for m in self._pred_masks.values() if m]
+
+    @staticmethod
+    def _predicted_lookup(tables: list[dict[int, int]]) -> Callable[[int, int], int] | None:
         if not tables:
             return None
         if len(tables) == 1:
@@ -669,7 +673,8 @@ class PrefixIndex:
         if not alive or not hashes:
             return {}
         get = self._held.get
-        pred_get = self._predicted_lookup(owner)
+        pred_tables = self._predicted_tables(owner)
+        pred_get = self._predicted_lookup(pred_tables)
         # ``state`` packs the four category masks side by side, ``width`` bits each:
         # GPU | CPU << width | storage << 2*width | predicted << 3*width. A set bit at
         # ``k`` means "replica at position k % width is in category k // width since block
@@ -688,15 +693,16 @@ class PrefixIndex:
             # holders differ from the block before, and chunks let a dead run stop early.
             keys: list[Any] = list(map(get, chunk, repeat(0)))
             paired = False
-            if pred_get is not None:
+            if pred_get is not None and not all(
+                    table.keys().isdisjoint(chunk) for table in pred_tables):
                 # Predictions cover a request's newest blocks, seldom a long prompt's older
-                # ones: a chunk none of whose blocks is predicted keeps the int keys (a
-                # key's form changing at a chunk's edge only adds a change point, which
-                # leaves the state as it was).
-                predicted = list(map(pred_get, chunk, repeat(0)))
-                if any(predicted):
-                    keys = list(zip(keys, predicted, strict=True))
-                    paired = True
+                # ones: a chunk none of whose blocks is predicted (found by a C-level
+                # ``isdisjoint``) keeps the int keys (a key's form changing at a chunk's
+                # edge only adds a change point, which leaves the state as it was).
+                keys = list(zip(keys, map(pred_get, chunk, repeat(0)), strict=True))
+                paired = True
+            if keys.count(prev_key) == len(keys):
+                continue  # the same holders as the block before, all the chunk (one C pass)
             changed = compress(range(len(keys)), map(ne, keys, chain((prev_key,), keys)))
             prev_key = keys[-1]
             for j in changed:
