@@ -334,6 +334,20 @@ class LoadTracker:
         record.resting.clear()
         record.resting_tokens = 0
 
+    def forget_learned(self, replica: ReplicaId) -> None:
+        """Forget what was learned of ``replica``'s speed (it now runs other weights):
+        its prefill rate back to the configured one, its inter-token factor back to 1, and
+        what is in flight dropped as by ``reset_replica``."""
+        record = self._replicas.get(replica)
+        if record is None:
+            return
+        self.reset_replica(replica)
+        record.rate_tps = record.base_rate_tps
+        record.rate_sampled_s = float("-inf")
+        record.itl_scale = 1.0
+        record.mean_prompt_tokens = 0.0
+        record.num_prompts_seen = 0
+
     def replicas(self) -> list[ReplicaId]:
         return list(self._replicas)
 

@@ -49,9 +49,11 @@ from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.hashing_chains import DEFAULT_CHAIN_TOKENS, SessionChains
 from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
+from kvroute.core.model_identity import ModelIdentity
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
 from kvroute.core.recency import BlockRecency
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
+from kvroute.core.versions import IdentityChange, ReplicaVersions
 
 APPROX_CHUNK_CHARS = 64
 """Text chunk per pseudo-block in approximate mode (about 16 tokens of English)."""
@@ -221,6 +223,7 @@ class RouterCore:
         # A session's previous prompt as hashed, so its next turn hashes only what it added
         # (``core/hashing_chains.py``; reused only after checking ids and hashing basis).
         self.chains = SessionChains(session_chain_tokens)
+        self.versions = ReplicaVersions()
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
         self._adapters: dict[ReplicaId, Mapping[str, str]] = {}
@@ -260,6 +263,10 @@ class RouterCore:
 
     def pool_of(self, replica: ReplicaId) -> PoolName:
         return self._pool_of[replica]
+
+    def knows(self, replica: ReplicaId) -> bool:
+        """``replica`` is one of the router's (a session may name one from an older config)."""
+        return replica in self._pool_of
 
     def set_pool_hashing(
         self, pool: PoolName, *, block_size: int, hash_algo: str, hash_seed: str | None = None,
@@ -387,6 +394,34 @@ class RouterCore:
         counts = self._adapter_in_flight.get(held[0])
         if counts is not None and counts[held[1]] > 0:
             counts[held[1]] -= 1
+
+    def set_identity(self, replica: ReplicaId, identity: ModelIdentity) -> IdentityChange | None:
+        """Record the weights ``replica`` runs (``core/versions.py``). When they differ from
+        the ones known before, its index entries and learned rates are dropped at once:
+        they describe a cache and a speed of weights it no longer runs."""
+        change = self.versions.observe(replica, identity)
+        if change is not None:
+            self.index.clear_replica(replica)
+            self.approx_index.clear_replica(replica)
+            self.load.forget_learned(replica)
+        return change
+
+    def cached_tokens_on(self, replica: ReplicaId, request: RouteRequest) -> int:
+        """The prefix tokens of ``request`` the index says ``replica`` holds (any medium),
+        hashed with ``replica``'s own pool's hashing; 0 when the request has no exact
+        tokens. What a session leaves behind when it moves (a scenario's recompute bill)."""
+        if request.prompt_token_ids is None:
+            return 0
+        pool = self._pool(self._pool_of[replica])
+        if pool.spec.approximate:
+            return 0
+        hashes = pool.hasher.wire_hashes(request.prompt_token_ids,
+                                         cache_salt=request.cache_salt, lora=request.lora)
+        held = self.index.match(hashes, request.scope).get(replica)
+        if held is None:
+            return 0
+        cap = max(0, (request.num_prompt_tokens - 1) // pool.spec.block_size)
+        return min(held.num_blocks, cap) * pool.spec.block_size
 
     def on_engine_metrics(self, replica: ReplicaId, *, running: int | None,
                           waiting: int | None, kv_usage: float | None,

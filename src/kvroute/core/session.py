@@ -1,14 +1,17 @@
 """One record per session: what the router remembers between a session's requests.
 
 A session (an agent's or a chat's conversation, named by the client's session id) carries
-three facts from one request to the next, all in one :class:`SessionRecord`:
+these facts from one request to the next, all in one :class:`SessionRecord`:
 
 * ``pin`` — the replica that served it last: the walk passes it to the policy as
   ``preferred_replica`` (ties go to it; the ``session`` policy follows it);
 * ``tier`` — the largest pool index of its route it reached: a session never flaps back to
   a smaller pool that lacks its prefix;
 * ``usage`` — the engine's ``usage`` of its last answer: the next turn's prompt is estimated
-  from it (``core/tokens.from_session``) rather than from characters.
+  from it (``core/tokens.from_session``) rather than from characters;
+* ``version``, ``arm``, ``prompt_tokens`` — the model version and A/B arm that served it,
+  and its last prompt's length: a session stays on one version and one arm, and a move is
+  billed (docs/model-bound-caches.md).
 
 The record is keyed by :func:`session_key` (tenant, route and session id: sessions never
 cross tenants or routes), read once when a request's walk starts and written once when it
@@ -61,11 +64,19 @@ class SessionRecord:
         pin: the replica that served the session's last request, if any.
         tier: the largest pool index of the route the session reached (0: the smallest).
         usage: the engine's count of the last answer, when it sent one.
+        version: the model version (``core/versions.py``) that served it last: its next
+            requests stay in that version group (docs/model-bound-caches.md).
+        arm: the A/B arm (a pool) it was given, when its route splits traffic.
+        prompt_tokens: the prompt length its last request was routed with (what it had
+            cached where it was: a move's recompute bill, ``core/scenarios.py``).
     """
 
     pin: ReplicaId | None = None
     tier: int = 0
     usage: SessionUsage | None = None
+    version: str | None = None
+    arm: str | None = None
+    prompt_tokens: int = 0
 
 
 EMPTY_RECORD: Final = SessionRecord()

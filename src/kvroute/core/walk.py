@@ -71,6 +71,16 @@ from kvroute.core.clock import Clock
 from kvroute.core.errors import NoEligibleReplica
 from kvroute.core.index import TenantScope
 from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
+from kvroute.core.scenarios import (
+    NO_SCENARIOS,
+    HotSession,
+    RouteScenarios,
+    ScenarioState,
+    choose_arm,
+    primary_usable,
+    recompute_bill,
+    version_salt,
+)
 from kvroute.core.session import EMPTY_RECORD, SessionRecord, SessionUsage, session_key
 from kvroute.core.tiers import (
     LOG_TAG,
@@ -107,10 +117,12 @@ from kvroute.core.tokens import (
     from_session,
 )
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
+from kvroute.core.versions import GroupChoice, choose_group
 from kvroute.core.warm import WarmFire, WarmPlanner, WarmSkip
 
 __all__ = [
     "DEFAULT_EXPECTED_OUTPUT_TOKENS",
+    "ArmServed",
     "Decided",
     "Escalated",
     "ExternalChooser",
@@ -124,8 +136,10 @@ __all__ = [
     "Refuse",
     "ReplicaUnreachable",
     "RequestWalk",
+    "ScenarioMove",
     "Send",
     "SessionWrite",
+    "ShadowWarm",
     "StaleWindows",
     "UpstreamFailed",
     "WalkAction",
@@ -196,6 +210,8 @@ class WalkRequest:
             the Endpoint Picker driver receives it, leaves the others out).
         adapter: the LoRA adapter the client named as its ``model`` (vLLM's way), or None
             for the route's base model; hashed with the path the pool's engines list.
+        shadow_payload: what a shadow warm-up of this session would resend (the driver's
+            own: the parsed request live, the workload request in the simulator).
     """
 
     request_id: RequestId
@@ -214,6 +230,7 @@ class WalkRequest:
     cache_salt: str | None = None
     exclude: frozenset[ReplicaId] = frozenset()
     adapter: str | None = None
+    shadow_payload: Any = field(default=None, repr=False, compare=False)
 
 
 # --- what the walk tells the driver: actions -----------------------------------------------------
@@ -374,6 +391,43 @@ class CutShortNote:
 
 
 @dataclass(frozen=True, slots=True)
+class ScenarioMove:
+    """A session moved because of a scenario (``upgrade``, ``version``: its version's
+    replicas changed weights or left, ``ab``, ``failover``) and re-prefills ``tokens``
+    it had cached where it was (``core/scenarios.recompute_bill``)."""
+
+    route: str
+    scenario: str
+    from_place: str
+    to_place: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArmServed:
+    """A request of an A/B route was routed to ``arm`` (a pool)."""
+
+    route: str
+    arm: str
+    num_prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowWarm:
+    """Warm ``pool`` in shadow with ``items`` (``max_tokens: 1`` copies of sessions' latest
+    prompts; build each with :meth:`Walker.shadow_request`, tell :meth:`Walker.shadow_done`
+    when it answered or failed). ``scenario`` is ``upgrade`` (then only replicas of
+    ``version`` are warmed) or ``failover`` (the backup)."""
+
+    route: str
+    scenario: str
+    pool: PoolName
+    version: str | None
+    items: tuple[HotSession, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LogLine:
     """A decision line to log at ``level`` (``debug``, ``info``, ``warning``)."""
 
@@ -382,7 +436,8 @@ class LogLine:
 
 
 Note = (Decided | Escalated | Recovered | WindowLearned | StaleWindows | WarmNote
-        | UpstreamFailed | ReplicaUnreachable | CutShortNote | LogLine)
+        | UpstreamFailed | ReplicaUnreachable | CutShortNote | LogLine | ScenarioMove
+        | ArmServed | ShadowWarm)
 
 
 def describe(step: WalkAction | str) -> str:
@@ -476,8 +531,8 @@ class Walker:
         recorder: told each walk's steps as text (tests; None in production).
     """
 
-    __slots__ = ("clock", "core", "external", "outputs", "planner", "recorder", "settings",
-                 "timer")
+    __slots__ = ("clock", "core", "external", "outputs", "planner", "recorder", "scenarios",
+                 "settings", "timer")
 
     def __init__(self, core: RouterCore, planner: WarmPlanner, settings: WalkSettings,
                  clock: Clock, timer: Callable[[], float] = _zero,
@@ -492,11 +547,56 @@ class Walker:
         self.recorder = recorder
         """Told every step of every walk (``describe``), when set: both drivers of one
         scenario must tell the same story (``tests/integration/test_walk_parity.py``)."""
+        self.scenarios: dict[str, ScenarioState] = {}
+        """Route name → its model-bound cache scenarios' state (``core/scenarios.py``)."""
+
+    def set_scenarios(self, route: str, settings: RouteScenarios) -> ScenarioState | None:
+        """Give ``route`` its scenarios (upgrade, A/B split, failover, version salt)."""
+        if not settings.any:
+            self.scenarios.pop(route, None)
+            return None
+        state = self.scenarios[route] = ScenarioState(settings)
+        return state
 
     def start(self, request: WalkRequest, pools: Sequence[TierPool],
-              session: SessionRecord | None) -> RequestWalk:
-        """A new walk for ``request`` over the route's ``pools`` (smallest window first)."""
-        return RequestWalk(self, request, pools, session)
+              session: SessionRecord | None, *,
+              alternates: Mapping[PoolName, TierPool] | None = None) -> RequestWalk:
+        """A new walk for ``request`` over the route's ``pools`` (smallest window first).
+        ``alternates``: the pools the route's scenarios may put in place of one of them
+        (A/B arms, a failover backup), as the tier logic sees them now."""
+        return RequestWalk(self, request, pools, session, alternates or {})
+
+    def shadow_request(self, warm: ShadowWarm, item: HotSession,
+                       request_id: RequestId) -> RouteRequest:
+        """The ``RouteRequest`` of one shadow warm-up (``max_tokens: 1``): to the warmed
+        version's replicas only, with the version's salt when the route salts, with the
+        session's token ids when they are valid for the warmed pool (else routed on
+        predictions alone: the engine still caches what it is sent)."""
+        core = self.core
+        state = self.scenarios.get(warm.route)
+        settings = state.settings if state is not None else NO_SCENARIOS
+        ids = item.token_ids
+        if ids is not None and state is not None and not state.ids_shareable(item.pool, warm.pool):
+            ids = None
+        exclude: frozenset[ReplicaId] = frozenset()
+        if warm.version is not None:
+            exclude = frozenset(rep.name for rep in core.pool(warm.pool).replicas
+                                if core.versions.version(rep.name) != warm.version)
+        salt = item.tenant_salt
+        if settings.version_salt and warm.version is not None:
+            salt = version_salt(warm.version, item.tenant_salt)
+        return RouteRequest(
+            request_id=request_id, pool=warm.pool, scope=TenantScope(TenantName(item.tenant)),
+            num_prompt_tokens=item.tokens if ids is None else len(ids), prompt_token_ids=ids,
+            cache_salt=salt, session_id=None, expected_output_tokens=1,
+            predicted_output_tokens=1, exclude=exclude)
+
+    def shadow_done(self, warm: ShadowWarm) -> None:
+        """One shadow warm-up of ``warm`` answered or failed (an upgrade counts them down
+        to ready)."""
+        state = self.scenarios.get(warm.route)
+        if state is not None and warm.version is not None:
+            state.warm_finished(warm.pool, warm.version)
 
 
 # --- one walk ------------------------------------------------------------------------------------
@@ -531,7 +631,8 @@ class RequestWalk:
     """
 
     def __init__(self, walker: Walker, request: WalkRequest, pools: Sequence[TierPool],
-                 session: SessionRecord | None) -> None:
+                 session: SessionRecord | None,
+                 alternates: Mapping[PoolName, TierPool] | None = None) -> None:
         if not pools:
             raise ValueError(f"route {request.route.name!r} has no pools")
         self._walker = walker
@@ -562,6 +663,13 @@ class RequestWalk:
         self._load_open: ReplicaId | None = None
         self._notes: list[Note] = []
         self._closed = False
+        self._alternates = alternates or {}
+        self._scenario = walker.scenarios.get(request.route.name)
+        self.arm: PoolName | None = None
+        """The A/B arm (a pool) this request was given, on a split route."""
+        self.version: str | None = None
+        """The model version of the group the last attempt was routed in."""
+        self._groups: dict[PoolName, GroupChoice | None] = {}
 
     # -- the driver's calls ---------------------------------------------------------------------
 
@@ -591,6 +699,8 @@ class RequestWalk:
     def begin(self) -> WalkAction:
         """Steps 1-2: estimate and place the request; the first action."""
         self._expect(_Phase.NEW, "begin")
+        if self._scenario is not None:
+            self._apply_scenarios(self._scenario)
         self.estimate = self._estimate()
         self.state = AttemptState(0, self.request.max_tokens, self.request.max_tokens,
                                   self.estimate.high)
@@ -673,6 +783,10 @@ class RequestWalk:
         moved = self._walker.core.reroute(decision, decision.replica)  # releases its load
         self._load_open = None
         if moved is None:
+            if self._fail_over_now():  # the primary has no replica left: the backup takes it
+                self._notes.append(UpstreamFailed(decision.replica, kind, retried=True))
+                self.retries += 1
+                return self._record(self._route())
             self._notes.append(UpstreamFailed(decision.replica, kind, retried=False))
             return self._record(self._finish_failed(decision, FailReason.NO_REPLICA_LEFT, kind))
         self._notes.append(UpstreamFailed(decision.replica, kind, retried=True))
@@ -715,8 +829,14 @@ class RequestWalk:
             return None
         old = self.session
         pin = self.decision.replica if answered and self.decision is not None else old.pin
+        served = answered and self.decision is not None
         new = SessionRecord(pin=pin, tier=max(old.tier, self._tier),
-                            usage=usage_record if usage_record is not None else old.usage)
+                            usage=usage_record if usage_record is not None else old.usage,
+                            version=self.version if served else old.version,
+                            arm=self.arm if self.arm is not None else old.arm,
+                            prompt_tokens=self.num_prompt_tokens if served else old.prompt_tokens)
+        if served and self._scenario is not None:
+            self._remember_hot(self.key)
         self._record(f"end {self.outcome} pin={new.pin} tier={new.tier}")
         if new == old and not answered:
             return None
@@ -864,11 +984,14 @@ class RequestWalk:
         try:
             decision = core.route(route_request)
         except NoEligibleReplica as exc:
+            if self._fail_over_now():
+                return self._route()
             return self._finish_refused(Refuse(503, str(exc), "no_replica", pool=pool))
         routing_s = self.routing_s = self._walker.timer() - started
         self.num_prompt_tokens = route_request.num_prompt_tokens
         self.exact = route_request.prompt_token_ids is not None
         self._notes.append(Decided(decision, self.num_prompt_tokens, self.exact, routing_s))
+        self._bill(decision)
         warm = None
         if not self._warm_checked:
             self._warm_checked = True
@@ -899,6 +1022,16 @@ class RequestWalk:
         pin = self.session.pin
         preferred = pin if pin is not None and any(
             rep.name == pin for rep in self._walker.core.pool(pool).replicas) else None
+        exclude: frozenset[ReplicaId] = frozenset()
+        salt = request.cache_salt
+        group = self._group(pool)
+        if group is not None:
+            exclude = frozenset(rep.name for rep in self._walker.core.pool(pool).replicas
+                                if rep.name not in group.replicas)
+            if preferred is not None and preferred in exclude:
+                preferred = None
+            if self._scenario is not None and self._scenario.settings.version_salt:
+                salt = version_salt(group.version, request.cache_salt)
         predicted = 1
         if expected_output_tokens is None:
             sent = self.state.max_tokens
@@ -914,14 +1047,14 @@ class RequestWalk:
             prompt_token_ids=token_ids,
             block_hashes=block_hashes if token_ids is not None else None,
             routing_text=text,
-            cache_salt=request.cache_salt,
+            cache_salt=salt,
             lora=(None if request.adapter is None
                   else self._walker.core.lora_key(pool, request.adapter)),
             session_id=request.session_id,
             expected_output_tokens=expected_output_tokens,
             predicted_output_tokens=min(predicted, expected_output_tokens),
+            exclude=exclude | request.exclude,
             preferred_replica=preferred,
-            exclude=request.exclude,
         )
 
     def _external_request(self, pool: PoolName) -> RouteRequest:
@@ -939,6 +1072,184 @@ class RequestWalk:
             expected_output_tokens=sent if sent is not None else DEFAULT_EXPECTED_OUTPUT_TOKENS,
             exclude=frozenset(name for name in names if name != best),
         )
+
+    # -- model-bound cache scenarios (core/scenarios.py) ------------------------------------------
+
+    def _apply_scenarios(self, state: ScenarioState) -> None:
+        """Before the tier plan: the A/B arm and the failover switch put their pool in
+        place of the route's; a due shadow warm-up of the backup is asked for."""
+        settings, now = state.settings, self._walker.clock.now()
+        split = settings.ab_split
+        if split is not None:
+            control = PoolName(self.pools[0].name)
+            arms = {arm.pool: arm for arm in split.arms}
+            remembered = self.session.arm
+            if split.sticky and remembered is not None and remembered in arms:
+                arm = PoolName(remembered)
+            else:
+                key = self.key if split.sticky and self.key is not None else \
+                    str(self.request.request_id)
+                arm = choose_arm(split, key).pool
+            if (self.request.prompt_token_ids is not None
+                    and not state.ids_shareable(control, arm)):
+                arm = control  # the client's token ids are valid for the control's tokenizer
+            self._substitute(control, arm)
+            self.arm = arm
+        failover = settings.failover
+        switch = state.failover
+        if failover is None or switch is None:
+            return
+        core = self._walker.core
+        primary = failover.primary
+        healthy = [rep.name for rep in core.pool(primary).replicas if core.is_healthy(rep.name)]
+        waiting = {r: core.load.snapshot(r, now).engine_waiting for r in healthy}
+        before = switch.switches
+        usable = primary_usable(healthy, waiting, failover.saturated_waiting)
+        active = switch.update(now, usable)
+        if switch.switches != before:
+            self._notes.append(LogLine("warning", (
+                f"{LOG_TAG} failover of route {self.request.route.name!r}: "
+                + (f"{primary!r} unusable ({len(healthy)} healthy) → backup {failover.backup!r}"
+                   if active else f"{primary!r} usable for {failover.back_after_s:g}s → back"))))
+        if active:
+            self._substitute(primary, failover.backup)
+        elif (failover.warm_budget_tokens > 0 and failover.backup in self._alternates
+              and not self._alternates[failover.backup].external
+              and now - state.last_backup_warm_s >= failover.warm_interval_s):
+            items = state.hot.hottest(failover.warm_budget_tokens, pool=primary,
+                                      since_s=state.last_backup_warm_s)
+            state.last_backup_warm_s = now
+            if items:
+                self._notes.append(ShadowWarm(self.request.route.name, "failover",
+                                              failover.backup, None, tuple(items)))
+
+    def _substitute(self, pool: PoolName, by: PoolName) -> None:
+        """Put ``by`` (an alternate) where ``pool`` stands in the route's pools."""
+        if pool == by:
+            return
+        alternate = self._alternates.get(by)
+        if alternate is None:
+            raise ValueError(f"route {self.request.route.name!r}: pool {by!r} is not among "
+                             "the alternates the driver passed (A/B arms, failover backup)")
+        for i, entry in enumerate(self.pools):
+            if entry.name == pool:
+                self.pools[i] = alternate
+
+    def _fail_over_now(self) -> bool:
+        """The primary of a failover route has no replica left for this request: switch
+        to the backup now and route there (before any byte was sent: nothing is lost)."""
+        state = self._scenario
+        failover = None if state is None else state.settings.failover
+        if (state is None or failover is None or state.failover is None
+                or self.pool_name != failover.primary
+                or failover.backup not in self._alternates):
+            return False
+        state.failover.force(self._walker.clock.now())
+        self._notes.append(LogLine("warning", (
+            f"{LOG_TAG} failover of route {self.request.route.name!r}: no replica of "
+            f"{failover.primary!r} left for this request → backup {failover.backup!r}")))
+        self._substitute(failover.primary, failover.backup)
+        self._prefer = None
+        return True
+
+    def _group(self, pool: PoolName) -> GroupChoice | None:
+        """The version group this walk routes in within ``pool`` (``core/versions.py``),
+        chosen once per pool; None when the pool's replicas agree (or are unknown)."""
+        if pool in self._groups:
+            return self._groups[pool]
+        core, now = self._walker.core, self._walker.clock.now()
+        versions = core.versions
+        if not versions.known:
+            self._groups[pool] = None
+            return None
+        healthy = [rep.name for rep in core.pool(pool).replicas if core.is_healthy(rep.name)]
+        groups = versions.groups(healthy)
+        state = self._scenario
+        upgrade = None if state is None else state.settings.upgrade
+        preferred: str | None = None
+        move = False
+        if upgrade is not None and state is not None and len(groups) > 1:
+            newest = versions.newest(groups)
+            assert newest is not None
+            progress = state.upgrade_target(pool, newest, now)
+            if not progress.ready and progress.pending == 0:
+                items = state.hot.hottest(upgrade.warm_budget_tokens, pool=pool)
+                if items:
+                    progress.pending = len(items)
+                    progress.warm_tokens = sum(item.tokens for item in items)
+                    self._notes.append(ShadowWarm(self.request.route.name, "upgrade", pool,
+                                                  newest, tuple(items)))
+                else:
+                    progress.ready = True
+            if progress.ready:
+                preferred, move = newest, upgrade.move_sessions
+            else:  # warming in shadow: the new version takes no traffic yet
+                groups = {v: g for v, g in groups.items() if v != newest}
+        pin = self.session.pin
+        same_pool = pin is not None and core.knows(pin) and core.pool_of(pin) == pool
+        choice = choose_group(groups, self.session.version if same_pool else None,
+                              preferred=preferred, move_sessions=move,
+                              first_seen={v: versions.first_seen(v) for v in groups})
+        if choice is not None and choice.version == "":
+            choice = None  # no identity known in this pool: no groups
+        self._groups[pool] = choice
+        if choice is not None and pool == self.pool_name:
+            self.version = choice.version
+        return choice
+
+    def _bill(self, decision: RoutingDecision) -> None:
+        """Notes an A/B arm's request and a scenario's move with its recompute bill."""
+        state = self._scenario
+        route, pool = self.request.route.name, PoolName(decision.request.pool)
+        external = self.pools[self.state.pool_index].external
+        group = None if external else self._groups.get(pool)
+        self.version = None if group is None else group.version
+        if state is None and (group is None or group.moved_from is None):
+            return  # nothing to bill: no scenario, no version change
+        settings = NO_SCENARIOS if state is None else state.settings
+        core, session = self._walker.core, self.session
+        if self.arm is not None:
+            self._notes.append(ArmServed(route, self.arm, self.num_prompt_tokens,
+                                         decision.expected_cached_tokens))
+        pin = session.pin
+        if pin is None or not core.knows(pin):
+            return
+        before = core.pool_of(pin)
+        scenario, place = None, str(before)
+        failover = settings.failover
+        if self.arm is not None and session.arm is not None and session.arm != self.arm:
+            scenario, place = "ab", str(session.arm)
+        elif (before != pool and failover is not None
+              and {before, pool} <= {failover.primary, failover.backup}):
+            scenario = "failover"
+        elif before == pool and group is not None and group.moved_from is not None:
+            scenario = "upgrade" if settings.upgrade is not None else "version"
+            place = group.moved_from
+        if scenario is None:
+            return
+        block = core.pool(before).block_size
+        tokens = recompute_bill(session.prompt_tokens, self.num_prompt_tokens, block,
+                                decision.expected_cached_tokens)
+        to_place = self.version if scenario in ("upgrade", "version") and self.version else pool
+        self._notes.append(ScenarioMove(route, scenario, place, str(to_place), tokens))
+
+    def _remember_hot(self, key: str | None) -> None:
+        """The session's latest prompt, for a later shadow warm-up (only when a scenario of
+        the route warms in shadow)."""
+        state, decision = self._scenario, self.decision
+        if state is None or key is None or decision is None:
+            return
+        settings = state.settings
+        warms = ((settings.upgrade is not None and settings.upgrade.warm_budget_tokens > 0)
+                 or (settings.failover is not None and settings.failover.warm_budget_tokens > 0))
+        if not warms or self.pools[self.state.pool_index].external:
+            return
+        request = decision.request
+        state.hot.touch(HotSession(
+            key=key, pool=request.pool, tokens=request.num_prompt_tokens,
+            token_ids=request.prompt_token_ids, tenant=self.request.tenant,
+            tenant_salt=self.request.cache_salt, payload=self.request.shadow_payload,
+            last_seen_s=self._walker.clock.now()))
 
     # -- warm-ahead ------------------------------------------------------------------------------
 

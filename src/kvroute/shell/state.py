@@ -168,7 +168,8 @@ class RedisState:
     """State in Redis, shared by every router process pointed at the same server.
 
     Keys: ``<namespace>:session:<key>`` (value: the record as JSON, ``{"pin": ..., "tier":
-    ..., "usage": [prompt, completion, messages]}``, ``PX`` = TTL; an unreadable value reads
+    ..., "usage": [prompt, completion, messages], "version": ..., "arm": ...,
+    "prompt_tokens": ...}``, ``PX`` = TTL; an unreadable value reads
     as no record and is counted, never raised) and
     ``<namespace>:warm:<key>`` (claimed with ``SET NX PX``, so exactly one process wins per
     cooldown). The namespace defaults to ``kvroute``; several fleets can share one Redis with
@@ -308,6 +309,9 @@ class _WireRecord(msgspec.Struct, omit_defaults=True):
     pin: str | None = None
     tier: int = 0
     usage: tuple[int, int, int] | None = None
+    version: str | None = None
+    arm: str | None = None
+    prompt_tokens: int = 0
 
 
 _RECORD_ENCODER: Final = msgspec.json.Encoder()
@@ -320,7 +324,8 @@ def encode_record(record: SessionRecord) -> bytes:
     return _RECORD_ENCODER.encode(_WireRecord(
         pin=record.pin, tier=record.tier,
         usage=None if usage is None else (usage.prompt_tokens, usage.completion_tokens,
-                                          usage.num_messages)))
+                                          usage.num_messages),
+        version=record.version, arm=record.arm, prompt_tokens=record.prompt_tokens))
 
 
 def decode_record(data: bytes | str) -> SessionRecord | None:
@@ -329,11 +334,13 @@ def decode_record(data: bytes | str) -> SessionRecord | None:
         wire = _RECORD_DECODER.decode(data)
     except msgspec.DecodeError:
         return None
-    if wire.tier < 0 or (wire.usage is not None and min(wire.usage) < 0):
+    if (wire.tier < 0 or wire.prompt_tokens < 0
+            or (wire.usage is not None and min(wire.usage) < 0)):
         return None
     return SessionRecord(
         pin=None if wire.pin is None else ReplicaId(wire.pin), tier=wire.tier,
-        usage=None if wire.usage is None else SessionUsage(*wire.usage))
+        usage=None if wire.usage is None else SessionUsage(*wire.usage),
+        version=wire.version, arm=wire.arm, prompt_tokens=wire.prompt_tokens)
 
 
 def _ms(seconds: float) -> int:

@@ -321,8 +321,8 @@ def test_the_record_is_written_once_at_the_end_with_pin_tier_and_usage() -> None
     write = walk.end(["stop"], {"prompt_tokens": 130, "completion_tokens": 20})
     assert write is not None
     assert write.key == session_key(TENANT, "chat", "s1")
-    assert write.record == SessionRecord(pin=send.decision.replica, tier=0,
-                                         usage=None)  # a token-id prompt has no messages
+    assert write.record == SessionRecord(pin=send.decision.replica, tier=0, usage=None,
+                                         prompt_tokens=100)  # a token-id prompt: no messages
     assert walk.end() is None  # idempotent
 
 

@@ -1,0 +1,154 @@
+"""Version groups: which replicas run the same weights, and which group a session stays in.
+
+``RouterCore`` keeps one :class:`ReplicaVersions`: discovery (live) or the fleet (simulator)
+tells it each replica's :class:`~kvroute.core.model_identity.ModelIdentity`; an identity that
+differs from the one known before is an :class:`IdentityChange`, on which the router drops the
+replica's index entries and learned rates at once (a restart on other weights, a hot weight
+update: whatever the replica cached or measured belongs to weights it no longer runs).
+
+A pool whose healthy replicas disagree is split into *version groups* (replicas of one
+version). A request of a session is routed inside one group only (:func:`choose_group`), and
+the session record remembers the group's version, so a conversation never alternates between
+weights. Which group a session takes:
+
+1. the group it was in, while that group still has a healthy replica — unless an upgrade
+   moves sessions to the route's preferred (newest, ready) version at their next turn
+   (a turn boundary: a request that arrives, never one in flight);
+2. else the preferred version, when the route names one and it has replicas;
+3. else the largest group (most healthy replicas), ties to the version seen first.
+
+Every version is recorded with the order it was first seen in (``first_seen``), which is what
+"newest" means for an upgrade (``core/scenarios.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvroute.core.model_identity import ModelIdentity
+from kvroute.core.types import ReplicaId
+
+__all__ = ["GroupChoice", "IdentityChange", "ReplicaVersions", "choose_group"]
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityChange:
+    """A replica's identity differs from the one known before: ``before`` → ``after``."""
+
+    replica: ReplicaId
+    before: ModelIdentity
+    after: ModelIdentity
+
+
+@dataclass(frozen=True, slots=True)
+class GroupChoice:
+    """The version group a request is routed in.
+
+    Attributes:
+        version: the group's version.
+        replicas: the group's replicas (the request may go to these only).
+        moved_from: the session's previous version when it changes group now, else None.
+        why: ``stay``, ``only`` (one group), ``upgrade`` (moved to the preferred version),
+            ``gone`` (the old group has no healthy replica left), ``preferred``, ``largest``.
+    """
+
+    version: str
+    replicas: frozenset[ReplicaId]
+    moved_from: str | None
+    why: str
+
+
+class ReplicaVersions:
+    """Each replica's model identity and the order versions were first seen in."""
+
+    __slots__ = ("_first_seen", "_identity")
+
+    def __init__(self) -> None:
+        self._identity: dict[ReplicaId, ModelIdentity] = {}
+        self._first_seen: dict[str, int] = {}
+
+    def observe(self, replica: ReplicaId, identity: ModelIdentity) -> IdentityChange | None:
+        """Record ``replica``'s identity; the change, when it had another one before."""
+        before = self._identity.get(replica)
+        self._identity[replica] = identity
+        self._first_seen.setdefault(identity.version, len(self._first_seen))
+        if before is None or before == identity:
+            return None
+        return IdentityChange(replica, before, identity)
+
+    @property
+    def known(self) -> bool:
+        """Some replica's identity has been read (else there are no groups to keep)."""
+        return bool(self._identity)
+
+    def identity(self, replica: ReplicaId) -> ModelIdentity | None:
+        return self._identity.get(replica)
+
+    def version(self, replica: ReplicaId) -> str | None:
+        """The replica's version, or None while no identity has been read."""
+        identity = self._identity.get(replica)
+        return None if identity is None else identity.version
+
+    def first_seen(self, version: str) -> int:
+        """The order ``version`` was first seen in (unseen versions sort last)."""
+        return self._first_seen.get(version, len(self._first_seen))
+
+    def groups(self, replicas: Iterable[ReplicaId]) -> dict[str, list[ReplicaId]]:
+        """``replicas`` by version, in the order given. A replica whose identity is not
+        known yet joins the pool's only group when there is one, else is left out: it is
+        routed once its identity is read."""
+        out: dict[str, list[ReplicaId]] = {}
+        unknown: list[ReplicaId] = []
+        for replica in replicas:
+            version = self.version(replica)
+            if version is None:
+                unknown.append(replica)
+            else:
+                out.setdefault(version, []).append(replica)
+        if not out:
+            return {"": unknown} if unknown else {}
+        if len(out) == 1:
+            only = next(iter(out))
+            out[only] = [*out[only], *unknown]
+        return out
+
+    def newest(self, versions: Iterable[str]) -> str | None:
+        """The most recently first-seen of ``versions``."""
+        return max(versions, key=self.first_seen, default=None)
+
+
+def choose_group(groups: Mapping[str, Sequence[ReplicaId]], session_version: str | None, *,
+                 preferred: str | None = None, move_sessions: bool = False,
+                 first_seen: Mapping[str, int] | None = None) -> GroupChoice | None:
+    """The group a request is routed in (module docstring); None when ``groups`` is empty.
+
+    Args:
+        groups: the pool's healthy replicas by version (:meth:`ReplicaVersions.groups`).
+        session_version: the version the session's record names, if any.
+        preferred: the version new sessions should take (an upgrade's target once ready).
+        move_sessions: move a session on another version to ``preferred`` at this turn.
+        first_seen: version → order first seen (ties between equal groups go to the
+            earliest: the version that was serving).
+    """
+    if not groups:
+        return None
+    order = first_seen or {}
+
+    def pick(version: str, moved_from: str | None, why: str) -> GroupChoice:
+        return GroupChoice(version, frozenset(groups[version]), moved_from, why)
+
+    if len(groups) == 1:
+        only = next(iter(groups))
+        moved = session_version if session_version not in (None, only) else None
+        return pick(only, moved, "only" if moved is None else "gone")
+    if session_version is not None and session_version in groups:
+        if (move_sessions and preferred is not None and preferred in groups
+                and preferred != session_version):
+            return pick(preferred, session_version, "upgrade")
+        return pick(session_version, None, "stay")
+    gone = session_version  # the session's group has no healthy replica left (or none)
+    if preferred is not None and preferred in groups:
+        return pick(preferred, gone, "preferred" if gone is None else "gone")
+    largest = min(groups, key=lambda v: (-len(groups[v]), order.get(v, len(order)), v))
+    return pick(largest, gone, "largest" if gone is None else "gone")
