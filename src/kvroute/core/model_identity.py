@@ -58,11 +58,14 @@ class ModelIdentity:
         root: the model path or hub id of its ``/v1/models`` card, None when it gives none.
         fingerprint: the weights fingerprint or the declared version (module docstring),
             None when no local model directory could be read.
+        tokenizer: the tokenizer fingerprint (:func:`tokenizer_fingerprint`) of the model
+            directory, None when it has none that could be read.
     """
 
     served_model: str
     root: str | None = None
     fingerprint: str | None = None
+    tokenizer: str | None = None
 
     @property
     def version(self) -> str:

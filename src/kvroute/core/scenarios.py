@@ -259,13 +259,13 @@ class HotSessions:
 
     def hottest(self, budget_tokens: int, *, pool: PoolName | None = None,
                 since_s: float = float("-inf")) -> list[HotSession]:
-        """The most recent sessions (of ``pool``, seen after ``since_s``) whose prompts fit
+        """The most recent sessions (of ``pool``, seen at or after ``since_s``) whose prompts fit
         in ``budget_tokens`` together, most recent first; a prompt larger than what is left
         of the budget is skipped, not cut."""
         chosen: list[HotSession] = []
         left = budget_tokens
         for item in reversed(self._items.values()):
-            if item.last_seen_s <= since_s:
+            if item.last_seen_s < since_s:
                 break  # most recent first: the rest are older still
             if pool is not None and item.pool != pool:
                 continue

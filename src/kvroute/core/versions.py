@@ -113,6 +113,17 @@ class ReplicaVersions:
             out[only] = [*out[only], *unknown]
         return out
 
+    def same_tokenizer(self, a: Iterable[ReplicaId], b: Iterable[ReplicaId]) -> bool:
+        """Proven: every replica of ``a`` and ``b`` has a known tokenizer fingerprint, and
+        they are all the same (so token ids of one are valid for the other)."""
+        seen: set[str | None] = set()
+        count = 0
+        for replica in (*a, *b):
+            identity = self._identity.get(replica)
+            seen.add(None if identity is None else identity.tokenizer)
+            count += 1
+        return count > 0 and len(seen) == 1 and None not in seen
+
     def newest(self, versions: Iterable[str]) -> str | None:
         """The most recently first-seen of ``versions``."""
         return max(versions, key=self.first_seen, default=None)

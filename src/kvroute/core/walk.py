@@ -576,7 +576,10 @@ class Walker:
         state = self.scenarios.get(warm.route)
         settings = state.settings if state is not None else NO_SCENARIOS
         ids = item.token_ids
-        if ids is not None and state is not None and not state.ids_shareable(item.pool, warm.pool):
+        if ids is not None and item.pool != warm.pool and (state is None or not (
+                state.ids_shareable(item.pool, warm.pool) or core.versions.same_tokenizer(
+                    [r.name for r in core.pool(item.pool).replicas],
+                    [r.name for r in core.pool(warm.pool).replicas]))):
             ids = None
         exclude: frozenset[ReplicaId] = frozenset()
         if warm.version is not None:
@@ -776,6 +779,11 @@ class RequestWalk:
         if unreachable:
             self._notes.append(ReplicaUnreachable(decision.replica, detail))
         limit = self._walker.settings.max_retries
+        if retryable and self.retries >= limit and self._fail_over_now():
+            self._release()  # retries on the primary are spent: its backup gets one attempt
+            self._notes.append(UpstreamFailed(decision.replica, kind, retried=True))
+            self.retries += 1
+            return self._record(self._route())
         if not retryable or self.retries >= limit:
             self._notes.append(UpstreamFailed(decision.replica, kind, retried=False))
             why = FailReason.NOT_RETRYABLE if not retryable else FailReason.RETRIES_SPENT
@@ -1091,7 +1099,7 @@ class RequestWalk:
                     str(self.request.request_id)
                 arm = choose_arm(split, key).pool
             if (self.request.prompt_token_ids is not None
-                    and not state.ids_shareable(control, arm)):
+                    and not self._ids_shareable(state, control, arm)):
                 arm = control  # the client's token ids are valid for the control's tokenizer
             self._substitute(control, arm)
             self.arm = arm
@@ -1122,6 +1130,15 @@ class RequestWalk:
             if items:
                 self._notes.append(ShadowWarm(self.request.route.name, "failover",
                                               failover.backup, None, tuple(items)))
+
+    def _ids_shareable(self, state: ScenarioState, a: PoolName, b: PoolName) -> bool:
+        """Token ids of pool ``a`` are valid for pool ``b``: declared by the driver, or
+        proven by every replica's tokenizer fingerprint (``ReplicaVersions.same_tokenizer``)."""
+        if state.ids_shareable(a, b):
+            return True
+        core = self._walker.core
+        return core.versions.same_tokenizer([r.name for r in core.pool(a).replicas],
+                                            [r.name for r in core.pool(b).replicas])
 
     def _substitute(self, pool: PoolName, by: PoolName) -> None:
         """Put ``by`` (an alternate) where ``pool`` stands in the route's pools."""
