@@ -15,7 +15,11 @@ weights. Which group a session takes:
    moves sessions to the route's preferred (newest, ready) version at their next turn
    (a turn boundary: a request that arrives, never one in flight);
 2. else the preferred version, when the route names one and it has replicas;
-3. else the largest group (most healthy replicas), ties to the version seen first.
+3. else, when the route does not salt by version, no group at all: a session with no
+   version yet (or whose version left) may go to any replica, the cost policy chooses, and
+   the version of the replica it lands on becomes its group (``any``);
+4. else (salted: the hashes depend on the version, so it must be known before routing) the
+   largest group (most healthy replicas), ties to the version seen first.
 
 Every version is recorded with the order it was first seen in (``first_seen``), which is what
 "newest" means for an upgrade (``core/scenarios.py``).
@@ -50,7 +54,9 @@ class GroupChoice:
         replicas: the group's replicas (the request may go to these only).
         moved_from: the session's previous version when it changes group now, else None.
         why: ``stay``, ``only`` (one group), ``upgrade`` (moved to the preferred version),
-            ``gone`` (the old group has no healthy replica left), ``preferred``, ``largest``.
+            ``gone`` (the old group has no healthy replica left), ``preferred``,
+            ``largest``, ``any`` (no group imposed: ``version`` is ``""`` and ``replicas``
+            holds every group's).
     """
 
     version: str
@@ -131,7 +137,8 @@ class ReplicaVersions:
 
 def choose_group(groups: Mapping[str, Sequence[ReplicaId]], session_version: str | None, *,
                  preferred: str | None = None, move_sessions: bool = False,
-                 first_seen: Mapping[str, int] | None = None) -> GroupChoice | None:
+                 first_seen: Mapping[str, int] | None = None,
+                 pick_for_new: bool = True) -> GroupChoice | None:
     """The group a request is routed in (module docstring); None when ``groups`` is empty.
 
     Args:
@@ -141,6 +148,8 @@ def choose_group(groups: Mapping[str, Sequence[ReplicaId]], session_version: str
         move_sessions: move a session on another version to ``preferred`` at this turn.
         first_seen: version → order first seen (ties between equal groups go to the
             earliest: the version that was serving).
+        pick_for_new: a session without a group gets the largest one (salted routes);
+            False leaves it free (``any``).
     """
     if not groups:
         return None
@@ -161,5 +170,8 @@ def choose_group(groups: Mapping[str, Sequence[ReplicaId]], session_version: str
     gone = session_version  # the session's group has no healthy replica left (or none)
     if preferred is not None and preferred in groups:
         return pick(preferred, gone, "preferred" if gone is None else "gone")
+    if not pick_for_new:
+        every = frozenset(r for members in groups.values() for r in members)
+        return GroupChoice("", every, gone, "any")
     largest = min(groups, key=lambda v: (-len(groups[v]), order.get(v, len(order)), v))
     return pick(largest, gone, "largest" if gone is None else "gone")

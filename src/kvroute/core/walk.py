@@ -1038,7 +1038,8 @@ class RequestWalk:
                                 if rep.name not in group.replicas)
             if preferred is not None and preferred in exclude:
                 preferred = None
-            if self._scenario is not None and self._scenario.settings.version_salt:
+            if (self._scenario is not None and self._scenario.settings.version_salt
+                    and group.version):
                 salt = version_salt(group.version, request.cache_salt)
         predicted = 1
         if expected_output_tokens is None:
@@ -1053,7 +1054,8 @@ class RequestWalk:
             scope=TenantScope(request.tenant),
             num_prompt_tokens=num_tokens,
             prompt_token_ids=token_ids,
-            block_hashes=block_hashes if token_ids is not None else None,
+            block_hashes=(block_hashes if token_ids is not None and salt == request.cache_salt
+                          else None),  # a version salt changes every block's hash
             routing_text=text,
             cache_salt=salt,
             lora=(None if request.adapter is None
@@ -1204,14 +1206,14 @@ class RequestWalk:
                 groups = {v: g for v, g in groups.items() if v != newest}
         pin = self.session.pin
         same_pool = pin is not None and core.knows(pin) and core.pool_of(pin) == pool
+        salted = state is not None and state.settings.version_salt
         choice = choose_group(groups, self.session.version if same_pool else None,
                               preferred=preferred, move_sessions=move,
-                              first_seen={v: versions.first_seen(v) for v in groups})
-        if choice is not None and choice.version == "":
-            choice = None  # no identity known in this pool: no groups
+                              first_seen={v: versions.first_seen(v) for v in groups},
+                              pick_for_new=salted)
+        if choice is not None and choice.version == "" and choice.moved_from is None:
+            choice = None  # no group imposed, and no session moved: nothing to keep
         self._groups[pool] = choice
-        if choice is not None and pool == self.pool_name:
-            self.version = choice.version
         return choice
 
     def _bill(self, decision: RoutingDecision) -> None:
@@ -1220,7 +1222,7 @@ class RequestWalk:
         route, pool = self.request.route.name, PoolName(decision.request.pool)
         external = self.pools[self.state.pool_index].external
         group = None if external else self._groups.get(pool)
-        self.version = None if group is None else group.version
+        self.version = None if external else self._walker.core.versions.version(decision.replica)
         if state is None and (group is None or group.moved_from is None):
             return  # nothing to bill: no scenario, no version change
         settings = NO_SCENARIOS if state is None else state.settings

@@ -77,17 +77,20 @@ from functools import partial
 from typing import Any, cast
 
 from kvroute.core.clock import ManualClock
-from kvroute.core.errors import ConfigError
+from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.load import DecodeTiming
+from kvroute.core.model_identity import ModelIdentity
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore
+from kvroute.core.scenarios import RouteScenarios
 from kvroute.core.session import SessionTable, session_key
 from kvroute.core.stats import mean, percentile
 from kvroute.core.tiers import DEFAULT_OUTPUT_FLOOR, OverflowNumbers, TierPool, learn_window
 from kvroute.core.types import BlockHash, PoolName, ReplicaId, RequestId, TenantName, WireHash
 from kvroute.core.walk import (
+    ArmServed,
     CutShortNote,
     Escalated,
     Fail,
@@ -96,7 +99,9 @@ from kvroute.core.walk import (
     Refuse,
     ReplicaUnreachable,
     RequestWalk,
+    ScenarioMove,
     Send,
+    ShadowWarm,
     WalkAction,
     Walker,
     WalkRequest,
@@ -129,12 +134,19 @@ from kvroute.wire.overflow_styles import check_overflow
 POOL = PoolName("sim")
 DEFAULT_TENANT = TenantName("default")
 
-_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _TOKENS, _RESEND, _HEAL, _RESET = 0, 1, 2, 3, 4, 5, 6, 7
+(_ARRIVE, _STEP_DONE, _EVENTS, _SAMPLE, _TOKENS, _RESEND, _HEAL, _RESET,
+ _RESTART) = range(9)
 ROUTE = "sim"
 """The simulated fleet's one route (the session records' key names it)."""
 
 WARM_SUFFIX = "#warm"
 """Appended to a request id to name its warm-up copy."""
+SHADOW_PREFIX = "shadow-"
+"""Starts the id of a shadow warm-up (``core/scenarios.py``)."""
+FIRST_VERSION = "v1"
+"""The model version every replica runs at the start of a run with versions."""
+SIM_TOKENIZER = "t:sim-vocab"
+"""The tokenizer fingerprint of every simulated pool (one vocabulary: ids are shared)."""
 OVERFLOW_STYLE = "vllm-0.32"
 """The engines' error wording: the engine model implements vLLM 0.32's admission checks."""
 
@@ -251,6 +263,26 @@ class Outage:
 
 
 @dataclass(frozen=True, slots=True)
+class Restart:
+    """A replica restarted on other weights (``version``) at ``at_s`` (virtual time).
+
+    It leaves routing at ``at_s``, finishes what it runs (a graceful drain), drops its prefix
+    cache, and is back ``down_s`` after the drain with its new identity: the router then
+    learns the new version (``RouterCore.set_identity``), as discovery does live.
+    """
+
+    replica: str
+    at_s: float
+    version: str
+    down_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (self.at_s >= 0 and self.down_s >= 0 and self.version):
+            raise ConfigError(f"restart of {self.replica!r}: need at_s >= 0, down_s >= 0 and a "
+                              f"version, got {self.at_s}, {self.down_s}, {self.version!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class FleetConfig:
     """One simulated fleet and how to drive it.
 
@@ -293,6 +325,11 @@ class FleetConfig:
         shared_store_blocks / shared_load_s_per_block: a store every engine of the fleet
             reads and writes (LMCache-like; ``engine/offload.py``), announced with medium
             ``STORAGE`` under every replica; 0 blocks: none.
+        scenarios: the route's model-bound cache scenarios (``core/scenarios.py``); the
+            route is pool 0 (with tiers: the tiers), every other pool is an alternate (an
+            A/B arm, a failover backup).
+        restarts: replicas restarted on other weights (:class:`Restart`). With restarts or
+            scenarios every replica starts with version ``v1`` (``FIRST_VERSION``).
     """
 
     num_replicas: int
@@ -323,6 +360,8 @@ class FleetConfig:
     index_reset_at_s: float | None = None
     shared_store_blocks: int = 0
     shared_load_s_per_block: float = 0.0
+    scenarios: RouteScenarios | None = None
+    restarts: tuple[Restart, ...] = ()
 
     def __post_init__(self) -> None:
         if self.shared_store_blocks < 0 or not self.shared_load_s_per_block >= 0:
@@ -416,6 +455,9 @@ class RequestRecord:
     cut_short: str | None = None
     itl_sum_s: float = 0.0
     num_itl_tokens: int = 0
+    arm: str | None = None
+    version: str | None = None
+    recompute_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -458,7 +500,9 @@ class FleetResult:
     """Pool name → the engines' own (prefix-cache queries, hits) counters, in tokens."""
     counters: dict[str, int] = field(default_factory=dict)
     """Tier events: ``doomed_attempts``, ``escalations``, ``clamp_retries``, ``give_ups``,
-    ``no_fit``, ``exact_counts``, ``warms_fired``, ``warms_rejected``, ``cut_short_<why>``."""
+    ``no_fit``, ``exact_counts``, ``warms_fired``, ``warms_rejected``, ``cut_short_<why>``;
+    scenarios: ``recompute_tokens_<scenario>``, ``moves_<scenario>``,
+    ``shadow_warms_<scenario>``, ``shadow_warm_tokens_<scenario>``, ``restarts``."""
     event_counts: dict[str, int] = field(default_factory=dict)
     """KV events delivered to the router (``events_stored``, ``hashes_stored``,
     ``events_removed``, ``hashes_removed``) and the thread CPU the router spent applying
@@ -640,6 +684,12 @@ class FleetSimulation:
             for p in pools
         ]
         self._model = self._tier_pools[0].served_model or ""
+        routed = {p.name for p in pools}
+        self._alternates = {
+            PoolName(p.name): TierPool(p.name, window=p.engine_config().max_model_len,
+                                       window_fetched_at_s=0.0,
+                                       served_model=p.served_model or p.profile.model)
+            for p in self.pools if p.name not in routed}
         self._route = WalkRoute(
             ROUTE, proactive=self._mode in (TierMode.PROACTIVE, TierMode.PROACTIVE_WARM),
             output_floor=config.output_floor)
@@ -652,6 +702,12 @@ class FleetSimulation:
                              WalkSettings(window_ttl_s=math.inf, policy_needs_text=needs_text),
                              self.clock)
         self._sessions = SessionTable(ttl_s=math.inf)
+        if config.scenarios is not None:
+            self.walker.set_scenarios(ROUTE, config.scenarios)
+        if config.scenarios is not None or config.restarts:
+            for name, pool_name in self.pool_of.items():
+                self.router.set_identity(name, self._identity(pool_name, FIRST_VERSION))
+        self._shadow: dict[str, ShadowWarm] = {}
         self._counters: Counter[str] = Counter()
         self._event_counts: Counter[str] = Counter()
         self._warm_skips: Counter[str] = Counter()
@@ -661,7 +717,17 @@ class FleetSimulation:
 
     # -- driving ----------------------------------------------------------------------
 
+    def _identity(self, pool: PoolName, version: str) -> ModelIdentity:
+        sim_pool = self.pools[self.pool_names.index(pool)]
+        return ModelIdentity(sim_pool.served_model or sim_pool.profile.model, None,
+                             f"{pool}:{version}", SIM_TOKENIZER)
+
     def run(self) -> FleetResult:
+        for restart in self.config.restarts:
+            if ReplicaId(restart.replica) not in self.engines:
+                raise ConfigError(f"restart of unknown replica {restart.replica!r}; replicas: "
+                                  f"{', '.join(self.names)}")
+            self._push(restart.at_s, _RESTART, (restart, 0))
         for request in self.workload:
             if request.depends_on is None:
                 self._push(request.arrival_s, _ARRIVE, request)
@@ -689,6 +755,8 @@ class FleetSimulation:
                 self._act(flight, send)
             elif kind == _HEAL:
                 self.router.set_healthy(cast("ReplicaId", data), True)
+            elif kind == _RESTART:
+                self._restart(*cast("tuple[Restart, int]", data))
             elif kind == _STEP_DONE:
                 replica, result = cast("tuple[ReplicaId, StepResult]", data)
                 finished = self._step_done(replica, result)
@@ -778,7 +846,8 @@ class FleetSimulation:
             prompt_token_ids=None if chat else tokens,
             prompt_block_hashes=None if chat else wire,
             routing_text=partial(tokens_as_text, tokens), cache_salt=salt,
-        ), self._tier_pools, stored)
+            shadow_payload=request,
+        ), self._tier_pools, stored, alternates=self._alternates)
         flight = _Flight(request, record, walk, digests, wire, salt)
         self._flights[rid] = flight
         self._act(flight, walk.begin())
@@ -821,13 +890,17 @@ class FleetSimulation:
             self._act(flight, walk.failed("connect", retryable=True, unreachable=True,
                                           detail="simulated outage"))
             return
+        salt, digests = flight.salt, flight.digests
+        if decision.request.cache_salt != salt:  # a version salt (core/scenarios.py)
+            salt = decision.request.cache_salt
+            digests = self.digests.get(request, salt)[0]
         admission = self.engines[replica].add_request(EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=send.max_tokens if send.max_tokens is not None else request.output_tokens,
             output_length=request.output_tokens,
-            cache_salt=flight.salt,
-            prompt_block_hashes=flight.digests,
+            cache_salt=salt,
+            prompt_block_hashes=digests,
             arrival_s=now,
             report_full=self.config.report_hits,
         ))
@@ -852,6 +925,7 @@ class FleetSimulation:
         record.pool = decision.request.pool
         record.pool_index = pool_index
         record.clamped_max_tokens = send.max_tokens
+        record.version = walk.version
         session = request.session_id
         if pool_index > 0 and (session is None or session not in self._landed):
             if session is not None:
@@ -885,6 +959,68 @@ class FleetSimulation:
                 self._counters[f"cut_short_{note.why.value}"] += 1
             elif isinstance(note, ReplicaUnreachable):
                 self._take_out(note.replica)
+            elif isinstance(note, ScenarioMove):
+                self._counters[f"recompute_tokens_{note.scenario}"] += note.tokens
+                self._counters[f"moves_{note.scenario}"] += 1
+                record.recompute_tokens += note.tokens
+            elif isinstance(note, ArmServed):
+                record.arm = note.arm
+            elif isinstance(note, ShadowWarm):
+                self._shadow_warm(note)
+
+    def _shadow_warm(self, warm: ShadowWarm) -> None:
+        """Each ``max_tokens: 1`` copy of a session's latest prompt to the warmed pool's
+        chosen replica, at once (kept out of the workload's records, like warm-ahead)."""
+        now = self.clock.now()
+        for item in warm.items:
+            request = cast("WorkloadRequest", item.payload)
+            wid = f"{SHADOW_PREFIX}{warm.scenario}-{self._counter}-{request.request_id}"
+            self._counter += 1
+            try:
+                decision = self.router.route(self.walker.shadow_request(warm, item,
+                                                                        RequestId(wid)))
+            except NoEligibleReplica:
+                self.walker.shadow_done(warm)
+                self._counters[f"shadow_warms_failed_{warm.scenario}"] += 1
+                continue
+            salt = decision.request.cache_salt
+            digests = self.digests.get(request, salt)[0]
+            replica = decision.replica
+            admission = self.engines[replica].add_request(EngineRequest(
+                request_id=wid, prompt_token_ids=request.prompt_token_ids, max_tokens=1,
+                output_length=1, cache_salt=salt, prompt_block_hashes=digests, arrival_s=now))
+            if isinstance(admission, Rejection):
+                self.router.on_complete(replica, RequestId(wid))
+                self.walker.shadow_done(warm)
+                self._counters[f"shadow_warms_failed_{warm.scenario}"] += 1
+                continue
+            self._counters[f"shadow_warms_{warm.scenario}"] += 1
+            self._counters[f"shadow_warm_tokens_{warm.scenario}"] += item.tokens
+            self._shadow[wid] = warm
+            self._warm[wid] = RequestRecord(
+                wid, now, replica=replica, num_prompt_tokens=item.tokens,
+                session_id=request.session_id, pool=warm.pool, requested_max_tokens=1)
+            if replica not in self._busy:
+                self._start_step(replica)
+
+    def _restart(self, restart: Restart, phase: int) -> None:
+        """A replica's restart on other weights (:class:`Restart`): out of routing, drained,
+        cache dropped, back with its new identity ``down_s`` later."""
+        replica, now = ReplicaId(restart.replica), self.clock.now()
+        engine = self.engines[replica]
+        if phase == 0:
+            self._counters["restarts"] += 1
+            self.router.set_healthy(replica, False)
+            phase = 1
+        if phase == 1:
+            if engine.has_work() or not engine.reset_prefix_cache():
+                self._push(now + 0.05, _RESTART, (restart, 1))  # still draining
+                return
+            engine.take_events()  # its old blocks are gone with the process
+            self._push(now + restart.down_s, _RESTART, (restart, 2))
+            return
+        self.router.set_identity(replica, self._identity(self.pool_of[replica], restart.version))
+        self.router.set_healthy(replica, True)
 
     def _take_out(self, replica: ReplicaId) -> None:
         """A replica refused a connection: out of routing until its outage ends (what the
@@ -1002,6 +1138,9 @@ class FleetSimulation:
                 record.finish_reason = out.finish_reason
                 if warm:
                     self.router.on_complete(replica, RequestId(out.request_id))
+                    shadow = self._shadow.pop(out.request_id, None)
+                    if shadow is not None:
+                        self.walker.shadow_done(shadow)
                     continue
                 self._end(self._flights[out.request_id], now, out.finish_reason,
                           {"prompt_tokens": out.num_prompt_tokens,

@@ -105,20 +105,30 @@ def identify(walker: Walker, versions: dict[str, str]) -> None:
 
 def test_a_session_stays_in_its_version_group_and_a_weight_change_moves_and_bills_it() -> None:
     walker, _ = make()
-    identify(walker, {"p0": "v1", "p1": "v1", "p2": "v2"})
+    versions = {"p0": "v1", "p1": "v1", "p2": "v2"}
+    identify(walker, versions)
     drive = Driver(walker)
-    first = drive.turn("s", 40)
-    assert first.decision.replica in ("p0", "p1")  # the largest group
+    first = drive.turn("s", 40)  # a new session may go anywhere: the policy chooses
+    mine = versions[first.decision.replica]
+    group = [r for r, v in versions.items() if v == mine]
     for _ in range(5):
-        assert drive.turn("s", 40).decision.replica in ("p0", "p1")
+        assert drive.turn("s", 40).decision.replica in group
     pinned = drive.sessions.get(f"t\x1f{ROUTE}\x1fs", 0.0)
-    assert pinned is not None and pinned.version == "v1"
-    identify(walker, {"p0": "v2", "p1": "v2"})  # restarted on other weights
+    assert pinned is not None and pinned.version == mine
+    identify(walker, dict.fromkeys(group, "v3"))  # its replicas restart on other weights
     moved = drive.turn("s", 44)
     bills = drive.of(ScenarioMove)
-    assert [(b.scenario, b.from_place, b.to_place) for b in bills] == [("version", "v1", "v2")]
+    assert [(b.scenario, b.from_place, b.to_place) for b in bills] == [("version", mine, "v3")]
     assert bills[0].tokens == 40  # its last prompt, in whole blocks, nothing cached now
     assert moved.decision.expected_cached_tokens == 0
+
+
+def test_a_salted_route_puts_a_new_session_in_the_largest_group() -> None:
+    walker, _ = make(RouteScenarios(version_salt=True))
+    identify(walker, {"p0": "v1", "p1": "v1", "p2": "v2"})
+    drive = Driver(walker)
+    for s in range(6):
+        assert drive.turn(f"s{s}", 40).decision.replica in ("p0", "p1")
 
 
 def test_an_upgrade_warms_the_new_version_in_shadow_before_it_takes_traffic() -> None:
