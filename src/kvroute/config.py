@@ -38,6 +38,14 @@ from kvroute.core.cache_drift import CacheDriftSettings
 from kvroute.core.errors import ConfigError
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.core.scenarios import (
+    NO_SCENARIOS,
+    AbArm,
+    AbSplitSettings,
+    FailoverSettings,
+    RouteScenarios,
+    UpgradeSettings,
+)
 from kvroute.core.tokens import IMAGE_FAMILIES, IMAGE_PRESETS, ImageCost
 from kvroute.core.types import PoolName, ReplicaId, TenantName
 from kvroute.wire.reasoning import THINK_SWITCHES, ReasoningSettings
@@ -229,6 +237,9 @@ class RouteConfig:
         reasoning: the route's think switch and thinking budget
             (``wire/reasoning.ReasoningSettings``, ``docs/reasoning.md``); None: the bodies'
             own.
+        scenarios: the model-bound cache scenarios (``upgrade``, ``ab_split``,
+            ``failover``, ``version_salt``; ``core/scenarios.py``,
+            docs/model-bound-caches.md).
     """
 
     name: str
@@ -238,6 +249,7 @@ class RouteConfig:
     proactive: bool = True
     image_tokens: ImageCost = field(default_factory=ImageCost)
     reasoning: ReasoningSettings | None = None
+    scenarios: RouteScenarios = NO_SCENARIOS
 
 
 @dataclass(frozen=True, slots=True)
@@ -759,7 +771,7 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
                     "Name the route as clients name the model, e.g. llama-3.1-8b.")
     d = _mapping(key, data, "{pools: [small]}")
     _check_keys(key, d, ("pools", "output_floor", "tokenize_margin", "proactive",
-                         "image_tokens", "reasoning"))
+                         "image_tokens", "reasoning", *_SCENARIO_KEYS))
     names = d.get("pools")
     if not isinstance(names, list) or not names:
         raise _fail(f"{key}.pools", names, "must be a non-empty list of pool names", f"Write e.g. pools: [{next(iter(pools))}].")
@@ -781,7 +793,8 @@ def _route(name: str, data: Any, pools: Mapping[PoolName, PoolConfig]) -> RouteC
     return RouteConfig(name=name, pools=tuple(out), output_floor=floor, tokenize_margin=margin,
                        proactive=proactive,
                        image_tokens=_image_tokens(f"{key}.image_tokens", d.get("image_tokens")),
-                       reasoning=_reasoning(f"{key}.reasoning", d.get("reasoning")))
+                       reasoning=_reasoning(f"{key}.reasoning", d.get("reasoning")),
+                       scenarios=_scenarios(key, d, pools, tuple(out)))
 
 
 def _reasoning(key: str, data: Any) -> ReasoningSettings | None:
@@ -830,6 +843,73 @@ def _image_tokens(key: str, data: Any) -> ImageCost:
         raise _fail(key, data, f"is not a valid image cost ({exc})",
                     "Give whole numbers >= 1, e.g. {family: tiled, tile_px: 448, "
                     "tokens_per_tile: 256, max_tiles: 12}.") from exc
+
+
+_SCENARIO_KEYS: Final = ("upgrade", "ab_split", "failover", "version_salt")
+
+
+def _scenarios(key: str, d: Mapping[str, Any], pools: Mapping[PoolName, PoolConfig],
+               route_pools: tuple[PoolName, ...]) -> RouteScenarios:
+    """A route's model-bound cache scenarios (docs/model-bound-caches.md)."""
+    upgrade = None
+    if d.get("upgrade") is not None:
+        k = f"{key}.upgrade"
+        u = _mapping(k, d["upgrade"], "{warm_budget_tokens: 200000}")
+        _check_keys(k, u, ("warm_budget_tokens", "move_sessions", "warm_timeout_s"))
+        upgrade = UpgradeSettings(
+            warm_budget_tokens=_int(f"{k}.warm_budget_tokens", u.get("warm_budget_tokens", 0)),
+            move_sessions=_bool(f"{k}.move_sessions", u.get("move_sessions", True)),
+            warm_timeout_s=_num(f"{k}.warm_timeout_s", u.get("warm_timeout_s", 60.0)))
+    split = None
+    if d.get("ab_split") is not None:
+        k = f"{key}.ab_split"
+        a = _mapping(k, d["ab_split"], "{arms: {main: 1, candidate: 1}}")
+        _check_keys(k, a, ("arms", "sticky"))
+        arms_raw = _mapping(f"{k}.arms", a.get("arms"), "{main: 1, candidate: 1}")
+        arms = []
+        for pool, weight in arms_raw.items():
+            _known_pool(f"{k}.arms.{pool}", pool, pools)
+            arms.append(AbArm(PoolName(str(pool)), _num(f"{k}.arms.{pool}", weight)))
+        if len(arms) < 2:
+            raise _fail(f"{k}.arms", dict(arms_raw), "needs at least two arms",
+                        "Name two or more pools with their weights, e.g. {main: 1, candidate: 1}.")
+        if len(route_pools) != 1 or route_pools[0] not in arms_raw:
+            raise _fail(f"{key}.pools", list(route_pools), "must be exactly one of the A/B arms",
+                        "An A/B route has one tier: list its control arm, e.g. "
+                        f"pools: [{arms[0].pool}] (the other arms take its place by weight).")
+        split = AbSplitSettings(tuple(arms), sticky=_bool(f"{k}.sticky", a.get("sticky", True)))
+    failover = None
+    if d.get("failover") is not None:
+        k = f"{key}.failover"
+        f = _mapping(k, d["failover"], "{backup: cloud}")
+        _check_keys(k, f, ("primary", "backup", "saturated_waiting", "back_after_s",
+                           "warm_budget_tokens", "warm_interval_s"))
+        primary = f.get("primary", route_pools[0])
+        if primary not in route_pools:
+            raise _fail(f"{k}.primary", primary, "is not one of the route's pools",
+                        f"Name one of {', '.join(route_pools)} (default: the first).")
+        backup = f.get("backup")
+        _known_pool(f"{k}.backup", backup, pools)
+        if backup in route_pools:
+            raise _fail(f"{k}.backup", backup, "is already one of the route's pools",
+                        "A backup stands in for the primary: name a pool the route does not list.")
+        failover = FailoverSettings(
+            primary=PoolName(str(primary)), backup=PoolName(str(backup)),
+            saturated_waiting=_int(f"{k}.saturated_waiting", f.get("saturated_waiting", 8),
+                                   minimum=1),
+            back_after_s=_num(f"{k}.back_after_s", f.get("back_after_s", 30.0), strict=False),
+            warm_budget_tokens=_int(f"{k}.warm_budget_tokens", f.get("warm_budget_tokens", 0)),
+            warm_interval_s=_num(f"{k}.warm_interval_s", f.get("warm_interval_s", 30.0)))
+    return RouteScenarios(upgrade=upgrade, ab_split=split, failover=failover,
+                          version_salt=_bool(f"{key}.version_salt", d.get("version_salt", False)))
+
+
+def _known_pool(key: str, pool: Any, pools: Mapping[PoolName, PoolConfig]) -> None:
+    if pool not in pools:
+        close = difflib.get_close_matches(str(pool), list(pools), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise _fail(key, pool, "is not a pool defined under pools:",
+                    f"Known pools: {', '.join(pools)}.{hint}")
 
 
 def _policy(data: Any) -> PolicyConfig:

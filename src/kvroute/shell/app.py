@@ -41,6 +41,7 @@ from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream
 from kvroute.shell.request_limits import TOO_DEEP, parse_within_limits, too_deep
+from kvroute.shell.shadow_warm import ShadowWarmSender
 from kvroute.shell.state import MonotonicClock, SessionState
 from kvroute.shell.tenancy import cache_salt, log_tenant_isolation, tenant_of
 from kvroute.shell.tier_pools import TierPools
@@ -180,6 +181,8 @@ class RouterApp:
                 self.router.forwarder.sampler.close()
             if self.router.warm is not None:
                 await self.router.warm.close()
+            if self.router.forwarder.shadow is not None:
+                await self.router.forwarder.shadow.close()
 
 
 def _openai_error(status: int, message: str) -> bytes:
@@ -243,6 +246,8 @@ def build_app(
         policy_needs_text=bool(getattr(POLICY_FACTORIES[config.policy.name], "needs_text",
                                        False)))
     walker = Walker(core, planner, settings, clock, timer=_PerfCounter())
+    for route in config.routes.values():
+        walker.set_scenarios(route.name, route.scenarios)
     pools = TierPools(config, discovery=discovery, metrics=metrics, clock=clock)
     warm = WarmSender(config, core=core, upstream=upstream, metrics=metrics, state=state,
                       on_replica_failure=on_replica_failure)
@@ -256,7 +261,9 @@ def build_app(
                                    if config.audit_sample is not None else None),
                           lora_loader=(LoraLoader(config, core, upstream)
                                        if any(p.lora_adapters for p in config.pools.values())
-                                       else None))
+                                       else None),
+                          shadow=ShadowWarmSender(config, walker, upstream, metrics,
+                                                  on_replica_failure))
     router = Router(config=config, secrets=secrets, admission=adm, metrics=metrics,
                     forwarder=forwarder, warm=warm, activity=activity, core=core)
     dashboard = Dashboard(config=config, core=core, metrics=metrics, admission=adm,

@@ -12,7 +12,13 @@ conclusions drawn from them:
   ``RouterCore.on_engine_metrics``;
 * **LoRA adapters**: the cards of ``/v1/models`` whose ``parent`` is the pool's model (name
   and ``root``, the path vLLM hashes) -> ``RouterCore.set_replica_adapters``, and the adapter
-  slots of ``vllm:lora_requests_info`` -> ``RouterCore.set_adapter_slots``.
+  slots of ``vllm:lora_requests_info`` -> ``RouterCore.set_adapter_slots``;
+* **model identity** (served name, the card's ``root``, and the weights and tokenizer
+  fingerprints of that directory when it is on this host, ``shell/model_files.py``) ->
+  ``RouterCore.set_identity``, read with every ``/v1/models`` and again as soon as a
+  replica comes back from a failed probe (a restart may have brought other weights). A
+  changed identity drops the replica's index entries and learned rates
+  (docs/model-bound-caches.md).
 
 It changes core state only through those public ``RouterCore`` methods, and is their only
 caller (with the two helpers it owns, ``shell/hashing_settlement.py`` and
@@ -83,6 +89,7 @@ from kvroute.shell.external_pools import ExternalCatalog, ExternalPools
 from kvroute.shell.hashing_settlement import HashingSettlement
 from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
 from kvroute.shell.metrics import RouterMetrics
+from kvroute.shell.model_files import ModelFilesError, read_identity
 from kvroute.shell.state import MonotonicClock
 from kvroute.wire.model_list import adapter_roots, card_window
 from kvroute.wire.prom import VllmMetrics, parse_vllm_metrics
@@ -424,6 +431,7 @@ class Discovery:
         if transition is HealthTransition.CAME_BACK:
             log.warning("replica %s is healthy again after %d good probe(s)",
                         name, rep.health.consecutive_successes)
+            rep.schedule.invalidate_models()  # a restart may have brought other weights
 
     def _health_failed(self, rep: _Replica, transition: HealthTransition, error: str) -> None:
         """Record, count and log a failure ``rep.health`` has already counted as
@@ -495,6 +503,24 @@ class Discovery:
             log.warning("replica %s: /v1/models gives no usable max_model_len for %r (%r)",
                         name, wanted, card.get("max_model_len"))
         self._metrics.discovery(name, "models_ok")
+        await self._read_identity(rep)
+
+    async def _read_identity(self, rep: _Replica) -> None:
+        """The replica's model identity from its card and local model directory; a change
+        resets what the router believed of it (``RouterCore.set_identity``)."""
+        name, info = rep.config.name, rep.info
+        try:
+            identity = await read_identity(rep.pool.model, info.model_root)
+        except ModelFilesError as exc:
+            self._metrics.discovery(name, "identity_error")
+            log.warning("replica %s: %s; its model identity is unchanged", name, exc)
+            return
+        change = self._core.set_identity(name, identity)
+        self._metrics.scenarios.identity(name, identity.version, changed=change is not None)
+        if change is not None:
+            log.warning("replica %s runs other weights (%s → %s): its index entries and "
+                        "learned rates are dropped", name, change.before.version,
+                        change.after.version)
 
     async def _probe_metrics(self, rep: _Replica) -> None:
         name = rep.config.name

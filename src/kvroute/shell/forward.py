@@ -27,6 +27,7 @@ from kvroute.core.session import session_key
 from kvroute.core.tokens import EstimateConfig
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.walk import (
+    ArmServed,
     CutShortNote,
     Decided,
     Escalated,
@@ -38,7 +39,9 @@ from kvroute.core.walk import (
     Refuse,
     ReplicaUnreachable,
     RequestWalk,
+    ScenarioMove,
     Send,
+    ShadowWarm,
     StaleWindows,
     UpstreamFailed,
     WalkAction,
@@ -56,6 +59,7 @@ from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
+from kvroute.shell.shadow_warm import ShadowWarmSender
 from kvroute.shell.state import SessionState
 from kvroute.shell.tenancy import routing_header_tenants
 from kvroute.shell.tier_pools import TierPools
@@ -180,6 +184,7 @@ class Forwarder:
     activity: Activity | None = None
     sampler: AuditSampler | None = None
     lora_loader: LoraLoader | None = None
+    shadow: ShadowWarmSender | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
     _header_tenants: frozenset[TenantName] | None = None
@@ -216,8 +221,11 @@ class Forwarder:
             prompt_token_ids=prompt_ids_from_body(parsed),
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
             adapter=adapter,
+            shadow_payload=parsed,
         )
-        walk = self.walker.start(walk_request, self.pools.tier_pools(route), record)
+        alternates = self.pools.alternates(route) if route.scenarios.any else None
+        walk = self.walker.start(walk_request, self.pools.tier_pools(route), record,
+                                 alternates=alternates)
         ex = _Exchange(request, raw, parsed, route, tenant, walk)
         reasons: Sequence[str | None] = ()
         usage: Mapping[str, Any] | None = None
@@ -239,6 +247,9 @@ class Forwarder:
                 action = reply
             decision = action.decision
             walk.answered()
+            if walk.arm is not None:
+                self.metrics.scenarios.arm_first_byte(
+                    route.name, walk.arm, (time.perf_counter_ns() - request.received_ns) / 1e9)
             if reply.response is None:
                 reasons, usage = completion_of(reply.body)
                 whole = routed(self._whole(reply), decision, self._shows(tenant))
@@ -257,6 +268,9 @@ class Forwarder:
             self._drain(walk)
             if self.feedback is not None and walk.decision is not None:
                 self.feedback.on_answer(walk.decision, usage)
+            scenario = self.walker.scenarios.get(route.name)
+            if scenario is not None and scenario.failover is not None:
+                self.metrics.scenarios.set_failover(route.name, scenario.failover.active)
             if write is not None and self.state is not None:
                 self._spawn(self.state.put_session(write.key, write.record,
                                                    self.config.state.session_ttl_s))
@@ -323,7 +337,7 @@ class Forwarder:
                   if reasoning is not None and ex.parsed.endpoint == "chat" else None)
         return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
                             model=adapter if adapter is not None else config.model,
-                            cache_salt=ex.walk.request.cache_salt,
+                            cache_salt=send.decision.request.cache_salt,  # a version's salt
                             vllm_xargs=REPORT_HITS if config.report_hits else None,
                             set_fields=fields)
 
@@ -471,6 +485,20 @@ class Forwarder:
                     self.on_replica_failure(note.replica, note.detail)
             elif isinstance(note, CutShortNote):
                 metrics.cut_short(note.pool)
+            elif isinstance(note, ScenarioMove):
+                metrics.scenarios.move(note.route, note.scenario, note.tokens)
+                log.info("session moved by %s on route %r: %s → %s, %d tokens to prefill "
+                         "again", note.scenario, note.route, note.from_place, note.to_place,
+                         note.tokens)
+            elif isinstance(note, ArmServed):
+                metrics.scenarios.arm_served(note.route, note.arm, note.num_prompt_tokens,
+                                             note.cached_tokens)
+            elif isinstance(note, ShadowWarm):
+                if self.shadow is not None:
+                    self.shadow.fire(note)
+                else:
+                    for _ in note.items:
+                        self.walker.shadow_done(note)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         async def run() -> None:

@@ -52,6 +52,8 @@ escalations_total                      counter    from_pool, to_pool, kind
 cut_short_total                        counter    pool
 prefix_divergence_block                histogram  route (first block no replica holds)
 reasoning_tokens                       histogram  route (thinking tokens an answer reported)
+(scenarios: recompute, moves, shadow   see ``shell/scenario_metrics.py``
+warm, A/B arms, failover, versions)
 =====================================  =========  ==========================================
 
 NOTE: label values come from operator config (pool and replica names) or from small fixed
@@ -79,6 +81,7 @@ from kvroute.shell.deferred_counts import (
     PendingCounts,
     check_histogram_layout,
 )
+from kvroute.shell.scenario_metrics import ScenarioMetrics
 
 __all__ = [
     "DIVERGENCE_BUCKETS",
@@ -293,6 +296,8 @@ class RouterMetrics:
             "escalations", "Requests moved to a larger tier.",
             ["from_pool", "to_pool", "kind"], namespace=ns, registry=r,
         ))
+        self.scenarios = ScenarioMetrics(r, ns)
+        """Model-bound cache scenarios' series (``shell/scenario_metrics.py``)."""
         self._cut_short = self._deferred(Counter(
             "cut_short", "Responses the engine cut short (finish_reason length with fewer "
             "tokens than asked).", ["pool"], namespace=ns, registry=r,

@@ -104,6 +104,20 @@ class TierPools:
         self._pools_cache[route.name] = (now, pools)
         return pools
 
+    def alternates(self, route: RouteConfig) -> dict[PoolName, TierPool]:
+        """The pools the route's scenarios may put in place of one of its own (A/B arms,
+        a failover backup), as the tier logic sees them now (docs/model-bound-caches.md)."""
+        scenarios = route.scenarios
+        names: list[PoolName] = []
+        if scenarios.ab_split is not None:
+            names += [arm.pool for arm in scenarios.ab_split.arms]
+        if scenarios.failover is not None:
+            names.append(scenarios.failover.backup)
+        now = self._clock.now()
+        return {name: (self._external_pool(name, route.name) if self.is_external(name)
+                       else self._tier_pool(name, now))
+                for name in names if name not in route.pools}
+
     def _tier_pool(self, name: PoolName, now: float) -> TierPool:
         disc = self._discovery
         model = self._config.pools[name].model
