@@ -855,11 +855,17 @@ def _scenarios(key: str, d: Mapping[str, Any], pools: Mapping[PoolName, PoolConf
     if d.get("upgrade") is not None:
         k = f"{key}.upgrade"
         u = _mapping(k, d["upgrade"], "{warm_budget_tokens: 200000}")
-        _check_keys(k, u, ("warm_budget_tokens", "move_sessions", "warm_timeout_s"))
+        _check_keys(k, u, ("warm_budget_tokens", "move_sessions", "warm_timeout_s",
+                           "ready_share"))
+        share = _num(f"{k}.ready_share", u.get("ready_share", 0.5))
+        if share > 1.0:
+            raise _fail(f"{k}.ready_share", share, "must be at most 1",
+                        "Use the share of the pool the new version must hold, e.g. 0.5.")
         upgrade = UpgradeSettings(
             warm_budget_tokens=_int(f"{k}.warm_budget_tokens", u.get("warm_budget_tokens", 0)),
             move_sessions=_bool(f"{k}.move_sessions", u.get("move_sessions", True)),
-            warm_timeout_s=_num(f"{k}.warm_timeout_s", u.get("warm_timeout_s", 60.0)))
+            warm_timeout_s=_num(f"{k}.warm_timeout_s", u.get("warm_timeout_s", 60.0)),
+            ready_share=share)
     split = None
     if d.get("ab_split") is not None:
         k = f"{key}.ab_split"

@@ -45,6 +45,7 @@ def test_every_scenario_parses_with_its_defaults() -> None:
     ({"pools": ["main"], "failover": {"backup": "spare", "primary": "cand"}},
      "is not one of the route's pools"),
     ({"pools": ["main"], "upgrade": {"warm_budget": 5}}, "did you mean 'warm_budget_tokens'"),
+    ({"pools": ["main"], "upgrade": {"ready_share": 1.5}}, "must be at most 1"),
     ({"pools": ["main"], "failover": {"backup": "spare", "saturated_waiting": 0}},
      "must be >= 1"),
 ])

@@ -416,3 +416,41 @@ def bench_hit_reports(
     sys.stdout.flush()
     if json_out is not None:
         write_json_report(json_out, report, console)
+@bench_app.command("scenarios")
+def bench_scenarios(
+    trace: Annotated[str, typer.Option(help="A trace with sessions (Mooncake format).")] = "claude_code_agentic_64",
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    rate_scale: Annotated[float, typer.Option(help="Arrival-rate multiplier.")] = 1.0,
+    replicas: Annotated[int, typer.Option(help="Engines in the fleet (even: A/B and failover split it in two pools).")] = 8,
+    profile: Annotated[str, typer.Option(help="Timing profile of every engine.")] = "llama-3.1-8b-h100",
+    switch: Annotated[float, typer.Option(help="Virtual second of the upgrade's restarts and the primary's outage.")] = 600.0,
+    window: Annotated[float, typer.Option(help="Seconds after --switch whose TTFT p99 is reported.")] = 120.0,
+    down: Annotated[float, typer.Option(help="Seconds an upgraded replica is down after its drain.")] = 30.0,
+    outage: Annotated[float, typer.Option(help="Seconds the failover's primary refuses connections.")] = 300.0,
+    back_after: Annotated[float, typer.Option(help="Failover hysteresis: seconds the primary must be usable.")] = 30.0,
+    warm_budget: Annotated[int, typer.Option(help="Shadow warm-up budget in prompt tokens: per new replica (upgrade), per interval (failover).")] = 300_000,
+    warm_interval: Annotated[float, typer.Option(help="Seconds between shadow warm-ups of a failover backup.")] = 30.0,
+    variants: Annotated[str, typer.Option(help="Comma-separated subset of: upgrade cold, upgrade warm, ab sticky, ab per-request, failover cold, failover warm (default: all).")] = "",
+    seed: Annotated[int, typer.Option(help="Policy seed.")] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """Model-bound caches: the recompute bill of an upgrade, an A/B split and a failover."""
+    from kvroute.bench.scenarios_bench import VARIANTS, ScenariosBenchSpec, run_scenarios_bench
+    from kvroute.bench.scenarios_bench import format_table as scenarios_table
+
+    console = Console(stderr=True)
+    chosen = tuple(v.strip() for v in variants.split(",") if v.strip()) or VARIANTS
+    with exit_on_router_error(console):
+        spec = ScenariosBenchSpec(
+            trace=trace, limit=limit, rate_scale=rate_scale, replicas=replicas,
+            profile=profile, switch_s=switch, window_s=window, down_s=down, outage_s=outage,
+            back_after_s=back_after, warm_budget_tokens=warm_budget,
+            warm_interval_s=warm_interval, variants=chosen, seed=seed)
+        report = run_scenarios_bench(spec, on_start=lambda variant, n: console.print(
+            f"{variant}: {n} requests"))
+    out = wide_console()
+    out.print(rows_table(f"model-bound cache scenarios: {trace}, {replicas} x {profile}",
+                         scenarios_table(report), left=("variant",)))
+    if json_out is not None:
+        write_json_report(json_out, report, console)
+    sys.stdout.flush()

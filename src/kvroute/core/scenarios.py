@@ -8,11 +8,15 @@ and both drivers (``shell/forward.py``, ``sim/fleet.py``) carry out the shadow w
 ask for and count the bills the walk notes.
 
 * **Upgrade** (:class:`UpgradeSettings`): when a pool's replicas disagree on their version
-  (``core/versions.py``), the newest version takes no traffic until it is *ready*: warmed in
-  shadow with the hottest live prefixes (the latest prompts of the sessions seen most
-  recently, which hold the shared system prompts too) within ``warm_budget_tokens``, or at
-  once when the budget is 0. Then new sessions go to it and, with ``move_sessions``, every
-  other session moves at its next turn (a turn boundary; nothing in flight moves).
+  (``core/versions.py``), the newest version takes no traffic until it is *ready*: it holds
+  at least ``ready_share`` of the pool's healthy replicas, and each of its replicas has been
+  warmed in shadow, as it joined, with the hottest live prefixes not warmed yet (the latest
+  prompts of the sessions seen most recently, which hold the shared system prompts too)
+  within ``warm_budget_tokens`` per replica (0: no warming). Then new sessions go to it and,
+  with ``move_sessions``, every other session moves at its next turn (a turn boundary;
+  nothing in flight moves). Replicas come back from a restart one by one: warming each as it
+  joins spreads the warm-ups over the new version's replicas (and their KV capacity) instead
+  of piling them on the first one back.
 * **A/B split** (:class:`AbSplitSettings`): each request of the route goes to one arm (a pool)
   chosen by weight; ``sticky`` chooses once per session (by a hash of the session key,
   remembered in the session record, so a session never flips mid-conversation even when the
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -72,17 +76,20 @@ class UpgradeSettings:
     """A route's rolling-upgrade behaviour (module docstring).
 
     Attributes:
-        warm_budget_tokens: prompt tokens the new version is warmed with before it takes
-            traffic (0: it takes traffic at once, cold).
+        warm_budget_tokens: prompt tokens each replica of the new version is warmed with
+            as it joins, before the version takes traffic (0: no warming, cold).
         move_sessions: sessions on an older version move to the new one at their next turn
             (False: they stay until their version has no healthy replica left).
-        warm_timeout_s: the new version is ready this long after its warm-up started even if
+        warm_timeout_s: a warm-up round counts as done this long after it started even if
             not every warm-up answered (a lost warm-up never blocks an upgrade).
+        ready_share: the share of the pool's healthy replicas the new version must hold
+            before it takes traffic (0.5: half; lower for a canary).
     """
 
     warm_budget_tokens: int = 0
     move_sessions: bool = True
     warm_timeout_s: float = 60.0
+    ready_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,16 +265,17 @@ class HotSessions:
             self._items.popitem(last=False)
 
     def hottest(self, budget_tokens: int, *, pool: PoolName | None = None,
-                since_s: float = float("-inf")) -> list[HotSession]:
-        """The most recent sessions (of ``pool``, seen at or after ``since_s``) whose prompts fit
-        in ``budget_tokens`` together, most recent first; a prompt larger than what is left
-        of the budget is skipped, not cut."""
+                since_s: float = float("-inf"),
+                skip: Container[str] = ()) -> list[HotSession]:
+        """The most recent sessions (of ``pool``, seen at or after ``since_s``, not in
+        ``skip``) whose prompts fit in ``budget_tokens`` together, most recent first; a
+        prompt larger than what is left of the budget is skipped, not cut."""
         chosen: list[HotSession] = []
         left = budget_tokens
         for item in reversed(self._items.values()):
             if item.last_seen_s < since_s:
                 break  # most recent first: the rest are older still
-            if pool is not None and item.pool != pool:
+            if (pool is not None and item.pool != pool) or item.key in skip:
                 continue
             if item.tokens <= left:
                 chosen.append(item)
@@ -279,13 +287,18 @@ class HotSessions:
 
 @dataclass(slots=True)
 class UpgradeProgress:
-    """A new version's way to traffic: warming (``pending`` warm-ups out) or ready."""
+    """A new version's way to traffic: its replicas warmed one round each as they join
+    (``pending`` warm-ups out, the last round started at ``round_s``), ready once it holds
+    its share of the pool and no warm-up is out."""
 
     version: str
     started_s: float
     pending: int = 0
     ready: bool = False
     warm_tokens: int = 0
+    round_s: float = float("-inf")
+    warmed_replicas: set[ReplicaId] = field(default_factory=set)
+    warmed_sessions: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -322,19 +335,17 @@ class ScenarioState:
         if progress is None or progress.version != newest:
             progress = self.upgrades[pool] = UpgradeProgress(newest, now_s)
         upgrade = self.settings.upgrade
-        if (not progress.ready and upgrade is not None and progress.pending > 0
-                and now_s - progress.started_s >= upgrade.warm_timeout_s):
-            progress.ready = True  # lost warm-ups never block the upgrade
+        if (upgrade is not None and progress.pending > 0
+                and now_s - progress.round_s >= upgrade.warm_timeout_s):
+            progress.pending = 0  # lost warm-ups never block the upgrade
         return progress
 
     def warm_finished(self, pool: PoolName, version: str) -> None:
         """One shadow warm-up of ``version`` in ``pool`` answered (or failed)."""
         progress = self.upgrades.get(pool)
-        if progress is None or progress.version != version or progress.ready:
+        if progress is None or progress.version != version:
             return
         progress.pending = max(0, progress.pending - 1)
-        if progress.pending == 0:
-            progress.ready = True
 
 
 def primary_usable(healthy: Sequence[ReplicaId], waiting: Mapping[ReplicaId, int | None],

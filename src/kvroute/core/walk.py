@@ -76,6 +76,8 @@ from kvroute.core.scenarios import (
     HotSession,
     RouteScenarios,
     ScenarioState,
+    UpgradeProgress,
+    UpgradeSettings,
     choose_arm,
     primary_usable,
     recompute_bill,
@@ -425,6 +427,8 @@ class ShadowWarm:
     pool: PoolName
     version: str | None
     items: tuple[HotSession, ...]
+    replicas: frozenset[ReplicaId] | None = None
+    """The replicas to warm (None: any of ``version``'s, or of the pool)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,9 +586,11 @@ class Walker:
                     [r.name for r in core.pool(warm.pool).replicas]))):
             ids = None
         exclude: frozenset[ReplicaId] = frozenset()
-        if warm.version is not None:
-            exclude = frozenset(rep.name for rep in core.pool(warm.pool).replicas
-                                if core.versions.version(rep.name) != warm.version)
+        if warm.version is not None or warm.replicas is not None:
+            exclude = frozenset(
+                rep.name for rep in core.pool(warm.pool).replicas
+                if (warm.version is not None and core.versions.version(rep.name) != warm.version)
+                or (warm.replicas is not None and rep.name not in warm.replicas))
         salt = item.tenant_salt
         if settings.version_salt and warm.version is not None:
             salt = version_salt(warm.version, item.tenant_salt)
@@ -1191,15 +1197,10 @@ class RequestWalk:
             newest = versions.newest(groups)
             assert newest is not None
             progress = state.upgrade_target(pool, newest, now)
-            if not progress.ready and progress.pending == 0:
-                items = state.hot.hottest(upgrade.warm_budget_tokens, pool=pool)
-                if items:
-                    progress.pending = len(items)
-                    progress.warm_tokens = sum(item.tokens for item in items)
-                    self._notes.append(ShadowWarm(self.request.route.name, "upgrade", pool,
-                                                  newest, tuple(items)))
-                else:
-                    progress.ready = True
+            self._warm_joined(state, upgrade, progress, pool, groups[newest], now)
+            if not progress.ready and progress.pending == 0 and (
+                    len(groups[newest]) >= upgrade.ready_share * len(healthy)):
+                progress.ready = True
             if progress.ready:
                 preferred, move = newest, upgrade.move_sessions
             else:  # warming in shadow: the new version takes no traffic yet
@@ -1215,6 +1216,30 @@ class RequestWalk:
             choice = None  # no group imposed, and no session moved: nothing to keep
         self._groups[pool] = choice
         return choice
+
+    def _warm_joined(self, state: ScenarioState, upgrade: UpgradeSettings,
+                     progress: UpgradeProgress, pool: PoolName, members: Sequence[ReplicaId],
+                     now: float) -> None:
+        """Each replica that joined the new version since the last round is warmed in
+        shadow with the hottest sessions not warmed yet, within its budget."""
+        joined = [r for r in members if r not in progress.warmed_replicas]
+        if not joined:
+            return
+        progress.warmed_replicas.update(joined)
+        if upgrade.warm_budget_tokens <= 0:
+            return
+        for replica in joined:
+            chosen = state.hot.hottest(upgrade.warm_budget_tokens, pool=pool,
+                                       skip=progress.warmed_sessions)
+            if not chosen:
+                continue
+            progress.warmed_sessions.update(item.key for item in chosen)
+            progress.pending += len(chosen)
+            progress.round_s = now
+            progress.warm_tokens += sum(item.tokens for item in chosen)
+            self._notes.append(ShadowWarm(self.request.route.name, "upgrade", pool,
+                                          progress.version, tuple(chosen),
+                                          frozenset((replica,))))
 
     def _bill(self, decision: RoutingDecision) -> None:
         """Notes an A/B arm's request and a scenario's move with its recompute bill."""

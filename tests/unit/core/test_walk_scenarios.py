@@ -149,8 +149,17 @@ def test_an_upgrade_warms_the_new_version_in_shadow_before_it_takes_traffic() ->
     assert rr.exclude == {ReplicaId("p0"), ReplicaId("p1")} and rr.expected_output_tokens == 1
     for _ in warms[0].items:
         walker.shadow_done(warms[0])
-    moved = drive.turn("b", 44)  # ready: sessions move at their next turn
-    assert moved.decision.replica == "p2"
+    assert drive.turn("b", 44).decision.replica != "p2"  # warm, but 1 of 3: not its share
+    identify(walker, {"p1": "v2"})  # a second replica joins: warmed with what is left
+    drive.turn("c", 44)
+    second = drive.of(ShadowWarm)[1:]
+    assert len(second) == 1 and second[0].replicas == {ReplicaId("p1")}
+    assert [i.key.rsplit("\x1f", 1)[1] for i in second[0].items] == ["a"]
+    assert walker.shadow_request(second[0], second[0].items[0], RequestId("w1")).exclude == {
+        ReplicaId("p0"), ReplicaId("p2")}
+    walker.shadow_done(second[0])
+    moved = drive.turn("b", 48)  # ready (2 of 3, warmed): sessions move at their next turn
+    assert moved.decision.replica in ("p1", "p2")
     bill = [m for m in drive.of(ScenarioMove) if m.scenario == "upgrade"]
     assert len(bill) == 1 and bill[0].to_place == "v2"
 
@@ -160,8 +169,8 @@ def test_an_upgrade_without_budget_takes_traffic_cold_at_once() -> None:
     identify(walker, {"p0": "v1", "p1": "v1", "p2": "v1"})
     drive = Driver(walker)
     drive.turn("a", 40)
-    identify(walker, {"p2": "v2"})
-    assert drive.turn("a", 44).decision.replica == "p2"
+    identify(walker, {"p1": "v2", "p2": "v2"})
+    assert drive.turn("a", 44).decision.replica in ("p1", "p2")
     assert [m.tokens for m in drive.of(ScenarioMove)] == [40]
     assert not drive.of(ShadowWarm)
 
