@@ -15,6 +15,7 @@ from kvroute.commands import bench_soak as bench_soak_cmd
 from kvroute.commands import demo as demo_cmd
 from kvroute.commands import epp as epp_cmd
 from kvroute.commands import events as events_cmd
+from kvroute.commands import gate as gate_cmd
 from kvroute.commands import hash as hash_cmd
 from kvroute.commands import plan as plan_cmd
 from kvroute.commands import serve as serve_cmd
@@ -39,6 +40,7 @@ bench_cmd.bench_app.command(name="overhead", help=bench_overhead_cmd.HELP)(
 bench_cmd.bench_app.command(name="soak", help=bench_soak_cmd.HELP)(bench_soak_cmd.bench_soak)
 app.add_typer(bench_cmd.bench_app, name="bench")
 app.add_typer(events_cmd.events_app, name="events")
+app.add_typer(gate_cmd.gate_app, name="gate")
 app.add_typer(sim_cmd.sim_app, name="sim")
 
 
