@@ -196,7 +196,8 @@ def test_build_state_backends() -> None:
 
 
 def test_a_whole_record_round_trips_through_memory_and_the_redis_encoding() -> None:
-    record = SessionRecord(pin=ReplicaId("r2"), tier=1, usage=SessionUsage(900, 40, 7))
+    record = SessionRecord(pin=ReplicaId("r2"), tier=1, usage=SessionUsage(900, 40, 7),
+                           version="v:2", arm="candidate", prompt_tokens=900)
     state = MemoryState(clock=ManualClock())
     run(state.put_session("t\x1fm\x1fs", record, ttl_s=30))
     assert run(state.get_session("t\x1fm\x1fs")) == record
@@ -205,6 +206,6 @@ def test_a_whole_record_round_trips_through_memory_and_the_redis_encoding() -> N
 
 
 @pytest.mark.parametrize("stored", [b"r3", b"{not json", b'{"tier": -1}', b'{"usage": [1, 2]}',
-                                    b'{"pin": 5}'])
+                                    b'{"pin": 5}', b'{"prompt_tokens": -3}'])
 def test_a_stored_value_this_router_did_not_write_reads_as_no_record(stored: bytes) -> None:
     assert decode_record(stored) is None
