@@ -10,6 +10,7 @@ on its version, and, with version salting, make the engine itself miss the old b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import signal
@@ -192,3 +193,101 @@ def test_a_replica_restarted_on_other_weights_keeps_sessions_on_their_version(
         assert sorted(fresh) == ["v:v1", "v:v2"]
 
     run(with_router(config(fleet, health_s=0.2), body), timeout_s=45.0)
+
+
+def two_pool_config(main: list[Any], other: list[Any], route: dict[str, Any],
+                    **discovery: float) -> RouterConfig:
+    def replicas(handles: list[Any]) -> list[dict[str, Any]]:
+        return [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
+                 "kv_replay": r.kv_replay, "prefill_rate_tps": 20_000.0} for r in handles]
+    return parse_config({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"main": {"model": MODEL, "replicas": replicas(main)},
+                  "other": {"model": MODEL, "replicas": replicas(other)}},
+        "routes": {ROUTE: {"pools": ["main"], **route}},
+        "policy": {"name": "kvroute", "seed": 7},
+        "discovery": {"health_interval_s": 0.2, "metrics_interval_s": 0.5,
+                      "models_interval_s": 1.0, "timeout_s": 1.0, "unhealthy_after": 1,
+                      **discovery},
+        "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 10.0},
+        "log_level": "warning",
+    }, env={})
+
+
+def pool_spec(name: str, pool: str) -> ReplicaSpec:
+    return ReplicaSpec(name=name, pool=pool, model=MODEL, enable_prompt_tokens_details=True,
+                       extra_args=("--timing", TIMING))
+
+
+def test_a_sticky_ab_split_keeps_every_session_on_one_arm_and_counts_each_arm(
+        fleets: list[Fleet]) -> None:
+    fleet = start_fleet([pool_spec("m0", "main"), pool_spec("o0", "other")], timeout_s=20.0)
+    fleets.append(fleet)
+    route = {"ab_split": {"arms": {"main": 1, "other": 1}, "sticky": True}}
+    rng = random.Random(3)
+
+    async def body(rt: RouterRuntime, http: aiohttp.ClientSession) -> None:
+        arms: dict[str, set[str]] = {}
+        for turn in range(3):
+            for k in range(8):
+                s = Session(http, rt.url, f"ab-{k}")
+                replica, _, _ = await s.ask(f"session {k} turn {turn} " + words(rng, 30))
+                arms.setdefault(s.session_id, set()).add(replica)
+        assert all(len(a) == 1 for a in arms.values())
+        assert {next(iter(a)) for a in arms.values()} == {"m0", "o0"}
+        counts = [rt.metrics.value("kvroute_ab_requests_total", {"route": ROUTE, "arm": arm})
+                  for arm in ("main", "other")]
+        assert all(c is not None and c > 0 for c in counts) and sum(counts) == 24  # type: ignore[arg-type]
+        assert rt.metrics.value("kvroute_ab_first_byte_seconds_count",
+                                {"route": ROUTE, "arm": "main"}) is not None
+        assert rt.metrics.value("kvroute_recompute_tokens_total",
+                                {"route": ROUTE, "scenario": "ab"}) is None  # no flip, no bill
+
+    run(with_router(two_pool_config(fleet.by_pool("main"), fleet.by_pool("other"), route),
+                    body))
+
+
+def test_failover_serves_every_request_from_the_backup_and_fails_back(
+        fleets: list[Fleet]) -> None:
+    from socket import socket
+
+    with socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    backup = start_fleet([pool_spec("o0", "other")], timeout_s=20.0)
+    fleets.append(backup)
+    # The primary's engine is not running yet: its address is known, nothing answers there.
+    primary = start_fleet([pool_spec("m0", "main")], base_port=base, timeout_s=20.0)
+    # No KV events for it: a SUB reconnecting to a closed loopback port in the ephemeral
+    # range can connect to itself and hold the port the restarted engine must bind.
+    main_handles = [dataclasses.replace(h, kv_events=None, kv_replay=None)
+                    for h in primary.replicas]
+    primary.stop()
+    route = {"failover": {"backup": "other", "back_after_s": 0.5}}
+    rng = random.Random(4)
+
+    async def body(rt: RouterRuntime, http: aiohttp.ClientSession) -> None:
+        s = Session(http, rt.url, "fo-1")
+        for k in range(3):
+            replica, _, _ = await s.ask(f"turn {k} " + words(rng, 30))
+            assert replica == "o0"
+        assert rt.metrics.value("kvroute_failover_active", {"route": ROUTE}) == 1.0
+        restarted = start_fleet([pool_spec("m0", "main")], base_port=base, timeout_s=20.0)
+        fleets.append(restarted)
+        await wait_for(lambda: rt.core.is_healthy(ReplicaId("m0")), "the primary back")
+        served = []
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:  # back once usable for back_after_s
+            replica, _, _ = await s.ask("again " + words(rng, 30))
+            served.append(replica)
+            if replica == "m0":
+                break
+            await asyncio.sleep(0.2)
+        assert served[-1] == "m0", served
+        assert rt.metrics.value("kvroute_failover_active", {"route": ROUTE}) == 0.0
+        moves = rt.metrics.value("kvroute_scenario_moves_total",
+                                 {"route": ROUTE, "scenario": "failover"})
+        assert moves == 1.0  # back to the primary (the first turn had no place before)
+
+    run(with_router(two_pool_config(main_handles, backup.by_pool("other"), route), body),
+        timeout_s=60.0)

@@ -64,8 +64,11 @@ __all__ = [
     "version_salt",
 ]
 
-DEFAULT_MAX_HOT: Final = 4096
-"""Sessions remembered for shadow warming, per route (LRU)."""
+DEFAULT_MAX_HOT: Final = 1024
+"""Sessions remembered for shadow warming, per route (LRU). Only routes that warm in shadow
+keep them, and the live router keeps each one's parsed request (its whole prompt): the bound
+is what a warm-up can use (a few hundred thousand tokens per replica are tens of sessions),
+not every session of a busy route."""
 
 
 # --- settings -------------------------------------------------------------------------------

@@ -486,7 +486,7 @@ class Forwarder:
             elif isinstance(note, CutShortNote):
                 metrics.cut_short(note.pool)
             elif isinstance(note, ScenarioMove):
-                metrics.scenarios.move(note.route, note.scenario, note.tokens)
+                metrics.scenarios.move(note.route, note.scenario, note.tokens, note.to_place)
                 log.info("session moved by %s on route %r: %s → %s, %d tokens to prefill "
                          "again", note.scenario, note.route, note.from_place, note.to_place,
                          note.tokens)

@@ -18,6 +18,7 @@ ab_requests_total                      counter    route, arm
 ab_prompt_tokens_total                 counter    route, arm
 ab_cached_tokens_total                 counter    route, arm (expected cached prefix)
 ab_first_byte_seconds                  histogram  route, arm (request read → first byte)
+ab_recompute_tokens_total              counter    route, arm (tokens a flip to this arm lost)
 failover_active                        gauge      route (1 while the backup takes it)
 model_identity_changes_total           counter    replica
 replica_version                        gauge      replica, version (1 for the current one)
@@ -64,6 +65,10 @@ class ScenarioMetrics:
         self._ab_first_byte = Histogram(
             "ab_first_byte_seconds", "Request read to the engine's first byte, by A/B arm.",
             ["route", "arm"], namespace=ns, registry=r, buckets=_FIRST_BYTE_BUCKETS)
+        self._ab_recompute = Counter(
+            "ab_recompute_tokens", "Prompt tokens re-prefilled because a session flipped to "
+            "this A/B arm (0 with sticky sessions).", ["route", "arm"], namespace=ns,
+            registry=r)
         self._failover = Gauge(
             "failover_active", "1 while a route's failover backup takes its traffic.",
             ["route"], namespace=ns, registry=r)
@@ -75,10 +80,12 @@ class ScenarioMetrics:
             ["replica", "version"], namespace=ns, registry=r)
         self._versions: dict[str, str] = {}
 
-    def move(self, route: str, scenario: str, tokens: int) -> None:
+    def move(self, route: str, scenario: str, tokens: int, to_place: str = "") -> None:
         self._moves.labels(route, scenario).inc()
         if tokens:
             self._recompute.labels(route, scenario).inc(tokens)
+            if scenario == "ab":
+                self._ab_recompute.labels(route, to_place).inc(tokens)
 
     def shadow_warm(self, route: str, scenario: str, outcome: str, tokens: int = 0) -> None:
         self._shadow.labels(route, scenario, outcome).inc()
