@@ -224,6 +224,7 @@ class RouterCore:
         # (``core/hashing_chains.py``; reused only after checking ids and hashing basis).
         self.chains = SessionChains(session_chain_tokens)
         self.versions = ReplicaVersions()
+        self._pool_versions: dict[PoolName, dict[str, int]] = {}
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
         self._adapters: dict[ReplicaId, Mapping[str, str]] = {}
@@ -399,12 +400,28 @@ class RouterCore:
         """Record the weights ``replica`` runs (``core/versions.py``). When they differ from
         the ones known before, its index entries and learned rates are dropped at once:
         they describe a cache and a speed of weights it no longer runs."""
+        before = self.versions.version(replica)
         change = self.versions.observe(replica, identity)
+        if before != identity.version:
+            counts = self._pool_versions.setdefault(self._pool_of[replica], {})
+            if before is not None:
+                counts[before] -= 1
+                if not counts[before]:
+                    del counts[before]
+            counts[identity.version] = counts.get(identity.version, 0) + 1
         if change is not None:
             self.index.clear_replica(replica)
             self.approx_index.clear_replica(replica)
             self.load.forget_learned(replica)
         return change
+
+    def single_version(self, pool: PoolName) -> str | None:
+        """The version every replica of ``pool`` with a known identity runs, when they all
+        run one (O(1): the walk asks on every request)."""
+        counts = self._pool_versions.get(pool)
+        if not counts or len(counts) != 1:
+            return None
+        return next(iter(counts))
 
     def cached_tokens_on(self, replica: ReplicaId, request: RouteRequest) -> int:
         """The prefix tokens of ``request`` the index says ``replica`` holds (any medium),

@@ -51,7 +51,8 @@ class GroupChoice:
 
     Attributes:
         version: the group's version.
-        replicas: the group's replicas (the request may go to these only).
+        replicas: the group's replicas (the request may go to these only); empty when
+            the pool runs one version (every replica of the pool is in it).
         moved_from: the session's previous version when it changes group now, else None.
         why: ``stay``, ``only`` (one group), ``upgrade`` (moved to the preferred version),
             ``gone`` (the old group has no healthy replica left), ``preferred``,

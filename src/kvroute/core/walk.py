@@ -1039,14 +1039,14 @@ class RequestWalk:
         exclude: frozenset[ReplicaId] = frozenset()
         salt = request.cache_salt
         group = self._group(pool)
-        if group is not None:
+        if group is not None and group.replicas:  # empty: every replica of the pool
             exclude = frozenset(rep.name for rep in self._walker.core.pool(pool).replicas
                                 if rep.name not in group.replicas)
             if preferred is not None and preferred in exclude:
                 preferred = None
-            if (self._scenario is not None and self._scenario.settings.version_salt
-                    and group.version):
-                salt = version_salt(group.version, request.cache_salt)
+        if (group is not None and group.version and self._scenario is not None
+                and self._scenario.settings.version_salt):
+            salt = version_salt(group.version, request.cache_salt)
         predicted = 1
         if expected_output_tokens is None:
             sent = self.state.max_tokens
@@ -1187,6 +1187,15 @@ class RequestWalk:
         if not versions.known:
             self._groups[pool] = None
             return None
+        pin = self.session.pin
+        same_pool = pin is not None and core.knows(pin) and core.pool_of(pin) == pool
+        only = core.single_version(pool)
+        if only is not None:  # the common case, without looking at every replica
+            was = self.session.version if same_pool else None
+            moved = was if was is not None and was != only else None
+            single = GroupChoice(only, frozenset(), moved, "only" if moved is None else "gone")
+            self._groups[pool] = single
+            return single
         healthy = [rep.name for rep in core.pool(pool).replicas if core.is_healthy(rep.name)]
         groups = versions.groups(healthy)
         state = self._scenario
@@ -1205,8 +1214,6 @@ class RequestWalk:
                 preferred, move = newest, upgrade.move_sessions
             else:  # warming in shadow: the new version takes no traffic yet
                 groups = {v: g for v, g in groups.items() if v != newest}
-        pin = self.session.pin
-        same_pool = pin is not None and core.knows(pin) and core.pool_of(pin) == pool
         salted = state is not None and state.settings.version_salt
         choice = choose_group(groups, self.session.version if same_pool else None,
                               preferred=preferred, move_sessions=move,
