@@ -242,8 +242,10 @@ class Picker(Forwarder):
             num_messages=None if parsed.messages is None else len(parsed.messages),
             prompt_token_ids=prompt_ids_from_body(parsed),
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
-            exclude=exclude)
-        walk = self.walker.start(walk_request, self.pools.tier_pools(route), record)
+            exclude=exclude, shadow_payload=parsed)
+        alternates = self.pools.alternates(route) if route.scenarios.any else None
+        walk = self.walker.start(walk_request, self.pools.tier_pools(route), record,
+                                 alternates=alternates)
         ex = _Exchange(request, raw, parsed, route, tenant, walk)
         picked = PickedWalk(self, ex, headers)
         try:
