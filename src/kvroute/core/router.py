@@ -412,6 +412,8 @@ class RouterCore:
         if change is not None:
             self.index.clear_replica(replica)
             self.approx_index.clear_replica(replica)
+            if self.recency is not None:
+                self.recency.clear(replica)
             self.load.forget_learned(replica)
         return change
 
