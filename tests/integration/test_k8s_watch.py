@@ -34,9 +34,11 @@ PATH = "/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices"
 class FakeApiServer:
     """Answers the scripted requests in order; each step checks the request it expects."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: list[tuple[bool, str | None, str]] | None = None,
+                 recordings: dict[str, bytes] | None = None) -> None:
         # (expect watch?, expected resourceVersion, what to answer)
-        self.script: list[tuple[bool, str | None, str]] = [
+        self.recordings = recordings or {}
+        self.script: list[tuple[bool, str | None, str]] = script or [
             (False, None, "list_initial.json"),
             (True, "48211", "watch_scale.jsonl"),
             (True, "48263", "watch_gone.jsonl"),      # ERROR 410 event -> relist
@@ -71,14 +73,16 @@ class FakeApiServer:
             return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                       "reason": "Expired", "code": 410}, status=410)
         if answer.endswith(".json"):
-            return web.Response(body=(DATA / answer).read_bytes(), content_type="application/json")
+            body = self.recordings.get(answer) or (DATA / answer).read_bytes()
+            return web.Response(body=body, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         if answer == "hold":
             self.holding.set()
             await self._release.wait()  # held open until the test stops the server
             return resp
-        for line in (DATA / answer).read_bytes().splitlines(keepends=True):
+        stream = self.recordings.get(answer) or (DATA / answer).read_bytes()
+        for line in stream.splitlines(keepends=True):
             await resp.write(line)
         await resp.write_eof()
         return resp
@@ -169,3 +173,42 @@ def test_credentials_are_refused_with_what_is_missing(tmp_path: Path) -> None:
         K8sApi.from_kubeconfig(cfg)
     with pytest.raises(K8sConfigError, match="no context 'y'"):
         K8sApi.from_kubeconfig(cfg, context="y")
+
+
+def test_a_slice_of_two_thousand_endpoints_is_one_long_watch_line(tmp_path: Path) -> None:
+    empty = json.loads((DATA / "list_initial.json").read_text())
+    template = empty["items"].pop()
+    endpoints = [{"addresses": [f"10.245.{i // 250}.{i % 250}"], "conditions": {"ready": True},
+                  "targetRef": {"kind": "Pod", "namespace": "llm", "name": f"vllm-{i:04d}"}}
+                 for i in range(2000)]
+    event = {"type": "ADDED", "object": {**template, "endpoints": endpoints,
+                                         "metadata": {**template["metadata"],
+                                                      "resourceVersion": "48300"}}}
+    line = json.dumps(event).encode() + b"\n"
+    assert len(line) > 256 * 1024
+    seen: list[int] = []
+
+    async def scenario() -> None:
+        server = FakeApiServer(
+            script=[(False, None, "empty.json"), (True, "48211", "big.jsonl"),
+                    (True, "48300", "hold")],
+            recordings={"empty.json": json.dumps(empty).encode(), "big.jsonl": line})
+        await server.start()
+        try:
+            api = K8sApi.from_kubeconfig(_kubeconfig(tmp_path, server.url))
+            async with aiohttp.ClientSession() as session:
+                watcher = EndpointSliceWatcher(
+                    api, session, namespace="llm", label_selector=SELECTOR, ports=PortNames(),
+                    on_change=lambda diff, engines: seen.append(len(engines)), retry_s=0.05)
+                task = asyncio.create_task(watcher.run())
+                await asyncio.wait_for(server.holding.wait(), 10)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert server.problems == []
+            assert watcher.num_errors == 0
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
+    assert seen == [2000]

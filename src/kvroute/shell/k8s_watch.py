@@ -35,7 +35,7 @@ import base64
 import json
 import logging
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -226,7 +226,7 @@ class EndpointSliceWatcher:
         params = {"labelSelector": self._selector}
         async with self._session.get(self._url, params=params, headers=self._api.headers(),
                                      ssl=self._ssl()) as resp:
-            await _raise_for_status(resp, "list")
+            await _raise_for_status(resp, "list", gone_means_relist=False)
             body = await resp.json(content_type=None)
         self._version, self._slices = parse_slice_list(body, self._ports)
         self.num_lists += 1
@@ -241,9 +241,7 @@ class EndpointSliceWatcher:
                                      ssl=self._ssl(), timeout=timeout) as resp:
             await _raise_for_status(resp, "watch")
             self.num_watches += 1
-            async for line in resp.content:
-                if not line.strip():
-                    continue
+            async for line in _lines(resp):
                 ev = parse_watch_event(json.loads(line), self._ports)
                 if ev.kind == "ERROR":
                     if ev.error_code == _GONE:
@@ -271,8 +269,24 @@ class EndpointSliceWatcher:
         self._on_change(diff, dict(new))
 
 
-async def _raise_for_status(resp: aiohttp.ClientResponse, what: str) -> None:
-    if resp.status == _GONE:
+async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The non-empty lines of a watch stream, however long: a slice of a thousand
+    endpoints is one line of hundreds of kilobytes, and the split here has no size limit
+    (aiohttp's ``readline`` raises ``LineTooLong`` past its buffer limit)."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if buf.strip():
+        yield buf
+
+
+async def _raise_for_status(resp: aiohttp.ClientResponse, what: str, *,
+                            gone_means_relist: bool = True) -> None:
+    if resp.status == _GONE and gone_means_relist:
         raise _Gone
     if resp.status != 200:
         text = (await resp.text())[:300]
