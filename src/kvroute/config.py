@@ -56,6 +56,7 @@ __all__ = [
     "DiscoveryConfig",
     "ExternalConfig",
     "HttpLimitsConfig",
+    "KubernetesSource",
     "ListenConfig",
     "PolicyConfig",
     "PoolConfig",
@@ -172,6 +173,27 @@ class ExternalConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesSource:
+    """A pool's engines read from the Kubernetes API instead of listed (``docs/kubernetes.md``).
+
+    Attributes:
+        namespace: where the engines' EndpointSlices are.
+        label_selector: which slices (``kubernetes.io/service-name=vllm``).
+        http_port: the name of the engines' OpenAI port on the slices.
+        kv_events_port: the name of their ZMQ KV-event port; None: no events.
+        kubeconfig: a kubeconfig path; None: in-cluster (the pod's service account).
+        prefill_rate_tps: every discovered engine's starting prefill speed.
+    """
+
+    namespace: str
+    label_selector: str
+    http_port: str = "http"
+    kv_events_port: str | None = "kv-events"
+    kubeconfig: str | None = None
+    prefill_rate_tps: float = 10_000.0
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A pool of interchangeable replicas serving one model.
 
@@ -180,8 +202,8 @@ class PoolConfig:
         model: the model name the engines serve (``/v1/models`` id); the router rewrites a
             route name to it in the forwarded body. Empty for an external pool (its
             catalog gives the provider's model per route).
-        replicas: at least one. For an external pool, one per endpoint URL, named
-            ``<pool>-ext<i>``.
+        replicas: at least one, unless ``kubernetes`` is set (then none: they come and go
+            at run time). For an external pool, one per endpoint URL, named ``<pool>-ext<i>``.
         tokenizer: see ``TokenizerConfig`` (``none`` for an external pool).
         block_size / hash_algo / hash_seed: overrides of what discovery reads from the
             engines; leave unset unless the engines cannot report them.
@@ -211,6 +233,7 @@ class PoolConfig:
     decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
     report_hits: bool = False
     lora_adapters: Mapping[str, str] = field(default_factory=dict)
+    kubernetes: KubernetesSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -708,13 +731,22 @@ def _pool(name: str, data: Any) -> PoolConfig:
                         "its endpoints from url.")
         return _external(_name("pools", name), d["external"])
     _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
-                         "external", "decode_timing", "report_hits", "lora_adapters"))
+                         "external", "decode_timing", "report_hits", "lora_adapters",
+                         "kubernetes"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
-    if not isinstance(reps, list) or not reps:
+    kubernetes = None if d.get("kubernetes") is None else _kubernetes(f"{key}.kubernetes",
+                                                                       d["kubernetes"])
+    if kubernetes is not None:
+        if reps is not None:
+            raise _fail(f"{key}.replicas", reps, "cannot be set with kubernetes",
+                        "Remove replicas: the pool's engines are read from the Kubernetes API.")
+        reps = []
+    elif not isinstance(reps, list) or not reps:
         raise _fail(
             f"{key}.replicas", reps, "must be a non-empty list",
-            'List the engines, e.g. replicas: [{name: s0, url: "http://127.0.0.1:8101"}].',
+            'List the engines, e.g. replicas: [{name: s0, url: "http://127.0.0.1:8101"}], '
+            "or read them from the Kubernetes API with kubernetes: {namespace: ..., label_selector: ...}.",
         )
     replicas = tuple(_replica(f"{key}.replicas[{i}]", r) for i, r in enumerate(reps))
     block_size = d.get("block_size")
@@ -731,6 +763,28 @@ def _pool(name: str, data: Any) -> PoolConfig:
         decode_timing=_decode_timing(f"{key}.decode_timing", d.get("decode_timing")),
         report_hits=_bool(f"{key}.report_hits", d.get("report_hits", False)),
         lora_adapters=_lora_adapters(f"{key}.lora_adapters", d.get("lora_adapters"), model),
+        kubernetes=kubernetes,
+    )
+
+
+_KUBERNETES_EXAMPLE: Final = "{namespace: llm, label_selector: kubernetes.io/service-name=vllm}"
+
+
+def _kubernetes(key: str, data: Any) -> KubernetesSource:
+    """``pools.<name>.kubernetes``: the EndpointSlices the pool's engines are read from."""
+    d = _mapping(key, data, _KUBERNETES_EXAMPLE)
+    _check_keys(key, d, ("namespace", "label_selector", "http_port", "kv_events_port",
+                         "kubeconfig", "prefill_rate_tps"))
+    kv_port = d.get("kv_events_port", "kv-events")
+    return KubernetesSource(
+        namespace=_str(f"{key}.namespace", d.get("namespace"), example="llm"),
+        label_selector=_str(f"{key}.label_selector", d.get("label_selector"),
+                            example="kubernetes.io/service-name=vllm"),
+        http_port=_str(f"{key}.http_port", d.get("http_port", "http"), example="http"),
+        kv_events_port=None if kv_port is None else _str(f"{key}.kv_events_port", kv_port,
+                                                         example="kv-events"),
+        kubeconfig=_opt_str(f"{key}.kubeconfig", d.get("kubeconfig"), example="~/.kube/config"),
+        prefill_rate_tps=_num(f"{key}.prefill_rate_tps", d.get("prefill_rate_tps", 10_000.0)),
     )
 
 

@@ -208,6 +208,7 @@ class RouterCore:
         approx_predicted_ttl_s: float = 120.0,
         track_recency: bool = False,
         session_chain_tokens: int = DEFAULT_CHAIN_TOKENS,
+        dynamic_pools: frozenset[PoolName] = frozenset(),
     ) -> None:
         if not pools:
             raise ConfigError("the router needs at least one pool; add one under 'pools:'")
@@ -234,7 +235,7 @@ class RouterCore:
         for spec in pools:
             if spec.name in self._pools:
                 raise ConfigError(f"pool {spec.name!r} is defined twice; pool names must be unique")
-            if not spec.replicas:
+            if not spec.replicas and spec.name not in dynamic_pools:
                 raise ConfigError(f"pool {spec.name!r} has no replicas; list at least one")
             for rep in spec.replicas:
                 if rep.name in self._pool_of:
@@ -262,6 +263,9 @@ class RouterCore:
     def pool_names(self) -> list[PoolName]:
         return list(self._pools)
 
+    def has_replica(self, replica: ReplicaId) -> bool:
+        return replica in self._pool_of
+
     def pool_of(self, replica: ReplicaId) -> PoolName:
         return self._pool_of[replica]
 
@@ -281,6 +285,46 @@ class RouterCore:
         if new != spec:
             entry.hasher = BlockHashMemo(BlockHasher(hash_algo, block_size, hash_seed))
             entry.spec = new
+
+    # -- membership at run time (Kubernetes discovery) ----------------------------------------
+
+    def add_replica(self, pool: PoolName, replica: ReplicaSpec) -> None:
+        """``replica`` joins ``pool`` at run time. It starts out of routing: discovery
+        brings it in (``set_healthy``) once its engine answers.
+
+        Raises:
+            ConfigError: the name is already a replica's (names are unique across pools).
+        """
+        if replica.name in self._pool_of:
+            raise ConfigError(f"replica {replica.name!r} is already in pool "
+                              f"{self._pool_of[replica.name]!r}; replica names must be unique")
+        entry = self._pool(pool)
+        self._pool_of[replica.name] = pool
+        self.load.add_replica(replica.name, prefill_rate_tps=replica.prefill_rate_tps,
+                              decode_timing=entry.spec.decode_timing,
+                              kv_capacity_tokens=replica.kv_capacity_tokens)
+        entry.spec = replace(entry.spec, replicas=(*entry.spec.replicas, replica))
+
+    def remove_replica(self, replica: ReplicaId) -> None:
+        """``replica`` left (scaled in): out of routing, its index entries, load, sessions
+        resting there and adapters forgotten. Requests in flight there complete as
+        unknown (``LoadTracker.num_unknown_completions``). Unknown names: no-op."""
+        pool = self._pool_of.pop(replica, None)
+        if pool is None:
+            return
+        entry = self._pool(pool)
+        entry.healthy.discard(replica)
+        entry.spec = replace(entry.spec, replicas=tuple(
+            rep for rep in entry.spec.replicas if rep.name != replica))
+        self.index.remove_replica(replica)
+        self.approx_index.remove_replica(replica)
+        if self.recency is not None:
+            self.recency.clear(replica)
+        self.load.remove_replica(replica)
+        self._no_prefix_caching.discard(replica)
+        self._adapters.pop(replica, None)
+        self._slots.pop(replica, None)
+        self._adapter_in_flight.pop(replica, None)
 
     # -- health and events --------------------------------------------------------------------
 

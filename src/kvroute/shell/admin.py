@@ -33,6 +33,8 @@ class DiscoveryView(TierView, Protocol):
     """What the HTTP layer reads from discovery (``shell/discovery.py``): windows for
     ``/v1/models`` and everything the tier view reads (``shell/tier_pools.TierView``)."""
 
+    def member_url(self, replica: str) -> str | None: ...
+
 
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(status=status, body=json.dumps(obj).encode(), content_type=_JSON)

@@ -249,8 +249,9 @@ def build_app(
     for route in config.routes.values():
         walker.set_scenarios(route.name, route.scenarios)
     pools = TierPools(config, discovery=discovery, metrics=metrics, clock=clock)
+    replica_url = discovery.member_url if discovery is not None else None
     warm = WarmSender(config, core=core, upstream=upstream, metrics=metrics, state=state,
-                      on_replica_failure=on_replica_failure)
+                      on_replica_failure=on_replica_failure, replica_url=replica_url)
     activity = Activity(clock)
     forwarder = Forwarder(config=config, walker=walker, upstream=upstream, secrets=secrets,
                           metrics=metrics, pools=pools, state=state,
@@ -259,11 +260,13 @@ def build_app(
                           activity=activity,
                           sampler=(AuditSampler(config.audit_sample)
                                    if config.audit_sample is not None else None),
-                          lora_loader=(LoraLoader(config, core, upstream)
+                          lora_loader=(LoraLoader(config, core, upstream,
+                                                  replica_url=replica_url)
                                        if any(p.lora_adapters for p in config.pools.values())
                                        else None),
                           shadow=ShadowWarmSender(config, walker, upstream, metrics,
-                                                  on_replica_failure))
+                                                  on_replica_failure, replica_url=replica_url),
+                          replica_url=replica_url)
     router = Router(config=config, secrets=secrets, admission=adm, metrics=metrics,
                     forwarder=forwarder, warm=warm, activity=activity, core=core)
     dashboard = Dashboard(config=config, core=core, metrics=metrics, admission=adm,

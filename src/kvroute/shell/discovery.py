@@ -101,6 +101,10 @@ log = logging.getLogger(__name__)
 _LOOP_BACKOFF_S: Final = 1.0
 
 
+class _Removed(Exception):
+    """The replica a probe was for left the pool while the probe was out."""
+
+
 @dataclass(slots=True)
 class ReplicaInfo:
     """What discovery knows about one replica (a copy; changing it changes nothing).
@@ -204,14 +208,11 @@ class Discovery:
         self._pools: dict[PoolName, PoolConfig] = {
             name: pool for name, pool in config.pools.items() if pool.external is None
         }
+        self._unhealthy_after = d.unhealthy_after
+        self._healthy_after = healthy_after
         for pool in self._pools.values():
             for rep in pool.replicas:
-                self._replicas[rep.name] = _Replica(
-                    config=rep, pool=pool,
-                    health=ReplicaHealth(unhealthy_after=d.unhealthy_after,
-                                         healthy_after=healthy_after),
-                    schedule=ProbeSchedule(self._intervals),
-                )
+                self._replicas[rep.name] = self._record(rep, pool)
         self._external = ExternalPools(
             config, core, session, metrics, clock=self._clock, intervals=self._intervals,
             timeout=self._timeout, provider_keys=provider_keys,
@@ -222,6 +223,35 @@ class Discovery:
         self._started = False
         self.num_rounds = 0
         self.num_loop_errors = 0
+
+    def _record(self, rep: ReplicaConfig, pool: PoolConfig) -> _Replica:
+        return _Replica(
+            config=rep, pool=pool,
+            health=ReplicaHealth(unhealthy_after=self._unhealthy_after,
+                                 healthy_after=self._healthy_after),
+            schedule=ProbeSchedule(self._intervals),
+        )
+
+    # -- membership at run time (Kubernetes discovery) ------------------------------------
+
+    def add_replica(self, pool: PoolName, rep: ReplicaConfig) -> None:
+        """Start probing ``rep``, a new member of ``pool`` (already added to the core, out
+        of routing): its first ``/health`` is due at once, and the loop is woken."""
+        if rep.name in self._replicas:
+            raise ValueError(f"replica {rep.name!r} is already known to discovery")
+        self._replicas[rep.name] = self._record(rep, self._pools[pool])
+        self._wake.set()
+
+    def remove_replica(self, replica: ReplicaId) -> None:
+        """Stop probing ``replica`` (it left); a probe in flight for it is dropped."""
+        if self._replicas.pop(replica, None) is not None:
+            self._metrics.set_replica_healthy(replica, False)
+
+    def replica_names(self, pool: str) -> list[ReplicaId]:
+        """The pool's replicas now (configured or discovered), healthy or not."""
+        if self._external.has_pool(pool):
+            return [rep.name for rep in self._config.pools[PoolName(pool)].replicas]
+        return [name for name, rep in self._replicas.items() if rep.pool.name == pool]
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -281,6 +311,13 @@ class Discovery:
         if endpoint is not None:
             return endpoint.config.url
         return self._replicas[ReplicaId(replica)].config.url
+
+    def member_url(self, replica: str) -> str | None:
+        """``replica``'s base URL, or None when it is not (or no longer) a member."""
+        try:
+            return self.replica_url(replica)
+        except KeyError:
+            return None
 
     def healthy_replicas(self, pool: str) -> list[ReplicaId]:
         """The pool's replicas currently in routing, in config order."""
@@ -401,6 +438,10 @@ class Discovery:
     # -- probes ---------------------------------------------------------------------------
 
     async def _probe(self, rep: _Replica, force: bool) -> None:
+        with contextlib.suppress(_Removed):
+            await self._probe_member(rep, force)
+
+    async def _probe_member(self, rep: _Replica, force: bool) -> None:
         now = self._clock.now()
         schedule = rep.schedule
         answered = False
@@ -420,8 +461,12 @@ class Discovery:
             await self._probe_metrics(rep)
 
     async def _get(self, rep: _Replica, path: str, what: str) -> bytes:
-        return await probe_get(self._session, rep.config.url + path, what=what,
-                               timeout=self._timeout)
+        try:
+            return await probe_get(self._session, rep.config.url + path, what=what,
+                                   timeout=self._timeout)
+        finally:
+            if self._replicas.get(rep.config.name) is not rep:
+                raise _Removed  # it left while the probe was out: nothing to apply
 
     def _health_ok(self, rep: _Replica) -> None:
         """``/health`` answered: count it, and say so when it brings the replica back."""

@@ -63,6 +63,11 @@ class EppRuntime:
         await self.router.start()
         assert self.router.app is not None, "RouterRuntime.start builds the app"
         self.picker = Picker.of(self.router.app, fallbacks=self._fallbacks)
+        members = self.router.members
+        if members is not None:  # engines from the Kubernetes API: follow them
+            for pool, rep in members.members():
+                self.picker.joined(pool, rep)
+            members.listeners.append(self.picker)
         self.server = EppServer(self.picker)
         self.grpc_port, self.health_port = await self.server.start(self._host, *self._ports)
         await self.server.set_ready(True)

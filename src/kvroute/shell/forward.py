@@ -185,6 +185,9 @@ class Forwarder:
     sampler: AuditSampler | None = None
     lora_loader: LoraLoader | None = None
     shadow: ShadowWarmSender | None = None
+    replica_url: Callable[[ReplicaId], str | None] | None = None
+    """Where a replica is now (discovery's ``member_url``: replicas may join and leave);
+    the config's URL when None."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
     _header_tenants: frozenset[TenantName] | None = None
@@ -301,7 +304,12 @@ class Forwarder:
         if send.warm is not None:
             self._warm(ex, send)
         path = "/v1/chat/completions" if ex.parsed.endpoint == "chat" else "/v1/completions"
-        url = self.config.replica(decision.replica).url + path
+        base = (self.replica_url(decision.replica) if self.replica_url is not None
+                else self.config.replica(decision.replica).url)
+        if base is None:  # it left the pool (Kubernetes scale-in) since it was chosen
+            return walk.failed("connect", retryable=True, unreachable=False,
+                               detail=f"replica {decision.replica} left the pool")
+        url = base + path
         try:
             reply = await self.upstream.open(url, self._body(ex, send), stream=ex.parsed.stream,
                                              headers=self._headers(decision))

@@ -191,6 +191,8 @@ class EndpointSliceWatcher:
         self._slices: dict[str, tuple[EngineEndpoint, ...]] = {}
         self._announced: dict[str, EngineEndpoint] = {}
         self._version = ""
+        self.listed = asyncio.Event()
+        """Set once the first list is applied (start-up waits for it)."""
         self.num_lists = 0
         self.num_watches = 0
         self.num_errors = 0
@@ -231,6 +233,7 @@ class EndpointSliceWatcher:
         self._version, self._slices = parse_slice_list(body, self._ports)
         self.num_lists += 1
         self._announce()
+        self.listed.set()
 
     async def _watch(self) -> None:
         params = {"labelSelector": self._selector, "watch": "1",

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 
 from kvroute.config import RouteConfig, RouterConfig
 from kvroute.core.router import RouterCore
@@ -30,8 +31,10 @@ log = logging.getLogger(__name__)
 class LoraLoader:
     """Loads declared adapters on demand (module docstring)."""
 
-    def __init__(self, config: RouterConfig, core: RouterCore, upstream: Upstream) -> None:
+    def __init__(self, config: RouterConfig, core: RouterCore, upstream: Upstream, *,
+                 replica_url: Callable[[ReplicaId], str | None] | None = None) -> None:
         self._config = config
+        self._replica_url = replica_url
         self._core = core
         self._upstream = upstream
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -60,12 +63,15 @@ class LoraLoader:
     async def _load(self, pool: PoolName, adapter: str) -> str | None:
         path = self._config.pools[pool].lora_adapters[adapter]
         core = self._core
-        replicas = [rep.name for rep in self._config.pools[pool].replicas
-                    if core.is_healthy(rep.name)]
+        replicas = [rep.name for rep in core.pool(pool).replicas if core.is_healthy(rep.name)]
         if not replicas:
             return f"no healthy replica in pool {pool!r} to load LoRA adapter {adapter!r} on"
         replica = min(replicas, key=lambda r: (core.load.snapshot(r).num_in_flight, r))
-        url = self._config.replica(replica).url + "/v1/load_lora_adapter"
+        base = (self._replica_url(replica) if self._replica_url is not None
+                else self._config.replica(replica).url)
+        if base is None:
+            return f"replica {replica!r} left pool {pool!r} before LoRA adapter {adapter!r} was loaded"
+        url = base + "/v1/load_lora_adapter"
         body = json.dumps({"lora_name": adapter, "lora_path": path}).encode()
         try:
             reply = await self._upstream.open(url, body, stream=False)

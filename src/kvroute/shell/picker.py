@@ -34,11 +34,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from kvroute.config import RouteConfig
+from kvroute.config import ReplicaConfig, RouteConfig
 from kvroute.core.errors import ConfigError
 from kvroute.core.router import RoutingDecision
 from kvroute.core.session import session_key
-from kvroute.core.types import ReplicaId, RequestId, TenantName
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.walk import Fail, NeedTokens, Refuse, Send, WalkAction, WalkRequest
 from kvroute.http.server import Request
 from kvroute.shell.admission import Admission, AdmissionRejected
@@ -286,6 +286,21 @@ class Picker(Forwarder):
         picked.sent_ns = time.perf_counter_ns()
         return Picked(tuple(endpoints), body, body is not ex.raw, picked,
                       {"x-request-id": decision.request.request_id})
+
+    def joined(self, pool: PoolName, replica: ReplicaConfig) -> None:
+        """A replica joined ``pool`` (``shell/k8s_members.py``): answer with its ``ip:port``.
+
+        Raises:
+            EndpointError: its URL cannot be given as ``ip:port``.
+        """
+        address = epp.endpoint_of_url(replica.url)
+        self._endpoints[replica.name] = address
+        self._replicas[address] = replica.name
+
+    def left(self, replica: ReplicaId) -> None:
+        address = self._endpoints.pop(replica, None)
+        if address is not None and self._replicas.get(address) == replica:
+            del self._replicas[address]
 
     def served_replica(self, endpoint: str) -> ReplicaId | None:
         """The replica at ``endpoint``, if it is one of ours."""

@@ -39,7 +39,7 @@ from typing import Any, Self
 
 import aiohttp
 
-from kvroute.config import RouterConfig, resolve_secrets
+from kvroute.config import ReplicaConfig, RouterConfig, resolve_secrets
 from kvroute.core.clock import Clock
 from kvroute.core.events import EventBatch
 from kvroute.core.peer_policies import make_policy
@@ -51,6 +51,7 @@ from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.heap import watch_gc_pauses
+from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
@@ -96,7 +97,8 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
                       predicted_ttl_s=config.predicted_ttl_s,
                       approx_predicted_ttl_s=config.approx_predicted_ttl_s,
                       track_recency=any(pool.report_hits for pool in config.pools.values()),
-                      session_chain_tokens=config.state.max_chain_tokens)
+                      session_chain_tokens=config.state.max_chain_tokens,
+                      dynamic_pools=frozenset(kubernetes_pools(config)))
     for pool in config.pools.values():
         if pool.report_hits:
             for rep in pool.replicas:
@@ -126,6 +128,10 @@ class RouterRuntime:
         self.session: aiohttp.ClientSession | None = None
         self.engine_client: EngineClient | None = None
         self.discovery: Discovery | None = None
+        self.members: KubernetesMembers | None = None
+        """The pools whose engines come from the Kubernetes API (None: there are none)."""
+        self._catch_up_turns = asyncio.Lock()  # the subscribers catch up one at a time
+        self._stopping: set[asyncio.Task[None]] = set()
         self.state: SessionState | None = None
         self._stop_gc_watch: Callable[[], None] | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
@@ -157,19 +163,13 @@ class RouterRuntime:
                                    on_engine_metrics=self.feedback.on_engine_metrics)
         await self.discovery.refresh_now()
         await self.discovery.start()
-        catch_up_turns = asyncio.Lock()  # the subscribers catch up one at a time
         for pool in config.pools.values():
             for rep in pool.replicas:
-                if rep.kv_events is None:
-                    continue
-                sub = EventSubscriber(
-                    rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
-                    replay_endpoint=rep.kv_replay, topic=rep.kv_topic, bind=rep.kv_events_bind,
-                    token_ids=False, catch_up_turns=catch_up_turns,
-                )
-                self.subscribers[rep.name] = sub
-                self._seen[rep.name] = SubscriberStats()
-                sub.start().add_done_callback(self._subscriber_ended)
+                self._subscribe(rep)
+        if kubernetes_pools(config):
+            self.members = KubernetesMembers(config, self.core, self.discovery, self.session,
+                                             hook=self, env=self._env)
+            await self.members.start()
         self.state = build_state(config, metrics=self.metrics)
         self.tokenizers = build_tokenizers(config, self.discovery, self.engine_client, self.metrics)
         self._start_tokenizer_checks()
@@ -208,9 +208,14 @@ class RouterRuntime:
         self._check_tasks.clear()
         for _, local in self._local_tokenizers():
             local.close()
+        if self.members is not None:
+            await step(self.members.stop())
+            self.members = None
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()
+        for task in list(self._stopping):
+            await step(task)
         if self.state is not None:
             await step(self.state.close())
             self.state = None
@@ -226,13 +231,40 @@ class RouterRuntime:
         if errors:
             raise errors[0]
 
+    # -- KV-event subscribers, and replicas joining and leaving (shell/k8s_members.py) --------
+
+    def _subscribe(self, rep: ReplicaConfig) -> None:
+        if rep.kv_events is None:
+            return
+        sub = EventSubscriber(
+            rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
+            replay_endpoint=rep.kv_replay, topic=rep.kv_topic, bind=rep.kv_events_bind,
+            token_ids=False, catch_up_turns=self._catch_up_turns,
+        )
+        self.subscribers[rep.name] = sub
+        self._seen[rep.name] = SubscriberStats()
+        sub.start().add_done_callback(self._subscriber_ended)
+
+    def joined(self, pool: PoolName, replica: ReplicaConfig) -> None:
+        self._subscribe(replica)
+
+    def left(self, replica: ReplicaId) -> None:
+        sub = self.subscribers.pop(replica, None)
+        self._seen.pop(replica, None)
+        if sub is not None:
+            task = asyncio.create_task(sub.stop(), name=f"kvroute-unsubscribe-{replica}")
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
     # -- event callbacks (run on the subscribers' tasks, on this loop) ------------------------
 
     def _on_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
-        self.core.apply_events(replica, batch)
+        if self.core.has_replica(replica):  # not one that left while its batch was read
+            self.core.apply_events(replica, batch)
 
     def _on_reset(self, replica: ReplicaId, reason: str) -> None:
-        self.core.reset_replica_index(replica)
+        if self.core.has_replica(replica):
+            self.core.reset_replica_index(replica)
 
     def _subscriber_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -48,8 +48,10 @@ class ShadowWarmSender:
 
     def __init__(self, config: RouterConfig, walker: Walker, upstream: Upstream,
                  metrics: RouterMetrics,
-                 on_replica_failure: Callable[[ReplicaId, str], None] | None = None) -> None:
+                 on_replica_failure: Callable[[ReplicaId, str], None] | None = None, *,
+                 replica_url: Callable[[ReplicaId], str | None] | None = None) -> None:
         self._config = config
+        self._replica_url = replica_url  # discovery's member_url (replicas may come and go)
         self._walker = walker
         self._upstream = upstream
         self._metrics = metrics
@@ -116,8 +118,12 @@ class ShadowWarmSender:
                                          cache_salt=salt),
                                  model=self._config.pools[note.pool].model)
         path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
-        url = self._config.replica(decision.replica).url + path
+        base = (self._replica_url(decision.replica) if self._replica_url is not None
+                else self._config.replica(decision.replica).url)
         try:
+            if base is None:  # it left the pool (Kubernetes scale-in)
+                return False
+            url = base + path
             async with asyncio.timeout(self.timeout_s):
                 await self._upstream.open(url, body, stream=False,
                                           headers={"X-Request-Id": request_id})

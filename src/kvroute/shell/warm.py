@@ -135,8 +135,10 @@ class WarmSender:
     def __init__(self, config: RouterConfig, *, core: RouterCore, upstream: Upstream,
                  metrics: RouterMetrics, state: SessionState | None,
                  on_replica_failure: Callable[[ReplicaId, str], None] | None = None,
+                 replica_url: Callable[[ReplicaId], str | None] | None = None,
                  ) -> None:  # fmt: skip
         self._config = config
+        self._replica_url = replica_url
         self._core = core
         self._upstream = upstream
         self._metrics = metrics
@@ -303,9 +305,12 @@ class WarmSender:
         replica, request_id = decision.replica, decision.request.request_id
         ids = request.prompt_token_ids
         ends = self._chunk_plan(request, decision)
-        url = self._config.replica(replica).url
+        url = (self._replica_url(replica) if self._replica_url is not None
+               else self._config.replica(replica).url)
         holding = True
         try:
+            if url is None:  # it left the pool since it was chosen: nothing to warm
+                return
             for k, end in enumerate(ends):
                 if k:
                     self._release(replica)
