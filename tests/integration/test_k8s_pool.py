@@ -160,6 +160,13 @@ def test_serve_routes_to_engines_as_they_join_and_leave(tmp_path: Path) -> None:
             assert rt.discovery.member_url(pod0) is None
             for i in range(4):
                 served.append(await ask(f"question {i} after the scale-in"))
+            async with client.get(rt.url + "/health") as resp:
+                assert resp.status == 200
+                assert (await resp.json())["healthy_replicas"] == {"k8s": 1}
+            async with client.get(rt.url + "/dashboard/data") as resp:
+                assert resp.status == 200, await resp.text()
+                shown = [row["name"] for row in (await resp.json())["replicas"]]
+            assert shown == [pod1]
 
     _scenario(tmp_path, drive)
     assert served == ["vllm-pod-0"] + ["vllm-pod-1"] * 4

@@ -96,8 +96,16 @@ def test_epp_overlay_points_the_inference_pool_at_the_grpc_port() -> None:
     assert (ref["kind"], ref["name"], ref["port"]["number"]) == ("Service", "kvroute",
                                                                 svc["grpc"]["port"])
     assert ref["failureMode"] in ("FailOpen", "FailClose")
-    # The pool's engines serve on the port the config's replica URLs name.
+    assert pool["spec"]["selector"]["matchLabels"] and pool["spec"]["targetPorts"]
+
+
+def test_the_config_reads_its_engines_from_the_namespace_it_is_deployed_in() -> None:
+    objs = _render("epp")
     _, cm = _config_map(objs)
     config = parse_config(yaml.safe_load(cm["data"]["kvroute.yaml"]), env={})
-    urls = {rep.url.rsplit(":", 1)[1] for _, rep in config.replicas()}
-    assert urls == {str(p["number"]) for p in pool["spec"]["targetPorts"]}
+    sources = [pool.kubernetes for pool in config.pools.values()]
+    assert sources and all(s is not None for s in sources)
+    deployed = objs[("Deployment", "kvroute")]["metadata"]["namespace"]
+    assert {s.namespace for s in sources if s is not None} == {deployed}
+    assert all(s.kubeconfig is None for s in sources if s is not None)  # in-cluster
+    assert config.replicas() == []  # no engine is listed: all come from the API

@@ -94,8 +94,10 @@ class AdminEndpoints:
 
     async def health(self, request: Request) -> Response:
         pools = {
-            name: sum(1 for rep in pool.replicas if self.core.is_healthy(rep.name))
-            for name, pool in self.config.pools.items()
+            # The core's replicas: a pool reading its engines from Kubernetes lists none.
+            name: sum(1 for rep in self.core.pool(name).replicas
+                      if self.core.is_healthy(rep.name))
+            for name in self.config.pools
         }
         dead = [name for name, route in self.config.routes.items()
                 if not any(pools[p] for p in route.pools)]
@@ -144,11 +146,16 @@ class AdminEndpoints:
         except RequestError as exc:
             return error_answer(exc.status, exc.body())
         replicas: dict[str, Any] = {}
-        for pool, rep in self.config.replicas():
+        configured = {rep.name: rep.url for _, rep in self.config.replicas()}
+        for pool, rep in ((p, r) for p in self.config.pools.values()
+                          for r in self.core.pool(p.name).replicas):
             load = self.core.load.snapshot(rep.name)
+            url = configured.get(rep.name)
+            if url is None and self.discovery is not None:  # discovered (Kubernetes)
+                url = self.discovery.member_url(rep.name)
             replicas[rep.name] = {
                 "pool": pool.name,
-                "url": rep.url,
+                "url": url,
                 "healthy": self.core.is_healthy(rep.name),
                 "outstanding_prefill_tokens": load.outstanding_prefill_tokens,
                 "in_flight": load.num_in_flight,

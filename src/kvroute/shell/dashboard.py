@@ -93,8 +93,8 @@ class Dashboard:
                     "measured_tokens": monitor.measured_total,
                 }
             pools.append(row)
-        replicas = [self._replica(pool.name, rep.name) for pool, rep in self.config.replicas()
-                    if pool.external is None]
+        replicas = [self._replica(pool.name, rep.name) for pool in self.config.pools.values()
+                    if pool.external is None for rep in self.core.pool(pool.name).replicas]
         adm = self.admission
         return {
             "time": time.time(),
