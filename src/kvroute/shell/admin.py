@@ -81,7 +81,7 @@ class AdminEndpoints:
             # LoRA adapters the route's engines list, as vLLM lists them: parent = the model
             # clients send for the base, root = the path the engines loaded it from.
             for pool in route.pools:
-                for adapter in sorted({a for rep in self.config.pools[pool].replicas
+                for adapter in sorted({a for rep in self.core.pool(pool).replicas
                                        for a in self.core.replica_adapters(rep.name)}):
                     key = self.core.lora_key(PoolName(pool), adapter)
                     if adapter in listed or key is None:
