@@ -22,11 +22,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvroute.config import parse_config
-from kvroute.core.types import ReplicaId
+from kvroute.config import ReplicaConfig, parse_config
+from kvroute.core.router import ReplicaSpec
+from kvroute.core.types import PoolName, ReplicaId
+from kvroute.shell.discovery import Discovery
 from kvroute.shell.epp_runtime import EppRuntime
+from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.picker import Picked
-from kvroute.shell.runtime import RouterRuntime
+from kvroute.shell.runtime import RouterRuntime, build_core
+from kvroute.shell.state import MonotonicClock
 from kvroute.sim.server import SimServer, SimServerConfig
 
 pytestmark = pytest.mark.integration
@@ -198,3 +202,52 @@ def test_epp_names_the_joined_engine_and_forgets_the_one_that_left(tmp_path: Pat
             picked.walk.finish()
 
     _scenario(tmp_path, drive)
+
+
+def test_a_probe_out_when_its_replica_leaves_changes_nothing(tmp_path: Path) -> None:
+    """Discovery drops the answer of a probe whose replica left while it was out (no
+    ``RouterCore`` call for a replica the core no longer knows)."""
+    async def main() -> None:
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        vectors = json.loads((DATA.parent / "vllm-vectors-0.32.json").read_text())
+        models = next(e for e in vectors["http_examples_v0_32"]
+                      if e["path"] == "/v1/models")["response"]
+        models["data"][0]["id"] = "tiny"
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response()
+
+        async def model_list(_: web.Request) -> web.Response:
+            entered.set()
+            await release.wait()  # the replica leaves while this answer is out
+            return web.json_response(models)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", model_list)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        config = _config(tmp_path, "http://127.0.0.1:1")
+        core = build_core(config, clock=MonotonicClock())
+        pod = ReplicaId("vllm-pod-9")
+        try:
+            async with aiohttp.ClientSession() as session:
+                discovery = Discovery(config, core, session, RouterMetrics())
+                core.add_replica(PoolName("k8s"), ReplicaSpec(pod))
+                discovery.add_replica(PoolName("k8s"), ReplicaConfig(name=pod, url=url))
+                probing = asyncio.create_task(discovery.refresh_now())
+                await entered.wait()
+                discovery.remove_replica(pod)
+                core.remove_replica(pod)
+                release.set()
+                await probing  # would raise KeyError from the core without the guard
+                assert not core.has_replica(pod) and discovery.member_url(pod) is None
+                assert discovery.num_loop_errors == 0
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), TEST_SECONDS))
