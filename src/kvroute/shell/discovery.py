@@ -245,7 +245,7 @@ class Discovery:
     def remove_replica(self, replica: ReplicaId) -> None:
         """Stop probing ``replica`` (it left); a probe in flight for it is dropped."""
         if self._replicas.pop(replica, None) is not None:
-            self._metrics.set_replica_healthy(replica, False)
+            self._metrics.forget_replica(replica)
 
     def replica_names(self, pool: str) -> list[ReplicaId]:
         """The pool's replicas now (configured or discovered), healthy or not."""

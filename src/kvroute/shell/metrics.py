@@ -473,6 +473,17 @@ class RouterMetrics:
     def set_replica_healthy(self, replica: str, healthy: bool) -> None:
         self._replica_healthy.labels(replica).set(1 if healthy else 0)
 
+    def forget_replica(self, replica: str) -> None:
+        """Drop the gauges of a replica that left the fleet (scale-in), so its last value is
+        not exported for ever: ``replica_healthy`` 0 would keep the "replica down" alert of
+        ``deploy/prometheus`` firing for a pod that no longer exists. Its counters stay; a
+        counter's history is still true."""
+        for gauge in (self._replica_healthy, self._replaying):
+            try:
+                gauge.remove(replica)
+            except KeyError:
+                continue  # never exported for this replica: nothing to drop
+
     def set_pool_window(self, pool: str, window: int | None) -> None:
         """Export the pool's window; ``None`` (unknown) is exported as 0."""
         self._pool_window.labels(pool).set(window or 0)

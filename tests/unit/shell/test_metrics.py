@@ -151,3 +151,16 @@ def test_token_piece_cache_state_is_exported() -> None:
     assert 'kvroute_token_piece_cache{pool="p",stat="checks"} 2.0' in text
     assert 'kvroute_token_piece_cache{pool="p",stat="checks_dropped"} 3.0' in text
     assert 'kvroute_token_piece_cache{pool="p",stat="checks_failed"} 4.0' in text
+
+
+def test_a_replica_that_left_exports_no_gauge() -> None:
+    """Scale-in: the replica's ``replica_healthy`` series goes away instead of staying at 0,
+    which would fire the "replica down" alert for a pod that no longer exists."""
+    m = RouterMetrics()
+    m.set_replica_healthy("r0", True)
+    m.set_replica_healthy("r1", True)
+    m.forget_replica("r0")
+    m.forget_replica("never-seen")
+    assert m.value("kvroute_replica_healthy", {"replica": "r0"}) is None
+    assert m.value("kvroute_replica_healthy", {"replica": "r1"}) == 1
+    assert b'replica="r0"' not in m.render()[0].split(b"kvroute_replica_healthy", 1)[1]
