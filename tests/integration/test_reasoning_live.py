@@ -10,9 +10,14 @@ turns thinking off adds none, unless the client turns thinking back on itself.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,3 +155,81 @@ def test_auto_thinks_on_hard_questions_only(parsing_router: RouterThread) -> Non
 
     assert thought("Prove that there are infinitely many primes.") == 4
     assert thought("hello there") == 0
+
+
+def _serve(fleet_url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``kvroute serve`` at debug level, its logs on stderr, and its URL (from the ready line)."""
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(json.dumps({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"main": {"model": MODEL, "replicas": [{"name": "s0", "url": fleet_url}]}},
+        "routes": {"think": {"pools": ["main"], "reasoning": {"thinking": True, "budget": 3}},
+                   "fast": {"pools": ["main"], "reasoning": {"thinking": False}}},
+        "log_level": "debug",
+    }))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from kvroute.cli import main; main()", "serve", "-c", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    assert info["ready"] is True
+    return proc, str(info["url"])
+
+
+def _post(url: str, body: dict[str, Any]) -> bytes:
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=20) as reply:
+        return bytes(reply.read())
+
+
+def _deltas(raw: bytes) -> list[dict[str, Any]]:
+    events = [line.removeprefix(b"data: ") for line in raw.splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    return [choice["delta"] for event in events[:-1] for choice in json.loads(event)["choices"]]
+
+
+def test_the_thinking_is_split_off_relayed_and_never_logged(tmp_path: Path) -> None:
+    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=MODEL,
+                                     extra_args=("--timing", "0.001,0.00005,0.0002,0",
+                                                 "--reasoning-parser", "qwen3"))],
+                        timeout_s=30.0)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        engine = fleet.replicas[0].url
+        question = {"messages": [{"role": "user", "content": "what is two and two"}],
+                    "max_tokens": 6, "ignore_eos": True, "seed": 7}
+        direct = json.loads(_post(engine, {"model": MODEL, "thinking_token_budget": 3,
+                                           **question}))
+        thought = direct["choices"][0]["message"]
+        assert thought["reasoning"] and thought["content"]  # vLLM 0.32's name: `reasoning`
+        assert direct["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+        proc, url = _serve(engine, tmp_path)
+        answer = json.loads(_post(url, {"model": "think", **question}))
+        message = answer["choices"][0]["message"]
+        assert message["reasoning"] == thought["reasoning"]  # the engine's split, relayed
+        assert message["content"] == thought["content"]
+        assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+        deltas = _deltas(_post(url, {"model": "think", "stream": True, **question}))
+        kinds = [tuple(k for k in ("reasoning", "content") if d.get(k)) for d in deltas]
+        kinds = [k for k in kinds if k]
+        first_answer = next(i for i, k in enumerate(kinds) if "content" in k)
+        assert kinds[0] == ("reasoning",) and all("reasoning" not in k
+                                                  for k in kinds[first_answer + 1:])
+        streamed = "".join(d.get("reasoning") or "" for d in deltas)
+        assert streamed == message["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+        fast = json.loads(_post(url, {"model": "fast", **question}))
+        assert fast["choices"][0]["message"]["reasoning"] is None
+        assert fast["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+        proc.send_signal(signal.SIGTERM)
+        _, logs = proc.communicate(timeout=10)
+        assert b"kvroute.decision" in logs  # the router logged each request at debug level
+        assert message["reasoning"].encode() not in logs
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        fleet.stop()

@@ -84,14 +84,19 @@ def chat_completion_response(
     id: str,
     created: int,
     model: str,
-    content: str,
+    content: str | None,
     finish_reason: str | None,
     usage_info: Mapping[str, Any],
     stop_reason: int | str | None = None,
     prompt_token_ids: list[int] | None = None,
     token_ids: list[int] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed ``chat.completion`` object with one choice, in vLLM's field order."""
+    """A non-streamed ``chat.completion`` object with one choice, in vLLM's field order.
+
+    ``reasoning`` is what a reasoning parser split off the text (vLLM 0.32 names it
+    ``message.reasoning``; ``reasoning_content`` is only accepted, renamed, in requests).
+    """
     message: dict[str, Any] = {
         "role": "assistant",
         "content": content,
@@ -100,7 +105,7 @@ def chat_completion_response(
         "audio": None,
         "function_call": None,
         "tool_calls": [],
-        "reasoning": None,
+        "reasoning": reasoning,
     }
     choice = {
         "index": 0,
@@ -136,18 +141,22 @@ def chat_chunk(
     stop_reason: int | str | None = None,
     final: bool = False,
     index: int = 0,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``, with the fields vLLM sets (it dumps ``exclude_unset``).
 
     The first chunk carries ``role="assistant", content=""``; content chunks carry
-    ``content``; the last chunk (``final=True``) carries ``finish_reason`` and
-    ``stop_reason``.
+    ``content``; thinking chunks (with a reasoning parser) carry ``reasoning``, and the
+    chunk where the thinking ends carries both, in ``DeltaMessage``'s order (``content``
+    first); the last chunk (``final=True``) carries ``finish_reason`` and ``stop_reason``.
     """
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning"] = reasoning
     choice: dict[str, Any] = {
         "index": index,
         "delta": delta,

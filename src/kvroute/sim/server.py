@@ -70,6 +70,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -207,7 +208,10 @@ class SimServerConfig:
             ``thinking_token_budget`` and report ``completion_tokens_details.reasoning_tokens``:
             the model is taken to think as long as allowed (the budget, or the whole output
             when unlimited) unless the chat template's switch (``enable_thinking`` /
-            ``thinking``) turns it off. The text is not split into ``reasoning_content``.
+            ``thinking``) turns it off. The text is split as vLLM 0.32's parsers split it:
+            the thinking in ``message.reasoning`` (streamed: ``delta.reasoning`` chunks, then
+            ``delta.content``), the answer after it in ``content``; ``include_reasoning:
+            false`` drops the thinking's text but not its count.
             Without one, a budget is refused with vLLM's 400.
         cpu_offload_blocks / cpu_load_s_per_block: the engine's CPU tier, as vLLM's native
             offloading (``engine/offload.py``: ``BlockStored`` with ``medium="CPU"``); 0: none.
@@ -833,9 +837,11 @@ class SimServer:
             asked = min(asked, window)  # the style accepted it: the engine clamps
         return _Prepared(parsed, ids, asked)
 
-    def _reasoning_tokens(self, prep: _Prepared, outputs: Sequence[int]) -> int | None:
-        """The thinking tokens among ``outputs`` (each choice's token count), or None without
-        a reasoning parser or off the chat endpoint (``SimServerConfig.reasoning_parser``)."""
+    def _thinking_limit(self, prep: _Prepared) -> int | None:
+        """How many of a choice's first tokens are thinking: None without a reasoning parser
+        or off the chat endpoint (no split, no count), 0 when the template switch is off,
+        else the ``thinking_token_budget`` (unlimited: every token). The thinking ends at the
+        budget and the answer follows, as vLLM's budget forces the end-of-thinking token."""
         parsed = prep.parsed
         if self.config.reasoning_parser is None or parsed.endpoint != "chat":
             return None
@@ -845,8 +851,21 @@ class SimServer:
             return 0
         budget = parsed.body.get("thinking_token_budget")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-            return sum(outputs)
-        return sum(min(budget, n) for n in outputs)
+            return sys.maxsize
+        return budget
+
+    def _reasoning_tokens(self, prep: _Prepared, outputs: Sequence[int]) -> int | None:
+        """The thinking tokens among ``outputs`` (each choice's token count), or None without
+        a reasoning parser or off the chat endpoint (``SimServerConfig.reasoning_parser``)."""
+        limit = self._thinking_limit(prep)
+        if limit is None:
+            return None
+        return sum(min(limit, n) for n in outputs)
+
+    @staticmethod
+    def _shows_reasoning(prep: _Prepared) -> bool:
+        """vLLM's ``include_reasoning`` (default true): false drops the text, not the count."""
+        return prep.parsed.body.get("include_reasoning", True) is not False
 
     def _rejection(self, rej: Rejection, param: str) -> _BadRequest:
         """An engine-level rejection the style checks let through (edge cases only)."""
@@ -1015,12 +1034,18 @@ class SimServer:
             reasoning_tokens=self._reasoning_tokens(prep, [len(t) for t in tokens]),
         )
         choices: list[dict[str, Any]] = []
+        limit = self._thinking_limit(prep)
         for i in range(n):
-            text = _TextDecoder(self.tokenizer).push(tokens[i]) if tokens[i] else ""
+            thought = min(limit, len(tokens[i])) if limit is not None else 0
+            answer_ids = tokens[i][thought:]
+            text = _TextDecoder(self.tokenizer).push(answer_ids) if answer_ids else ""
             if parsed.endpoint == "chat":
+                reasoning = (_TextDecoder(self.tokenizer).push(tokens[i][:thought])
+                             if thought and self._shows_reasoning(prep) else None)
                 one = answers.chat_completion_response(
-                    id=rid, created=created, model=parsed.model, content=text,
-                    finish_reason=reasons[i], usage_info=usage,
+                    id=rid, created=created, model=parsed.model,
+                    content=None if thought and not text else text,
+                    finish_reason=reasons[i], usage_info=usage, reasoning=reasoning,
                 )
             else:
                 one = answers.completion_response(
@@ -1045,6 +1070,9 @@ class SimServer:
         resp = StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
         decoders = [_TextDecoder(self.tokenizer) for _ in range(n)]
+        thinkers = [_TextDecoder(self.tokenizer) for _ in range(n)]  # the reasoning's text
+        limit = self._thinking_limit(prep)
+        show = self._shows_reasoning(prep)
         # The chat role chunk goes out with the first engine output, as vLLM sends it: a
         # router measuring the time to the first body chunk must see the prefill in it.
         pending = b""
@@ -1072,14 +1100,21 @@ class SimServer:
                 per_choice[index] += len(out.new_token_ids)
                 if out.first_token and index == 0:
                     cached = out.num_cached_tokens
-                text = decoders[index].push(out.new_token_ids)
                 if chat:
+                    ids = out.new_token_ids
+                    done = per_choice[index] - len(ids)  # this choice's tokens before these
+                    split = max(0, min(len(ids), limit - done)) if limit is not None else 0
+                    thought = thinkers[index].push(ids[:split]) if split else None
+                    text = (decoders[index].push(ids[split:])
+                            if thought is None or split < len(ids) else None)
                     chunk = answers.chat_chunk(
-                        id=rid, created=created, model=model, content=text, index=index,
+                        id=rid, created=created, model=model, index=index, content=text,
+                        reasoning=thought if show else None,
                         finish_reason=out.finish_reason if out.finished else None,
                         final=out.finished,
                     )
                 else:
+                    text = decoders[index].push(out.new_token_ids)
                     chunk = answers.completion_chunk(
                         id=rid, created=created, model=model, text=text, index=index,
                         finish_reason=out.finish_reason if out.finished else None,

@@ -115,3 +115,18 @@ def test_tokenize_responses_match_vllm() -> None:
 def test_encode_json_is_compact_and_ordered() -> None:
     assert answers.encode_json({"b": 1, "a": [1.5, None]}) == b'{"b":1,"a":[1.5,null]}'
     assert msgspec.json.decode(answers.encode_json(answers.usage(1, 2))) == answers.usage(1, 2)
+
+
+def test_reasoning_goes_where_vllm_032_puts_it() -> None:
+    """``message.reasoning`` (not ``reasoning_content``); a delta's ``content`` comes first."""
+    body = answers.chat_completion_response(
+        id="c", created=1, model="m", content=None, finish_reason="length",
+        usage_info=answers.usage(2, 3, reasoning_tokens=3), reasoning="let me see")
+    message = body["choices"][0]["message"]
+    assert message["reasoning"] == "let me see" and message["content"] is None
+    assert "reasoning_content" not in message
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    chunk = answers.chat_chunk(id="c", created=1, model="m", content="4", reasoning=" so")
+    assert list(chunk["choices"][0]["delta"].items()) == [("content", "4"), ("reasoning", " so")]
+    only = answers.chat_chunk(id="c", created=1, model="m", reasoning="hm")
+    assert only["choices"][0]["delta"] == {"reasoning": "hm"}
