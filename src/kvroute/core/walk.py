@@ -214,6 +214,9 @@ class WalkRequest:
             for the route's base model; hashed with the path the pool's engines list.
         shadow_payload: what a shadow warm-up of this session would resend (the driver's
             own: the parsed request live, the workload request in the simulator).
+        thinking_tokens: the thinking the engine is allowed for this request (a reasoning
+            route's ``thinking_token_budget`` with thinking on; 0: none or unbounded), a
+            floor of the predicted output (``OutputLengths.predict``).
     """
 
     request_id: RequestId
@@ -233,6 +236,7 @@ class WalkRequest:
     exclude: frozenset[ReplicaId] = frozenset()
     adapter: str | None = None
     shadow_payload: Any = field(default=None, repr=False, compare=False)
+    thinking_tokens: int = 0
 
 
 # --- what the walk tells the driver: actions -----------------------------------------------------
@@ -491,6 +495,12 @@ class OutputLengths:
 
     The route's mean is an exponentially weighted average of the answers' ``usage``
     (``alpha`` per answer), so it follows a route whose traffic changes.
+
+    Reasoning: vLLM counts the thinking in ``completion_tokens``, so the learned lengths
+    hold it once a route has answers. A request allowed ``thinking`` tokens (its budget,
+    thinking on) is predicted at least that much: a session whose last turn did not think,
+    or a route whose mean is of answers without thinking, would otherwise price a long
+    decode as a short one; with nothing learned it is ``thinking`` plus the default answer.
     """
 
     __slots__ = ("_alpha", "_means")
@@ -501,12 +511,16 @@ class OutputLengths:
         self._alpha = alpha
         self._means: dict[str, float] = {}
 
-    def predict(self, route: str, session_last: int | None, budget: int | None) -> int:
-        """The output tokens to expect (at least 1)."""
+    def predict(self, route: str, session_last: int | None, budget: int | None,
+                thinking: int = 0) -> int:
+        """The output tokens to expect (at least 1); ``thinking``: the thinking allowed."""
+        mean = self._means.get(route)
         if session_last is not None:
-            guess = float(session_last)
+            guess = max(float(session_last), float(thinking))
+        elif mean is not None:
+            guess = max(mean, float(thinking))
         else:
-            guess = self._means.get(route, float(DEFAULT_EXPECTED_OUTPUT_TOKENS))
+            guess = float(DEFAULT_EXPECTED_OUTPUT_TOKENS + thinking)
         if budget is not None:
             guess = min(guess, float(budget))
         return max(1, round(guess))
@@ -1053,7 +1067,8 @@ class RequestWalk:
             expected_output_tokens = sent if sent is not None else DEFAULT_EXPECTED_OUTPUT_TOKENS
             usage = self.session.usage
             predicted = self._walker.outputs.predict(
-                request.route.name, None if usage is None else usage.completion_tokens, sent)
+                request.route.name, None if usage is None else usage.completion_tokens, sent,
+                request.thinking_tokens)
         return RouteRequest(
             request_id=request_id,
             pool=pool,

@@ -73,7 +73,7 @@ from kvroute.wire.openai import (
     warm_request_body,
 )
 from kvroute.wire.overflow import Overflow, overflow_numbers, parse_overflow
-from kvroute.wire.reasoning import reasoning_fields, reasoning_tokens
+from kvroute.wire.reasoning import expected_thinking, reasoning_fields, reasoning_tokens
 from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
 from kvroute.wire.relay import routing_text as render_routing_text
 
@@ -101,6 +101,14 @@ def walk_route(route: RouteConfig) -> WalkRoute:
                      output_floor=route.output_floor + reserve,
                      tokenize_margin=route.tokenize_margin,
                      estimate=EstimateConfig(image_cost=route.image_tokens))
+
+
+def thinking_allowed(parsed: ParsedRequest, route: RouteConfig) -> int:
+    """The thinking the engine will allow this request (``wire.reasoning.expected_thinking``);
+    0 off the chat endpoint, where no template switch or budget applies."""
+    if parsed.endpoint != "chat":
+        return 0
+    return expected_thinking(parsed.body, route.reasoning)
 
 
 def error_answer(status: int, body: bytes, *, pool: str = "none",
@@ -225,6 +233,7 @@ class Forwarder:
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
             adapter=adapter,
             shadow_payload=parsed,
+            thinking_tokens=thinking_allowed(parsed, route),
         )
         alternates = self.pools.alternates(route) if route.scenarios.any else None
         walk = self.walker.start(walk_request, self.pools.tier_pools(route), record,

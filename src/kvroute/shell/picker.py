@@ -50,6 +50,7 @@ from kvroute.shell.forward import (
     HDR_REPLICA,
     Forwarder,
     _Exchange,
+    thinking_allowed,
 )
 from kvroute.shell.request_limits import parse_within_limits
 from kvroute.shell.tenancy import cache_salt, tenant_of
@@ -242,7 +243,8 @@ class Picker(Forwarder):
             num_messages=None if parsed.messages is None else len(parsed.messages),
             prompt_token_ids=prompt_ids_from_body(parsed),
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
-            exclude=exclude, shadow_payload=parsed)
+            exclude=exclude, shadow_payload=parsed,
+            thinking_tokens=thinking_allowed(parsed, route))
         alternates = self.pools.alternates(route) if route.scenarios.any else None
         walk = self.walker.start(walk_request, self.pools.tier_pools(route), record,
                                  alternates=alternates)

@@ -123,6 +123,24 @@ def reasoning_fields(body: Mapping[str, Any], settings: ReasoningSettings) -> di
     return out
 
 
+def expected_thinking(body: Mapping[str, Any], settings: ReasoningSettings | None) -> int:
+    """The thinking tokens the engine will be allowed for this chat body once the route's
+    fields are set (``reasoning_fields``): its ``thinking_token_budget`` when thinking is not
+    switched off, 0 when it is off, when no route settings apply, or when the budget is
+    unlimited (``-1``, no ceiling: nothing bounds it but ``max_tokens``, which the learned
+    lengths already follow). The walk's output prediction uses it as a floor."""
+    if settings is None:
+        return 0
+    final = {**body, **reasoning_fields(body, settings)}
+    kwargs = final.get("chat_template_kwargs")
+    if isinstance(kwargs, Mapping) and kwargs.get(THINK_SWITCHES[settings.switch]) is False:
+        return 0
+    budget = final.get("thinking_token_budget")
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
+        return budget
+    return 0
+
+
 def reasoning_tokens(usage: Mapping[str, Any] | None) -> int | None:
     """``usage.completion_tokens_details.reasoning_tokens`` when the engine reported it (vLLM
     with a reasoning parser), else None."""

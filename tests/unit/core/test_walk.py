@@ -74,7 +74,7 @@ def words(n: int) -> str:
 
 def request(n_words: int = 100, *, session: str | None = "s1", max_tokens: int | None = 32,
             proactive: bool = True, ids: Sequence[int] | None = None,
-            text: str = "the prompt") -> WalkRequest:
+            text: str = "the prompt", thinking: int = 0) -> WalkRequest:
     body: dict[str, Any] = {"messages": [{"role": "user", "content": words(n_words)}],
                             "max_tokens": max_tokens}
     return WalkRequest(
@@ -82,7 +82,7 @@ def request(n_words: int = 100, *, session: str | None = "s1", max_tokens: int |
         session_id=session, endpoint="chat" if ids is None else "completions", model="m",
         body=body if ids is None else {"prompt": list(ids)}, max_tokens=max_tokens,
         num_messages=1 if ids is None else None, prompt_token_ids=ids,
-        routing_text=lambda: text)
+        routing_text=lambda: text, thinking_tokens=thinking)
 
 
 def ids(n: int) -> list[int]:
@@ -438,6 +438,26 @@ def test_a_sessions_last_answer_predicts_its_next_one_within_the_budget() -> Non
     assert lengths.predict("chat", 40, None) == 40  # the session's own last answer
     assert lengths.predict("chat", 900, 128) == 128  # never above the budget
     assert lengths.predict("other", None, 0) == 1
+
+
+def test_a_thinking_budget_is_a_floor_of_the_predicted_output() -> None:
+    """The thinking allowed counts in the expected decode even before any answer holds it."""
+    lengths = OutputLengths(alpha=0.5)
+    assert lengths.predict("chat", None, None, thinking=2048) == 256 + 2048  # nothing learned
+    assert lengths.predict("chat", None, 1000, thinking=2048) == 1000  # max_tokens caps all
+    lengths.observe("chat", 100)  # answers that did not think
+    assert lengths.predict("chat", None, None, thinking=2048) == 2048
+    assert lengths.predict("chat", None, None) == 100  # thinking off: the learned mean
+    assert lengths.predict("chat", 40, None, thinking=512) == 512  # the last turn did not think
+    assert lengths.predict("chat", 3000, None, thinking=512) == 3000  # it thought longer
+
+
+def test_the_walk_prices_a_thinking_requests_decode() -> None:
+    walker, _ = make_walker()
+    _walk, send = sent_small(walker, 100, max_tokens=4000, thinking=1024)
+    assert send.decision.request.predicted_output_tokens == 256 + 1024
+    _walk, send = sent_small(walker, 100, max_tokens=600, thinking=1024)
+    assert send.decision.request.predicted_output_tokens == 600
 
 
 def test_the_walk_prices_the_predicted_output_and_learns_from_answers() -> None:

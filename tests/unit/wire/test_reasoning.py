@@ -9,7 +9,7 @@ import pytest
 from kvroute.config import ConfigError, parse_config
 from kvroute.shell.forward import walk_route
 from kvroute.wire.openai import parse_request
-from kvroute.wire.reasoning import ReasoningSettings, reasoning_fields
+from kvroute.wire.reasoning import ReasoningSettings, expected_thinking, reasoning_fields
 from kvroute.wire.relay import forward_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
@@ -95,3 +95,16 @@ def test_auto_lets_the_classifier_set_the_switch_unless_the_client_did() -> None
         ReasoningSettings(auto=True, classifier="llm")
     cfg = _config({"thinking": "auto", "budget": 64})
     assert cfg.routes["think"].reasoning.auto  # type: ignore[attr-defined]
+
+
+def test_the_thinking_a_request_is_allowed() -> None:
+    on = ReasoningSettings("qwen3", thinking=True, budget=2048, max_budget=8192)
+    assert expected_thinking(CHAT, on) == 2048
+    assert expected_thinking({**CHAT, "thinking_token_budget": 500}, on) == 500
+    assert expected_thinking({**CHAT, "thinking_token_budget": -1}, on) == 8192  # the ceiling
+    off = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    assert expected_thinking(off, on) == 0  # the client's switch wins
+    assert expected_thinking(CHAT, ReasoningSettings("qwen3", thinking=False, budget=9)) == 0
+    unbounded = ReasoningSettings("qwen3", thinking=True)
+    assert expected_thinking({**CHAT, "thinking_token_budget": -1}, unbounded) == 0
+    assert expected_thinking(CHAT, None) == 0
