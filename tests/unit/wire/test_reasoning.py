@@ -108,3 +108,24 @@ def test_the_thinking_a_request_is_allowed() -> None:
     unbounded = ReasoningSettings("qwen3", thinking=True)
     assert expected_thinking({**CHAT, "thinking_token_budget": -1}, unbounded) == 0
     assert expected_thinking(CHAT, None) == 0
+
+
+def test_structured_output_passes_through_a_thinking_route() -> None:
+    """A thinking route sets its switch and budget and nothing else: the client's structured
+    output request (``response_format`` with a JSON schema, vLLM's ``structured_outputs``)
+    reaches the engine byte-for-byte equal, beside the route's fields."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"]}
+    body = {**CHAT, "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "a", "schema": schema}},
+            "structured_outputs": {"json": schema}}
+    on = ReasoningSettings("qwen3", thinking=True, budget=512, max_budget=None)
+    fields = reasoning_fields(body, on)
+    assert set(fields) == {"chat_template_kwargs", "thinking_token_budget"}
+    raw = json.dumps(body).encode()
+    sent = json.loads(forward_body(raw, parse_request(raw, "chat"), max_tokens=None, model="m",
+                                   cache_salt=None, set_fields=fields))
+    assert sent["response_format"] == body["response_format"]
+    assert sent["structured_outputs"] == body["structured_outputs"]
+    assert sent["chat_template_kwargs"] == {"enable_thinking": True}
+    assert sent["thinking_token_budget"] == 512
