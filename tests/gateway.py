@@ -10,6 +10,9 @@ Owns two lifetimes that a test module shares across its tests:
 * ``RouterThread``: ``RouterRuntime`` on a private event loop in a daemon thread, so a
   long-lived router can serve a separate process (LiteLLM) or a blocking client (the OpenAI
   SDK) while the test still inspects its core and session state (``call``).
+* ``one_engine_router(...)``: a ``RouterThread`` in front of one fast simulated engine (pool
+  ``main``), the set-up the feature suites share, each adding its own pool, route and
+  top-level settings.
 
 Why LiteLLM runs in its own venv: its ``[proxy]`` extra pins fastapi/uvicorn/pydantic and
 ~120 packages; letting those constrain kvroute's own dependencies would be the tail wagging
@@ -46,10 +49,12 @@ import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 from required import skip_unless_required
 
 from kvroute.bench.processes import free_port
-from kvroute.config import RouterConfig
+from kvroute.config import RouterConfig, parse_config
 from kvroute.shell.runtime import RouterRuntime
+from kvroute.sim.launcher import ReplicaSpec, start_fleet
 
 __all__ = [
+    "FAST_ENGINE_TIMING",
     "LITELLM_VERSION",
     "GatewayError",
     "LiteLLMInstall",
@@ -60,6 +65,7 @@ __all__ = [
     "free_port",
     "litellm_config",
     "litellm_proxy",
+    "one_engine_router",
     "require_litellm",
 ]
 
@@ -398,3 +404,38 @@ class RouterThread:
                 started.set_exception(exc)
             else:
                 self._error = exc
+
+
+FAST_ENGINE_TIMING: Final = ("--timing", "0.001,0.00005,0.0002,0")
+"""A simulated engine whose steps take about a millisecond: fast answers, real events."""
+
+
+@contextlib.contextmanager
+def one_engine_router(*, model: str = "sim-model", pool: Mapping[str, Any] | None = None,
+                      routes: Mapping[str, Any] | None = None,
+                      settings: Mapping[str, Any] | None = None) -> Iterator[RouterThread]:
+    """``kvroute serve`` on a thread in front of one simulated engine ``s0`` in pool ``main``.
+
+    ``pool`` adds settings to the pool, ``routes`` replaces the default one route
+    (``assistant`` on ``main``), ``settings`` adds top-level config keys. The engine is
+    stopped however the test ends; its start is bounded at 120 s (a deadline against a
+    hang, not a speed requirement).
+    """
+    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=model,
+                                     extra_args=FAST_ENGINE_TIMING)], timeout_s=120.0)
+    try:
+        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
+                     "kv_replay": r.kv_replay} for r in fleet.replicas]
+        config = parse_config({
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": {"main": {"model": model, "replicas": replicas, **(pool or {})}},
+            "routes": dict(routes) if routes is not None else {"assistant": {"pools": ["main"]}},
+            "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
+                          "models_interval_s": 5, "timeout_s": 1.0},
+            "log_level": "warning",
+            **(settings or {}),
+        }, env={})
+        with RouterThread(config) as rt:
+            yield rt
+    finally:
+        fleet.stop()

@@ -10,12 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gateway import RouterThread
+from gateway import RouterThread, one_engine_router
 
 from kvroute.commands.audit import read_sample
-from kvroute.config import parse_config
 from kvroute.core.prefix_audit import audit
-from kvroute.sim.launcher import ReplicaSpec, start_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -30,25 +28,9 @@ def sample_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def router(sample_path: Path) -> Iterator[RouterThread]:
-    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=MODEL,
-                                     extra_args=("--timing", "0.001,0.00005,0.0002,0"))],
-                        timeout_s=30.0)
-    try:
-        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
-                     "kv_replay": r.kv_replay} for r in fleet.replicas]
-        config = parse_config({
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "pools": {"main": {"model": MODEL, "replicas": replicas}},
-            "routes": {"assistant": {"pools": ["main"]}},
-            "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
-                          "models_interval_s": 5, "timeout_s": 1.0},
-            "audit_sample": {"path": str(sample_path), "every": 1},
-            "log_level": "warning",
-        }, env={})
-        with RouterThread(config) as rt:
-            yield rt
-    finally:
-        fleet.stop()
+    with one_engine_router(model=MODEL, settings={
+            "audit_sample": {"path": str(sample_path), "every": 1}}) as rt:
+        yield rt
 
 
 def _chat(router: RouterThread, system: str, user: str) -> dict[str, str]:

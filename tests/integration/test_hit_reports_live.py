@@ -17,10 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from gateway import RouterThread
-
-from kvroute.config import parse_config
-from kvroute.sim.launcher import ReplicaSpec, start_fleet
+from gateway import RouterThread, one_engine_router
 
 pytestmark = pytest.mark.integration
 
@@ -29,24 +26,8 @@ MODEL = "sim-model"
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[RouterThread]:
-    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=MODEL,
-                                     extra_args=("--timing", "0.001,0.00005,0.0002,0"))],
-                        timeout_s=30.0)
-    try:
-        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
-                     "kv_replay": r.kv_replay} for r in fleet.replicas]
-        config = parse_config({
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "pools": {"main": {"model": MODEL, "replicas": replicas, "report_hits": True}},
-            "routes": {"assistant": {"pools": ["main"]}},
-            "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
-                          "models_interval_s": 5, "timeout_s": 1.0},
-            "log_level": "warning",
-        }, env={})
-        with RouterThread(config) as rt:
-            yield rt
-    finally:
-        fleet.stop()
+    with one_engine_router(model=MODEL, pool={"report_hits": True}) as rt:
+        yield rt
 
 
 def _post(router: RouterThread, prompt: str) -> dict[str, str]:

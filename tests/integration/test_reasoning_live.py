@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway import RouterThread
+from gateway import RouterThread, one_engine_router
 
 from kvroute.config import parse_config
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
@@ -33,29 +33,13 @@ MODEL = "sim-model"
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[RouterThread]:
-    fleet = start_fleet([ReplicaSpec(name="s0", pool="main", model=MODEL,
-                                     extra_args=("--timing", "0.001,0.00005,0.0002,0"))],
-                        timeout_s=30.0)
-    try:
-        replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
-                     "kv_replay": r.kv_replay} for r in fleet.replicas]
-        config = parse_config({
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "pools": {"main": {"model": MODEL, "replicas": replicas}},
-            "routes": {
-                "think": {"pools": ["main"], "reasoning": {"switch": "qwen3", "thinking": True,
-                                                           "budget": 512}},
-                "fast": {"pools": ["main"], "reasoning": {"switch": "qwen3",
-                                                          "thinking": False, "budget": 512}},
-            },
-            "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
-                          "models_interval_s": 5, "timeout_s": 1.0},
-            "log_level": "warning",
-        }, env={})
-        with RouterThread(config) as rt:
-            yield rt
-    finally:
-        fleet.stop()
+    with one_engine_router(model=MODEL, routes={
+        "think": {"pools": ["main"], "reasoning": {"switch": "qwen3", "thinking": True,
+                                                   "budget": 512}},
+        "fast": {"pools": ["main"], "reasoning": {"switch": "qwen3", "thinking": False,
+                                                  "budget": 512}},
+    }) as rt:
+        yield rt
 
 
 def _chat(router: RouterThread, model: str, **extra: Any) -> tuple[int, Any]:
