@@ -157,6 +157,13 @@ class CacheFeedback(Collector):
             log.warning("replica %s now runs with prefix caching on; credited with hits again",
                         replica)
 
+    def forget_replica(self, replica: ReplicaId) -> None:
+        """``replica`` left the fleet (Kubernetes scale-in): stop exporting its engine's series,
+        whose last readings would otherwise stand for a pod that no longer exists. The
+        router's own predicted/measured counters by replica keep their history."""
+        self.engine_load.pop(replica, None)
+        self.engines.pop(replica, None)
+
     # -- the feedback loop (forwarder) -------------------------------------------------------
 
     def on_decision(self, decision: RoutingDecision) -> None:

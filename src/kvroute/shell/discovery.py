@@ -178,6 +178,8 @@ class Discovery:
             from ``os.environ`` through ``config.resolve_provider_keys`` when None.
         on_engine_metrics: told every parsed ``/metrics`` reading (the engines' cache
             counters and ``cache_config_info``: ``shell/cache_feedback.py``).
+        on_replica_left: told when a replica leaves the fleet (``remove_replica``), so
+            what keeps per-replica readings beside discovery drops them too.
     """
 
     def __init__(
@@ -190,9 +192,11 @@ class Discovery:
         clock: Clock | None = None,
         provider_keys: Mapping[PoolName, str] | None = None,
         on_engine_metrics: Callable[[ReplicaId, VllmMetrics], None] | None = None,
+        on_replica_left: Callable[[ReplicaId], None] | None = None,
     ) -> None:
         self._config = config
         self._on_engine_metrics = on_engine_metrics
+        self._on_replica_left = on_replica_left
         self._core = core
         self._session = session
         self._metrics = metrics
@@ -246,6 +250,8 @@ class Discovery:
         """Stop probing ``replica`` (it left); a probe in flight for it is dropped."""
         if self._replicas.pop(replica, None) is not None:
             self._metrics.forget_replica(replica)
+            if self._on_replica_left is not None:
+                self._on_replica_left(replica)
 
     def replica_names(self, pool: str) -> list[ReplicaId]:
         """The pool's replicas now (configured or discovered), healthy or not."""

@@ -160,7 +160,8 @@ class RouterRuntime:
         self.engine_client = make_engine_client(config.timeouts)
         self.discovery = Discovery(config, self.core, self.session, self.metrics,
                                    provider_keys=secrets.provider_keys,
-                                   on_engine_metrics=self.feedback.on_engine_metrics)
+                                   on_engine_metrics=self.feedback.on_engine_metrics,
+                                   on_replica_left=self.feedback.forget_replica)
         await self.discovery.refresh_now()
         await self.discovery.start()
         for pool in config.pools.values():

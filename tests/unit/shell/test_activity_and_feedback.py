@@ -82,6 +82,9 @@ def test_engine_counters_reach_metrics_and_caching_off_reaches_the_core() -> Non
     assert 'kvroute_engine_kv_cache_usage{replica="r0"} 0.25' in body
     assert 'kvroute_engine_requests{replica="r0",state="waiting"} 2.0' in body
     assert 'kvroute_cache_drift_alarm{pool="p"} 0.0' in body
+    feedback.forget_replica(ReplicaId("r0"))  # scale-in: the pod is gone
+    body = generate_latest(registry).decode()
+    assert 'replica="r0"' not in body.split("kvroute_cache_predicted_tokens")[0]
 
 
 def test_the_drift_alarm_logs_on_entering_reminds_while_on_and_says_when_it_ends(
