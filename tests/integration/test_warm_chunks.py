@@ -34,6 +34,7 @@ from kvroute.config import RouterConfig, parse_config
 from kvroute.core.events import BlockStored
 from kvroute.core.index import TenantScope
 from kvroute.core.router import RouteRequest
+from kvroute.core.scenarios import version_salt
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.warm import chunk_bounds
 from kvroute.shell.runtime import RouterRuntime
@@ -152,7 +153,7 @@ def _replica(handle: ReplicaHandle, url: str | None = None) -> dict[str, Any]:
 
 
 def _config(fleet: Fleet, large_url: str, chunk_tokens: int, large_tokenizer: str = "engine",
-            ) -> RouterConfig:  # fmt: skip
+            *, version_salt: bool = False) -> RouterConfig:
     small, large = fleet.by_pool("small")[0], fleet.by_pool("large")[0]
     return parse_config({
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -161,7 +162,7 @@ def _config(fleet: Fleet, large_url: str, chunk_tokens: int, large_tokenizer: st
             "large": {"model": LARGE_MODEL, "tokenizer": large_tokenizer,
                       "replicas": [_replica(large, large_url)]},
         },
-        "routes": {ROUTE: {"pools": ["small", "large"]}},
+        "routes": {ROUTE: {"pools": ["small", "large"], "version_salt": version_salt}},
         "policy": {"name": "kvroute", "seed": 5},
         "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 1.0,
                       "models_interval_s": 30, "timeout_s": 1.0},
@@ -241,12 +242,14 @@ async def _reset(http: aiohttp.ClientSession, fleet: Fleet) -> None:
 
 def _with_router(fleet: Fleet, chunk_tokens: int,
                  test: Callable[[RouterRuntime, aiohttp.ClientSession, _Recorder],
-                                Awaitable[None]], large_tokenizer: str = "engine") -> None:
+                                Awaitable[None]], large_tokenizer: str = "engine", *,
+                 version_salt: bool = False) -> None:
     async def main() -> None:
         large = fleet.by_pool("large")[0]
         async with _Recorder(large.url) as recorder, aiohttp.ClientSession() as http:
             await _reset(http, fleet)
-            config = _config(fleet, recorder.url, chunk_tokens, large_tokenizer)
+            config = _config(fleet, recorder.url, chunk_tokens, large_tokenizer,
+                             version_salt=version_salt)
             async with RouterRuntime(config, env={}) as rt:
                 await test(rt, http, recorder)
 
@@ -366,3 +369,53 @@ def test_without_exact_token_ids_a_warm_up_is_one_request(fleet: Fleet) -> None:
         assert _counter(rt, "warm", outcome="chunk", reason="large") == 0
 
     _with_router(fleet, CHUNK, test, large_tokenizer="none")
+
+
+@pytest.fixture(scope="module")
+def versioned_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """The same two engines, the large one serving weights that declare a version."""
+    root = tmp_path_factory.mktemp("large-v2")
+    (root / "config.json").write_text(json.dumps({"model_type": "sim", "version": "v2"}))
+    specs = [
+        ReplicaSpec(name="s0", pool="small", model=SMALL_MODEL, max_model_len=SMALL_WINDOW,
+                    extra_args=("--timing", SMALL_TIMING)),
+        ReplicaSpec(name="l0", pool="large", model=LARGE_MODEL, max_model_len=LARGE_WINDOW,
+                    root=str(root), extra_args=("--timing", TIMING)),
+    ]
+    with start_fleet(specs, timeout_s=30.0) as started:
+        yield started
+
+
+def test_a_version_salted_route_warms_under_the_target_versions_salt(
+        versioned_fleet: Fleet) -> None:
+    """With ``version_salt`` the escalated request is hashed under the large version's salt,
+    so the warm-up must be too: every chunk and the final chat body carry that salt (the
+    final body once carried the tenant's, caching blocks the escalation never looks up),
+    and the escalation's prefill is then a cache hit on the engine."""
+    rng = random.Random(6)
+    salt = "tenant-salt"
+    messages = [{"role": "user", "content": _words(rng, 1480)}]
+    large = versioned_fleet.by_pool("large")[0]
+    want = version_salt("v:v2", salt)
+
+    async def test(rt: RouterRuntime, http: aiohttp.ClientSession, rec: _Recorder) -> None:
+        await _wait_for(lambda: rt.core.versions.version(ReplicaId("l0")) == "v:v2",
+                        "the large engine's declared version")
+        status, pool = await _chat(http, rt.url, messages, "salted", cache_salt=salt)
+        assert (status, pool) == (200, "small")
+        await _wait_for(lambda: _counter(rt, "warm", outcome="completed", reason="large") == 1,
+                        "the warm-up")
+        assert len(rec.seen) >= 2 and rec.seen[-1].path == "/v1/chat/completions"
+        assert [s.body["cache_salt"] for s in rec.seen] == [want] * len(rec.seen)
+        # The session grows past the small window: the escalation hits what was warmed.
+        _, hits0 = await _engine_counters(http, large.url)
+        grown = messages + [{"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": _words(rng, 700)}]
+        status, pool = await _chat(http, rt.url, grown, "salted", cache_salt=salt)
+        assert (status, pool) == (200, "large")
+        assert rec.seen[-1].body["cache_salt"] == want
+        _, hits = await _engine_counters(http, large.url)
+        block = rt.core.pool(PoolName("large")).block_size
+        assert hits - hits0 >= (1480 // block - 1) * block
+
+    _with_router(versioned_fleet, CHUNK, test, version_salt=True)

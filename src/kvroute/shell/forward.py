@@ -372,10 +372,13 @@ class Forwarder:
         fire = send.warm
         if self.warm is None or fire is None:
             return
-        parsed, salt = ex.parsed, ex.walk.request.cache_salt
-        warm_parsed = parsed if salt is None else replace(
-            parsed, body={**parsed.body, "cache_salt": salt}, cache_salt=salt)
-        body = warm_request_body(warm_parsed, model=fire.target_model)
+        parsed = ex.parsed
+
+        def body_for_salt(salt: str | None) -> bytes:
+            warm_parsed = parsed if salt is None else replace(
+                parsed, body={**parsed.body, "cache_salt": salt}, cache_salt=salt)
+            return warm_request_body(warm_parsed, model=fire.target_model)
+
         target = PoolName(fire.target_pool_name)
         path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
         walk = ex.walk
@@ -386,7 +389,7 @@ class Forwarder:
                 ids = await self._token_ids(ex, target)
             return walk.route_request(target, request_id, ids, expected_output_tokens=1)
 
-        self.warm.fire(fire, body, path, fire.claim_key, build)
+        self.warm.fire(fire, body_for_salt, path, fire.claim_key, build)
 
     # -- answers --------------------------------------------------------------------------------
 

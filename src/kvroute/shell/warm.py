@@ -90,6 +90,7 @@ __all__ = ["WarmJob", "WarmSender"]
 log = logging.getLogger("kvroute.warm")
 
 RouteRequestFactory = Callable[[RequestId], Awaitable[RouteRequest]]
+WarmBodyFactory = Callable[[str | None], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +99,16 @@ class WarmJob:
 
     Attributes:
         fire: the planner's decision (session, target pool, stage).
-        body: the warm-up body (``wire.openai.warm_request_body``, salt included).
+        body_for_salt: the warm-up body (``wire.openai.warm_request_body``) for the
+            ``cache_salt`` the routed request carries: the tenant's, or the target
+            version's when the route salts by version, known only once ``build`` ran.
         path: ``/v1/chat/completions`` or ``/v1/completions``.
         claim_key: the session's key in the shared cooldown store.
         build: makes the ``RouteRequest`` for the target pool (tokenizing there).
     """
 
     fire: WarmFire
-    body: bytes
+    body_for_salt: WarmBodyFactory
     path: str
     claim_key: str
     build: RouteRequestFactory
@@ -150,7 +153,7 @@ class WarmSender:
         self.tasks: set[asyncio.Task[None]] = set()
         self._freed: asyncio.Event | None = None
 
-    def fire(self, fire: WarmFire, body: bytes, path: str, claim_key: str,
+    def fire(self, fire: WarmFire, body_for_salt: WarmBodyFactory, path: str, claim_key: str,
              build: RouteRequestFactory) -> bool:  # fmt: skip
         """Hand one warm-up to the background; False (counted ``busy``) when a new session's
         warm-up would exceed ``max_in_flight``.
@@ -160,7 +163,7 @@ class WarmSender:
 
         Args:
             fire: the planner's decision.
-            body: the warm-up body (``wire.openai.warm_request_body``, salt included).
+            body_for_salt: the warm-up body for a ``cache_salt`` (:class:`WarmJob`).
             path: ``/v1/chat/completions`` or ``/v1/completions``.
             claim_key: the session's key in the shared cooldown store.
             build: makes the ``RouteRequest`` for the target pool (tokenizing there).
@@ -169,7 +172,7 @@ class WarmSender:
         if session not in self.slots and len(self.tasks) >= self.max_in_flight:
             self._metrics.warm("skipped", "busy")
             return False
-        offer, superseded = self.slots.offer(WarmJob(fire, body, path, claim_key, build))
+        offer, superseded = self.slots.offer(WarmJob(fire, body_for_salt, path, claim_key, build))
         if superseded is not None:
             self._metrics.warm("skipped", "superseded")
             log.debug("warm-ahead of session %s: stage %d superseded by stage %d before it "
@@ -320,7 +323,10 @@ class WarmSender:
                         await self._slot_freed()
                     holding = True
                 if k == len(ends) - 1:
-                    path, body, chunk_id = job.path, job.body, request_id
+                    # The salt the blocks were routed under (a version's, when the route
+                    # salts by version), as the chunks before it carry it.
+                    path, chunk_id = job.path, request_id
+                    body = job.body_for_salt(request.cache_salt)
                 else:
                     assert ids is not None, "a chunk plan exists only for exact token ids"
                     path, chunk_id = "/v1/completions", RequestId(f"{request_id}-c{k}")
