@@ -247,8 +247,9 @@ def test_a_sticky_ab_split_keeps_every_session_on_one_arm_and_counts_each_arm(
                     body))
 
 
-def test_failover_serves_every_request_from_the_backup_and_fails_back(
-        fleets: list[Fleet]) -> None:
+def primary_down(fleets: list[Fleet]) -> tuple[int, Fleet, list[Any]]:
+    """(the primary's base port, the running backup, the primary's handles): the primary's
+    address is known and nothing answers there yet."""
     from socket import socket
 
     with socket() as probe:
@@ -256,13 +257,18 @@ def test_failover_serves_every_request_from_the_backup_and_fails_back(
         base = probe.getsockname()[1]
     backup = start_fleet([pool_spec("o0", "other")], timeout_s=120.0)
     fleets.append(backup)
-    # The primary's engine is not running yet: its address is known, nothing answers there.
     primary = start_fleet([pool_spec("m0", "main")], base_port=base, timeout_s=120.0)
     # No KV events for it: a SUB reconnecting to a closed loopback port in the ephemeral
     # range can connect to itself and hold the port the restarted engine must bind.
     main_handles = [dataclasses.replace(h, kv_events=None, kv_replay=None)
                     for h in primary.replicas]
     primary.stop()
+    return base, backup, main_handles
+
+
+def test_failover_serves_every_request_from_the_backup_and_fails_back(
+        fleets: list[Fleet]) -> None:
+    base, backup, main_handles = primary_down(fleets)
     route = {"failover": {"backup": "other", "back_after_s": 0.5}}
     rng = random.Random(4)
 
@@ -288,6 +294,32 @@ def test_failover_serves_every_request_from_the_backup_and_fails_back(
         moves = rt.metrics.value("kvroute_scenario_moves_total",
                                  {"route": ROUTE, "scenario": "failover"})
         assert moves == 1.0  # back to the primary (the first turn had no place before)
+
+    run(with_router(two_pool_config(main_handles, backup.by_pool("other"), route), body),
+        timeout_s=200.0)
+
+
+def test_the_failover_switch_follows_the_primary_between_requests(
+        fleets: list[Fleet]) -> None:
+    """No request is sent while the primary goes down and comes back: the switch is told
+    the primary's state after every health round, so the backup takes the route and gives
+    it back on the probes alone, and the first request after the hysteresis goes straight
+    to the primary (it once waited for a request to start counting ``back_after_s``)."""
+    base, backup, main_handles = primary_down(fleets)
+    route = {"failover": {"backup": "other", "back_after_s": 0.5}}
+    rng = random.Random(5)
+
+    async def body(rt: RouterRuntime, http: aiohttp.ClientSession) -> None:
+        def active() -> float | None:
+            return rt.metrics.value("kvroute_failover_active", {"route": ROUTE})
+
+        await wait_for(lambda: active() == 1.0, "the backup taking the route, no request sent")
+        restarted = start_fleet([pool_spec("m0", "main")], base_port=base, timeout_s=120.0)
+        fleets.append(restarted)
+        await wait_for(lambda: active() == 0.0, "the primary taking the route back",
+                       timeout_s=30.0)
+        replica, _, _ = await Session(http, rt.url, "fo-2").ask("first " + words(rng, 30))
+        assert replica == "m0"
 
     run(with_router(two_pool_config(main_handles, backup.by_pool("other"), route), body),
         timeout_s=200.0)

@@ -568,6 +568,39 @@ class Walker:
         self.scenarios: dict[str, ScenarioState] = {}
         """Route name → its model-bound cache scenarios' state (``core/scenarios.py``)."""
 
+    def observe_failover(self, route: str, state: ScenarioState,
+                         now: float) -> tuple[bool, LogLine | None]:
+        """The failover switch of ``route`` told the primary's state now (healthy replicas,
+        engine queues): whether the backup takes the route, and the log line of a switch.
+        Called by each walk before its tier plan and by :meth:`observe_failovers` between
+        requests, so the hysteresis counts from when the primary became usable, not from
+        the next request (docs/model-bound-caches.md, failover)."""
+        failover, switch = state.settings.failover, state.failover
+        if failover is None or switch is None:
+            return False, None
+        core = self.core
+        primary = failover.primary
+        healthy = [rep.name for rep in core.pool(primary).replicas if core.is_healthy(rep.name)]
+        waiting = {r: core.load.snapshot(r, now).engine_waiting for r in healthy}
+        before = switch.switches
+        active = switch.update(now, primary_usable(healthy, waiting, failover.saturated_waiting))
+        if switch.switches == before:
+            return active, None
+        return active, LogLine("warning", (
+            f"{LOG_TAG} failover of route {route!r}: "
+            + (f"{primary!r} unusable ({len(healthy)} healthy) → backup {failover.backup!r}"
+               if active else f"{primary!r} usable for {failover.back_after_s:g}s → back")))
+
+    def observe_failovers(self, now: float) -> list[tuple[str, bool, LogLine | None]]:
+        """Every failover route's switch told the primary's state now (a driver calls it
+        after each health round): ``(route, backup active, log line of a switch)``."""
+        out: list[tuple[str, bool, LogLine | None]] = []
+        for route, state in self.scenarios.items():
+            if state.failover is not None:
+                active, line = self.observe_failover(route, state, now)
+                out.append((route, active, line))
+        return out
+
     def set_scenarios(self, route: str, settings: RouteScenarios) -> ScenarioState | None:
         """Give ``route`` its scenarios (upgrade, A/B split, failover, version salt)."""
         if not settings.any:
@@ -1127,21 +1160,12 @@ class RequestWalk:
             self._substitute(control, arm)
             self.arm = arm
         failover = settings.failover
-        switch = state.failover
-        if failover is None or switch is None:
+        if failover is None or state.failover is None:
             return
-        core = self._walker.core
+        active, line = self._walker.observe_failover(self.request.route.name, state, now)
+        if line is not None:
+            self._notes.append(line)
         primary = failover.primary
-        healthy = [rep.name for rep in core.pool(primary).replicas if core.is_healthy(rep.name)]
-        waiting = {r: core.load.snapshot(r, now).engine_waiting for r in healthy}
-        before = switch.switches
-        usable = primary_usable(healthy, waiting, failover.saturated_waiting)
-        active = switch.update(now, usable)
-        if switch.switches != before:
-            self._notes.append(LogLine("warning", (
-                f"{LOG_TAG} failover of route {self.request.route.name!r}: "
-                + (f"{primary!r} unusable ({len(healthy)} healthy) → backup {failover.backup!r}"
-                   if active else f"{primary!r} usable for {failover.back_after_s:g}s → back"))))
         if active:
             self._substitute(primary, failover.backup)
         elif (failover.warm_budget_tokens > 0 and failover.backup in self._alternates

@@ -226,6 +226,9 @@ class Discovery:
         self._wake = asyncio.Event()
         self._started = False
         self.num_rounds = 0
+        self.round_observers: list[Callable[[], None]] = []
+        """Called after every probe round, in order (the runtime's failover switches: they
+        must see a primary come back between requests, not at the next one)."""
         self.num_loop_errors = 0
 
     def _record(self, rep: ReplicaConfig, pool: PoolConfig) -> _Replica:
@@ -440,6 +443,8 @@ class Discovery:
         for pool in self._pools.values():
             self._settle_pool(pool)
         self.num_rounds += 1
+        for observe in self.round_observers:
+            observe()
 
     # -- probes ---------------------------------------------------------------------------
 

@@ -462,6 +462,14 @@ class Forwarder:
 
     # -- notes, logs, background ----------------------------------------------------------------
 
+    def observe_failovers(self) -> None:
+        """Between requests (after each discovery round): every failover switch told the
+        primary's state now, its switches logged and its gauge set."""
+        for route, active, line in self.walker.observe_failovers(self.walker.clock.now()):
+            if line is not None:
+                tier_log.log(_LEVELS[line.level], "%s", line.text)
+            self.metrics.scenarios.set_failover(route, active)
+
     def _drain(self, walk: RequestWalk) -> None:
         """The walk's notes into metrics, logs and the tier view."""
         metrics = self.metrics

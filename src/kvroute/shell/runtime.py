@@ -181,6 +181,7 @@ class RouterRuntime:
             on_scrape=self.sync_metrics,
             on_replica_failure=self.discovery.report_failure, feedback=self.feedback,
         )
+        self.discovery.round_observers.append(self.app.router.forwarder.observe_failovers)
         self._stop_gc_watch = watch_gc_pauses(self.metrics.gc_pause)
         self.port = await self.app.start(config.listen.host, config.listen.port)
         self.url = f"http://{config.listen.host}:{self.port}"

@@ -755,8 +755,10 @@ class FleetSimulation:
                 self._act(flight, send)
             elif kind == _HEAL:
                 self.router.set_healthy(cast("ReplicaId", data), True)
+                self._observe_failovers()
             elif kind == _RESTART:
                 self._restart(*cast("tuple[Restart, int]", data))
+                self._observe_failovers()
             elif kind == _STEP_DONE:
                 replica, result = cast("tuple[ReplicaId, StepResult]", data)
                 finished = self._step_done(replica, result)
@@ -1022,12 +1024,18 @@ class FleetSimulation:
         self.router.set_identity(replica, self._identity(self.pool_of[replica], restart.version))
         self.router.set_healthy(replica, True)
 
+    def _observe_failovers(self) -> None:
+        """A replica's health changed: the failover switches see it now, as the live
+        router's do after each health round (``Walker.observe_failovers``)."""
+        self.walker.observe_failovers(self.clock.now())
+
     def _take_out(self, replica: ReplicaId) -> None:
         """A replica refused a connection: out of routing until its outage ends (what the
         live router's discovery does until ``/health`` answers again)."""
         now = self.clock.now()
         self._counters["replicas_taken_out"] += 1
         self.router.set_healthy(replica, False)
+        self._observe_failovers()
         ends = [o.end_s for o in self.config.outages if o.covers(replica, now)]
         if ends and math.isfinite(max(ends)):
             self._push(max(ends), _HEAL, replica)
