@@ -57,6 +57,7 @@ __all__ = [
     "ExternalConfig",
     "HttpLimitsConfig",
     "KubernetesSource",
+    "KvStreamConfig",
     "ListenConfig",
     "PolicyConfig",
     "PoolConfig",
@@ -315,6 +316,38 @@ class StateConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KvStreamConfig:
+    """The durable KV-event stream in NATS JetStream (``shell/kv_stream.py`` reads this).
+
+    A router with this section rebuilds each replica's index from the stream when it starts
+    (snapshot plus tail), then follows the engines' ZMQ feeds; one with ``relay: true``
+    also mirrors every batch its subscribers deliver into the stream. One relay per fleet.
+
+    Attributes:
+        url: the NATS server (``nats://host:4222``).
+        name: the JetStream stream of the events; the snapshots live in the object store
+            bucket ``<name>_SNAPSHOTS``.
+        subject_prefix: events go to ``<prefix>.events.<replica>``.
+        relay: this router mirrors its engines' events into the stream.
+        max_age_s: the stream drops batches older than this.
+        max_bytes: the stream drops its oldest batches beyond this size (and so does the
+            snapshot bucket).
+        snapshot_every: batches of one replica between two snapshots of its blocks (the
+            most a restarting router reads from the stream's tail, about).
+        connect_timeout_s: how long start-up waits for NATS before going on without it.
+    """
+
+    url: str = "nats://127.0.0.1:4222"
+    name: str = "KVROUTE_KV_EVENTS"
+    subject_prefix: str = "kvroute.kv"
+    relay: bool = False
+    max_age_s: float = 86_400.0
+    max_bytes: int = 1 << 30
+    snapshot_every: int = 5_000
+    connect_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class TenantConfig:
     """A tenant: its API key's environment variable, whether its cache is salted, and
     whether it is shown the routing headers.
@@ -486,6 +519,7 @@ class RouterConfig:
     log_level: str = "info"
     log_format: Literal["json", "kv"] = "json"
     audit_sample: AuditSampleConfig | None = None
+    kv_stream: KvStreamConfig | None = None
 
     def replicas(self) -> list[tuple[PoolConfig, ReplicaConfig]]:
         """Every replica with its pool, in file order."""
@@ -603,7 +637,7 @@ _TOP_KEYS: Final = (
     "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
     "cache_drift", "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
     "audit_sample",
-    "http",
+    "http", "kv_stream",
 )
 
 
@@ -1282,6 +1316,42 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         log_level=log_level.lower(),
         log_format=log_format,
         audit_sample=_audit_sample(data.get("audit_sample")),
+        kv_stream=_kv_stream(data.get("kv_stream")),
+    )
+
+
+def _kv_stream(data: Any) -> KvStreamConfig | None:
+    if data is None:
+        return None
+    d = _mapping("kv_stream", data, '{url: "nats://127.0.0.1:4222"}')
+    _check_keys("kv_stream", d, ("url", "name", "subject_prefix", "relay", "max_age_s",
+                                 "max_bytes", "snapshot_every", "connect_timeout_s"))
+    base = KvStreamConfig()
+    url = _str("kv_stream.url", d.get("url", base.url), example='"nats://127.0.0.1:4222"')
+    if urlsplit(url).scheme not in ("nats", "tls") or not urlsplit(url).hostname:
+        raise _fail("kv_stream.url", url, "must be a nats:// URL with a host",
+                    'Write e.g. url: "nats://127.0.0.1:4222".')
+    name = _str("kv_stream.name", d.get("name", base.name), example="KVROUTE_KV_EVENTS")
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise _fail("kv_stream.name", name, "must be a JetStream stream name",
+                    "Use letters, digits, '-' and '_' only (no dots, spaces or wildcards).")
+    prefix = _str("kv_stream.subject_prefix", d.get("subject_prefix", base.subject_prefix),
+                  example="kvroute.kv")
+    tokens = prefix.split(".")
+    if any(not t or any(ch.isspace() or ch in "*>" for ch in t) for t in tokens):
+        raise _fail("kv_stream.subject_prefix", prefix, "must be a NATS subject without wildcards",
+                    "Use dot-separated words, e.g. kvroute.kv.")
+    return KvStreamConfig(
+        url=url,
+        name=name,
+        subject_prefix=prefix,
+        relay=_bool("kv_stream.relay", d.get("relay", base.relay)),
+        max_age_s=_num("kv_stream.max_age_s", d.get("max_age_s", base.max_age_s)),
+        max_bytes=_int("kv_stream.max_bytes", d.get("max_bytes", base.max_bytes), minimum=1 << 20),
+        snapshot_every=_int("kv_stream.snapshot_every",
+                            d.get("snapshot_every", base.snapshot_every), minimum=1),
+        connect_timeout_s=_num("kv_stream.connect_timeout_s",
+                               d.get("connect_timeout_s", base.connect_timeout_s)),
     )
 
 

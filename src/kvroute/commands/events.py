@@ -1,20 +1,31 @@
-"""``kvroute events``: look at an engine's KV-event stream.
+"""``kvroute events``: look at an engine's KV-event stream, and relay it.
 
 ``kvroute events tail tcp://engine:5557 --topic kv --count 20`` subscribes like the router
 does and prints every decoded event as one JSON object per line, so an operator can check
 that an engine publishes, with which block size, medium and hashes, before routing on it.
+
+``kvroute events relay -c kvroute.yaml`` mirrors every engine of the config into the
+durable stream its ``kv_stream`` section names (``shell/kv_relay.py``), until SIGINT or
+SIGTERM; it prints ``{"ready": true}`` once every replica is followed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import signal
+import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 import typer
 import zmq
 
-from kvroute.core.errors import MalformedEventError
+from kvroute.config import load_config
+from kvroute.core.errors import ConfigError, MalformedEventError
 from kvroute.core.events import BlockStored, EventBatch, KVEvent
 from kvroute.wire.vllm_events import decode_message
 
@@ -106,3 +117,31 @@ def tail(
         ctx.term()
     if count is not None and printed < count:
         typer.echo(f"timed out after {timeout}s with {printed} of {count} events", err=True)
+
+
+async def _relay(config_path: Path) -> None:
+    from kvroute.shell.kv_relay import StandaloneRelay
+
+    config = load_config(config_path)
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with StandaloneRelay(config) as relay:
+        print(json.dumps({"ready": True, "replicas": sorted(relay.subscribers)}), flush=True)
+        await stop.wait()
+
+
+@events_app.command("relay")
+def relay(
+    config: Annotated[Path, typer.Option(
+        "--config", "-c", help="The kvroute.yaml whose engines and kv_stream to use.")],
+) -> None:
+    """Mirror the engines' KV events into the durable NATS JetStream stream until stopped."""
+    try:
+        asyncio.run(_relay(config))
+    except ConfigError as exc:
+        typer.echo(f"kvroute: configuration error: {exc}", err=True)
+        raise typer.Exit(code=2) from exc

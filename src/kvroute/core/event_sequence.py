@@ -54,6 +54,14 @@ batches outside ``[start, stop)`` or already held are dropped as duplicates: bel
 ``start`` the owner has them, from ``stop`` on the live stream carries them (vLLM replays
 everything it buffers from ``start``).
 
+Resuming. A router that rebuilt a replica's index from somewhere else first (the durable
+stream, ``shell/kv_stream.py``, up to and including batch ``n``) starts its machine with
+``resume_after=n``: it is then ``FOLLOWING`` with ``expected == n + 1``, so the first live
+batch goes through the ordinary rules above. ``n + 1`` applies; a higher number is a gap
+recovered from the engine's replay buffer (or a reset if the buffer no longer holds it); a
+number at or below ``n`` can only come from a new publisher process (the stream's batches
+were published before the subscription began), so it resets.
+
 NOTE: a restart is invisible if the new process publishes past ``expected`` before the
 subscriber reads its first message (vLLM has no publisher epoch): the gap logic then
 replays from the new process and the index keeps stale entries until they are evicted. The
@@ -187,6 +195,8 @@ class EventSequence:
     Args:
         can_replay: the engine has a replay socket the driver can ask.
         catch_up: replay the engine's buffer when the first live batch is not 0.
+        resume_after: the owner already applied every batch up to and including this one
+            (module doc, Resuming); None: start ``NEW``.
 
     Invariants: ``expected`` is set exactly in ``FOLLOWING``; a replay's held batches all
     lie in ``[start, stop)``; every ``ReplayOutcome`` leaves the machine ``FOLLOWING`` with
@@ -196,11 +206,17 @@ class EventSequence:
     __slots__ = ("_can_replay", "_catch_up", "_expected", "_got", "_live", "_purpose",
                  "_start", "_state")
 
-    def __init__(self, *, can_replay: bool, catch_up: bool = True) -> None:
+    def __init__(self, *, can_replay: bool, catch_up: bool = True,
+                 resume_after: int | None = None) -> None:
+        if resume_after is not None and resume_after < 0:
+            raise ValueError(f"resume_after must be a sequence number >= 0, got {resume_after}")
         self._can_replay = can_replay
         self._catch_up = catch_up
         self._state = SequenceState.NEW
         self._expected = 0  # meaningful in FOLLOWING only (the ``expected`` property)
+        if resume_after is not None:
+            self._state = SequenceState.FOLLOWING
+            self._expected = resume_after + 1
         # The replay in progress: its purpose, range start, the waiting live batch (whose
         # seq is the range's stop) and what arrived of the range so far.
         self._purpose = ReplayPurpose.CATCH_UP

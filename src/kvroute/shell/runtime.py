@@ -15,7 +15,12 @@ Start-up order (each step needs the previous one):
 4. one ``EventSubscriber`` per replica with ``kv_events``; their callbacks call
    ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
-   core needs no locks;
+   core needs no locks. With a ``kv_stream`` section, a background task first connects to
+   NATS (``shell/kv_stream.py``) and, one replica at a time (the catch-up turns), rebuilds
+   the replica's index from the durable stream, then starts its subscriber resuming after
+   the last batch read; with ``kv_stream.relay`` every batch the subscribers deliver is also
+   mirrored into the stream. NATS unreachable: logged, and the subscribers start as without
+   the section;
 5. session state, tokenizers (with the background checks of ``local`` and ``auto`` ones,
    ``tokenize/check.py``), then the HTTP server (``http/server.py``; a client that
    disconnects cancels its handler and so its upstream request). A refused connection seen
@@ -52,6 +57,7 @@ from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
+from kvroute.shell.kv_stream import KvStream, KvStreamRelay, StreamPosition
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
@@ -131,6 +137,14 @@ class RouterRuntime:
         self.members: KubernetesMembers | None = None
         """The pools whose engines come from the Kubernetes API (None: there are none)."""
         self._catch_up_turns = asyncio.Lock()  # the subscribers catch up one at a time
+        self.kv_stream: KvStream | None = None
+        """The durable KV-event stream, once connected (None: not configured, or away)."""
+        self.relay: KvStreamRelay | None = None
+        """This router's relay into the stream (``kv_stream.relay``)."""
+        self._stream_ready: asyncio.Task[KvStream | None] | None = None
+        self._following: dict[ReplicaId, asyncio.Task[None]] = {}
+        self.stream_positions: dict[ReplicaId, StreamPosition] = {}
+        """Where each replica's rebuild from the durable stream ended."""
         self._stopping: set[asyncio.Task[None]] = set()
         self.state: SessionState | None = None
         self._stop_gc_watch: Callable[[], None] | None = None
@@ -164,9 +178,12 @@ class RouterRuntime:
                                    on_replica_left=self.feedback.forget_replica)
         await self.discovery.refresh_now()
         await self.discovery.start()
+        if config.kv_stream is not None:
+            self._stream_ready = asyncio.get_running_loop().create_task(
+                self._open_stream(), name="kv-stream-open")
         for pool in config.pools.values():
             for rep in pool.replicas:
-                self._subscribe(rep)
+                self._follow(rep)
         if kubernetes_pools(config):
             self.members = KubernetesMembers(config, self.core, self.discovery, self.session,
                                              hook=self, env=self._env)
@@ -213,9 +230,23 @@ class RouterRuntime:
         if self.members is not None:
             await step(self.members.stop())
             self.members = None
+        for task in self._following.values():
+            task.cancel()
+            await step(asyncio.gather(task, return_exceptions=True))
+        self._following.clear()
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()
+        if self._stream_ready is not None:
+            self._stream_ready.cancel()
+            await step(asyncio.gather(self._stream_ready, return_exceptions=True))
+            self._stream_ready = None
+        if self.relay is not None:
+            await step(self.relay.stop())
+            self.relay = None
+        if self.kv_stream is not None:
+            await step(self.kv_stream.close())
+            self.kv_stream = None
         for task in list(self._stopping):
             await step(task)
         if self.state is not None:
@@ -235,22 +266,65 @@ class RouterRuntime:
 
     # -- KV-event subscribers, and replicas joining and leaving (shell/k8s_members.py) --------
 
-    def _subscribe(self, rep: ReplicaConfig) -> None:
+    def _follow(self, rep: ReplicaConfig) -> None:
+        """Start following ``rep``'s events: at once, or after rebuilding its index from the
+        durable stream when one is configured (module doc, step 4)."""
+        if rep.kv_events is None:
+            return
+        if self._stream_ready is None:
+            self._subscribe(rep)
+            return
+        task = asyncio.get_running_loop().create_task(self._follow_from_stream(rep),
+                                                      name=f"kv-stream-rebuild-{rep.name}")
+        self._following[rep.name] = task
+        task.add_done_callback(self._subscriber_ended)
+
+    async def _open_stream(self) -> KvStream | None:
+        config = self.config.kv_stream
+        assert config is not None, "only started with a kv_stream section"
+        stream = await KvStream.open(config)
+        if stream is not None:
+            self.kv_stream = stream
+            if config.relay:
+                self.relay = stream.relay()
+                self.relay.start()
+        return stream
+
+    async def _follow_from_stream(self, rep: ReplicaConfig) -> None:
+        assert self._stream_ready is not None
+        stream = await asyncio.shield(self._stream_ready)
+        resume_after: int | None = None
+        if stream is not None:
+            async with self._catch_up_turns:
+                position = await stream.rebuild(rep.name, self._on_stream_batch,
+                                                self._on_stream_reset,
+                                                census=self.relay is not None)
+            self.stream_positions[rep.name] = position
+            if self.relay is not None:
+                self.relay.adopt(rep.name, position)
+            resume_after = position.last_seq
+        self._following.pop(rep.name, None)
+        self._subscribe(rep, resume_after=resume_after)
+
+    def _subscribe(self, rep: ReplicaConfig, *, resume_after: int | None = None) -> None:
         if rep.kv_events is None:
             return
         sub = EventSubscriber(
             rep.name, rep.kv_events, on_batch=self._on_batch, on_reset=self._on_reset,
             replay_endpoint=rep.kv_replay, topic=rep.kv_topic, bind=rep.kv_events_bind,
-            token_ids=False, catch_up_turns=self._catch_up_turns,
+            token_ids=False, catch_up_turns=self._catch_up_turns, resume_after=resume_after,
         )
         self.subscribers[rep.name] = sub
         self._seen[rep.name] = SubscriberStats()
         sub.start().add_done_callback(self._subscriber_ended)
 
     def joined(self, pool: PoolName, replica: ReplicaConfig) -> None:
-        self._subscribe(replica)
+        self._follow(replica)
 
     def left(self, replica: ReplicaId) -> None:
+        following = self._following.pop(replica, None)
+        if following is not None:
+            following.cancel()
         sub = self.subscribers.pop(replica, None)
         self._seen.pop(replica, None)
         if sub is not None:
@@ -263,8 +337,22 @@ class RouterRuntime:
     def _on_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
         if self.core.has_replica(replica):  # not one that left while its batch was read
             self.core.apply_events(replica, batch)
+            if self.relay is not None:
+                self.relay.on_batch(replica, batch)
+
+    def _on_stream_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
+        """A batch read back from the durable stream: applied, never relayed again."""
+        if self.core.has_replica(replica):
+            self.core.apply_events(replica, batch)
 
     def _on_reset(self, replica: ReplicaId, reason: str) -> None:
+        if self.core.has_replica(replica):
+            self.core.reset_replica_index(replica)
+            if self.relay is not None:
+                self.relay.on_reset(replica, reason)
+
+    def _on_stream_reset(self, replica: ReplicaId, reason: str) -> None:
+        """The durable stream's history of ``replica`` restarts: forget, never relay."""
         if self.core.has_replica(replica):
             self.core.reset_replica_index(replica)
 

@@ -174,6 +174,11 @@ class EventSubscriber:
             (module doc, Replays); None: this one never waits for others.
         token_ids: decode ``BlockStored.token_ids`` of live messages; the router turns it off
             (its index needs only hashes, and skipping them roughly halves decode time).
+        resume_after: the owner already holds every batch up to and including this sequence
+            number (rebuilt from the durable stream, ``shell/kv_stream.py``): the first live
+            batch is sequenced as if that one had just been delivered, so a gap after it is
+            replayed from the engine and a lower number is a restart
+            (``core/event_sequence.py``, Resuming). None: catch up as usual.
         bind: bind the SUB socket at ``endpoint`` instead of connecting. vLLM's publisher
             binds only wildcard (``tcp://*:5557``), ipc and inproc endpoints; given a concrete
             ``tcp://127.0.0.1:5601`` it connects, and the router must bind that address.
@@ -195,6 +200,7 @@ class EventSubscriber:
         bind: bool = False,
         token_ids: bool = True,
         catch_up_turns: asyncio.Lock | None = None,
+        resume_after: int | None = None,
     ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout}")
@@ -210,9 +216,9 @@ class EventSubscriber:
         self._token_ids = token_ids
         self._catch_up_turns = catch_up_turns
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
-        self._stats = SubscriberStats()
+        self._stats = SubscriberStats(last_seq=resume_after)
         self._sequence = EventSequence(can_replay=replay_endpoint is not None,
-                                       catch_up=catch_up)
+                                       catch_up=catch_up, resume_after=resume_after)
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         # Receiving (module doc): the socket while running, the task's wake-up, the replay

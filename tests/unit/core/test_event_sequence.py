@@ -134,6 +134,36 @@ def test_a_sequence_going_backwards_is_a_restart_that_resets_then_applies(
     assert sequence.receive_live(batch(restarted_at + 1)) is APPLY
 
 
+# ---------------------------------------------------------------- resuming (the durable stream)
+
+
+def test_a_resumed_machine_follows_from_the_batch_after_the_stream_without_catching_up() -> None:
+    sequence = EventSequence(can_replay=True, resume_after=11_999)
+    assert (sequence.state, sequence.expected) == (SequenceState.FOLLOWING, 12_000)
+    assert sequence.receive_live(batch(12_000)) is APPLY
+    assert sequence.expected == 12_001
+
+
+def test_a_resumed_machine_replays_the_gap_after_the_stream_from_the_engine() -> None:
+    sequence = EventSequence(can_replay=True, resume_after=99)
+    assert sequence.receive_live(batch(104)) == RequestReplay(100, 104, ReplayPurpose.GAP)
+    for b in batches(100, 104):
+        sequence.receive_replayed(b)
+    outcome = sequence.replay_ended()
+    assert outcome.reset is None and [b.seq for b in outcome.replayed] == [100, 101, 102, 103]
+
+
+def test_a_resumed_machine_takes_a_number_at_or_below_the_stream_for_a_restart() -> None:
+    sequence = EventSequence(can_replay=True, resume_after=99)
+    action = sequence.receive_live(batch(99))
+    assert isinstance(action, ResetThenApply) and action.cause is ResetCause.RESTART
+
+
+def test_resuming_before_batch_zero_is_refused() -> None:
+    with pytest.raises(ValueError, match="resume_after"):
+        EventSequence(can_replay=True, resume_after=-1)
+
+
 # ---------------------------------------------------------------- gap recovery
 
 

@@ -1,0 +1,535 @@
+"""The durable KV-event stream: engines' batches mirrored into NATS JetStream, and read back.
+
+Owns one NATS connection, the JetStream stream of KV-event batches, the object-store bucket
+of per-replica block snapshots, the relay that writes both and the rebuild that reads them.
+It does not own an index: ``rebuild`` hands batches to the caller's callbacks, as the ZMQ
+subscriber does (``shell/zmq_events.py``), and the relay is fed by subscribers' callbacks.
+
+Why: a vLLM engine keeps its last 10,000 batches for replay. A router that starts after an
+engine has published more than that can rebuild only the tail of its cache from the replay,
+and the index misses every block cached before. The stream keeps the batches as long as its
+limits allow (``kv_stream.max_age_s``, ``max_bytes``), and the snapshots bound how much of it
+a restarting router must read.
+
+Layout
+------
+
+* Events: stream ``<name>``, subjects ``<prefix>.events.<replica>`` (replica names with any
+  character outside ``[A-Za-z0-9_-]`` written ``~XX``), limits retention, the oldest
+  dropped first. Each message is one batch, its payload vLLM's own msgpack
+  (``wire.vllm_events.encode_payload``, token ids left out: the index needs hashes), with
+  headers ``Kvroute-Seq`` (the engine's sequence number, kept), ``Kvroute-Epoch`` and
+  ``Nats-Msg-Id`` ``<replica>:<epoch>:<seq>`` (JetStream drops a repeated one). A *reset*
+  message (``Kvroute-Kind: reset``, the reason as payload) says the relay's subscriber
+  reset: the engine restarted, or lost batches could not be replayed. Every reset starts a
+  new epoch.
+* Snapshots: object ``<replica>`` in bucket ``<name>_SNAPSHOTS``, replaced every
+  ``snapshot_every`` batches of that replica: the relay's ``BlockCensus`` (copies per hash
+  and medium) as one batch, with the sequence number, epoch and stream sequence of the last
+  batch it covers. The object store chunks it, so a large cache is not bounded by NATS's
+  message size.
+
+Reading back (``rebuild``)
+--------------------------
+
+The latest snapshot, if any, is applied (after a reset of the replica), then the replica's
+subject from the message after the one the snapshot covers to the last one there now, with
+an ordered consumer. Batches are sequenced as the ZMQ subscriber sequences the live stream:
+the next one applies, a repeat is dropped, a jump (messages dropped by the stream's limits,
+a publish that failed) or a new epoch without its reset message resets the replica, then
+applies. The result, ``StreamPosition.last_seq``, is where the ZMQ subscriber resumes
+(``EventSubscriber(resume_after=...)``): a gap between the stream's end and the first live
+batch is then recovered from the engine's replay buffer, the usual way.
+
+Failure
+-------
+
+NATS unreachable at start: ``KvStream.open`` logs a warning saying the router runs on the
+engines' ZMQ feeds only, and returns None. A publish that fails later is counted and logged
+(the first of a run of failures); readers see the hole it leaves as a jump and reset. A
+snapshot that cannot be written is logged and retried at the next interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    ObjectStoreConfig,
+    PubAck,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.client import JetStreamContext
+from nats.js.object_store import ObjectStore
+
+from kvroute.config import KvStreamConfig
+from kvroute.core.block_census import BlockCensus
+from kvroute.core.errors import MalformedEventError
+from kvroute.core.events import EventBatch
+from kvroute.core.types import ReplicaId
+from kvroute.wire.vllm_events import decode_payload, encode_payload
+
+__all__ = ["KvStream", "KvStreamRelay", "RelayStats", "StreamPosition", "subject_token"]
+
+log = logging.getLogger(__name__)
+
+OnBatch = Callable[[ReplicaId, EventBatch], None]
+OnReset = Callable[[ReplicaId, str], None]
+
+_KIND = "Kvroute-Kind"
+_SEQ = "Kvroute-Seq"
+_EPOCH = "Kvroute-Epoch"
+_RESET = "reset"
+_BATCH = "batch"
+_DUPLICATE_WINDOW_S = 120.0
+"""JetStream's ``Nats-Msg-Id`` window: a relay restarted within it repeats nothing."""
+_READ_WAIT_S = 5.0
+"""Longest wait for the next message of a rebuild before it is declared cut short."""
+_READ_PER_TURN = 16
+"""Most batches a rebuild applies between two yields to the loop (as a ZMQ replay does)."""
+_RELAY_QUEUE = 100_000
+"""Batches waiting for the relay's publisher; beyond it they are dropped (and counted)."""
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def subject_token(replica: ReplicaId) -> str:
+    """``replica`` as one NATS subject token (and object name): ``~XX`` for each character
+    outside ``[A-Za-z0-9_-]`` (``.`` would split the subject, ``*``/``>`` are wildcards)."""
+    return "".join(ch if ch in _SAFE else "".join(f"~{b:02X}" for b in ch.encode("utf-8"))
+                   for ch in replica)
+
+
+class _Snapshot(msgspec.Struct, frozen=True):
+    """What the snapshot object holds: the census as one vLLM batch payload, and the last
+    batch it covers (engine sequence, epoch, stream sequence)."""
+
+    seq: int
+    epoch: int
+    stream_seq: int
+    payload: bytes
+
+
+@dataclasses.dataclass(slots=True)
+class StreamPosition:
+    """Where a replica's history in the stream ends, once ``rebuild`` has read it."""
+
+    last_seq: int | None = None
+    """The engine sequence number of the last batch applied; None: nothing to resume from
+    (no history, or it ended with a reset)."""
+    epoch: int = 0
+    """The epoch of the last message read."""
+    census: BlockCensus | None = None
+    """The blocks the read history leaves the replica with (the relay's starting point);
+    None unless ``rebuild`` was asked to count them."""
+    batches: int = 0
+    """Batches read from the stream (the snapshot not counted)."""
+    snapshot_seq: int | None = None
+    """The sequence number the snapshot covered, or None when there was none."""
+    resets: int = 0
+    """Resets the history called for (reset messages, jumps, epochs changed)."""
+
+
+class KvStream:
+    """The NATS side of the durable stream: open with ``KvStream.open``, then ``rebuild``
+    each replica and, on the relaying process, ``relay()``."""
+
+    def __init__(self, config: KvStreamConfig, nc: NatsClient, js: JetStreamContext,
+                 snapshots: ObjectStore) -> None:
+        self.config = config
+        self._nc = nc
+        self._js = js
+        self._snapshots = snapshots
+
+    @classmethod
+    async def open(cls, config: KvStreamConfig) -> KvStream | None:
+        """Connect and make sure the stream and the bucket exist (limits as configured).
+
+        Returns None, after a warning, when NATS cannot be reached within
+        ``connect_timeout_s`` or refuses the stream: the caller runs on ZMQ alone.
+        """
+        nc: NatsClient | None = None
+        try:
+            async with asyncio.timeout(config.connect_timeout_s):
+                nc = await nats.connect(config.url, connect_timeout=config.connect_timeout_s,
+                                        allow_reconnect=True, max_reconnect_attempts=-1,
+                                        reconnect_time_wait=1.0,
+                                        error_cb=_log_nats_error,
+                                        disconnected_cb=_log_disconnected,
+                                        reconnected_cb=_log_reconnected)
+                js = nc.jetstream()
+                stream = StreamConfig(
+                    name=config.name, subjects=[f"{config.subject_prefix}.events.>"],
+                    retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD,
+                    max_age=config.max_age_s, max_bytes=config.max_bytes,
+                    storage=StorageType.FILE, duplicate_window=_DUPLICATE_WINDOW_S,
+                    description="kvroute: engines' KV-event batches (shell/kv_stream.py)",
+                )
+                try:
+                    await js.add_stream(stream)
+                except nats.js.errors.BadRequestError:
+                    await js.update_stream(stream)  # exists with other limits: take ours
+                bucket = f"{config.name}_SNAPSHOTS"
+                snapshots = await js.create_object_store(bucket, config=ObjectStoreConfig(
+                    bucket=bucket, max_bytes=config.max_bytes, storage=StorageType.FILE,
+                    description="kvroute: per-replica block snapshots of the KV-event stream"))
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            log.warning(
+                "KV-event stream unavailable (NATS at %s: %s): running on the engines' ZMQ "
+                "feeds only; a restarted router catches up on their replay buffers (the last "
+                "10,000 batches on vLLM) and nothing is relayed", config.url,
+                str(exc) or type(exc).__name__)
+            if nc is not None:
+                with contextlib.suppress(Exception):  # already failing; the warning says why
+                    await nc.close()
+            return None
+        log.info("KV-event stream %s on %s (max age %.0f s, max %d bytes)", config.name,
+                 config.url, config.max_age_s, config.max_bytes)
+        return cls(config, nc, js, snapshots)
+
+    async def close(self) -> None:
+        """Send what is pending and close the connection."""
+        if not self._nc.is_closed:
+            await self._nc.drain()
+
+    def subject(self, replica: ReplicaId) -> str:
+        return f"{self.config.subject_prefix}.events.{subject_token(replica)}"
+
+    # ------------------------------------------------------------------ reading back
+
+    async def rebuild(self, replica: ReplicaId, on_batch: OnBatch | None,
+                      on_reset: OnReset | None, *, census: bool = False) -> StreamPosition:
+        """Replay ``replica``'s history from its snapshot and the stream (module doc).
+
+        ``on_batch``/``on_reset`` receive what an index needs (None: only the position is
+        wanted, as by a relay process); with ``census`` the position also counts the blocks
+        (what a relay continues from). NATS errors while reading end the rebuild early with
+        a warning: what was applied stands, and the position says where it ended.
+        """
+        pos = StreamPosition(census=BlockCensus() if census else None)
+        subject = self.subject(replica)
+        began = time.perf_counter()
+
+        def reset(reason: str) -> None:
+            if pos.census is not None:
+                pos.census.clear()
+            pos.last_seq = None
+            pos.resets += 1
+            if on_reset is not None:
+                on_reset(replica, reason)
+
+        def apply(batch: EventBatch) -> None:
+            if pos.census is not None:
+                pos.census.apply(batch)
+            if on_batch is not None:
+                on_batch(replica, batch)
+
+        start = 1
+        try:
+            snap = await self._read_snapshot(replica)
+            if snap is not None:
+                batch = decode_payload(snap.payload, snap.seq, token_ids=False)
+                reset("rebuilding from the KV-event stream's snapshot")
+                pos.resets -= 1  # the index starts from the snapshot: not a reset of history
+                apply(batch)
+                pos.last_seq, pos.epoch, pos.snapshot_seq = snap.seq, snap.epoch, snap.seq
+                start = snap.stream_seq + 1
+            try:
+                last = await self._js.get_last_msg(self.config.name, subject)
+            except nats.js.errors.NotFoundError:
+                return pos
+            if last.seq is None or last.seq < start:
+                return pos
+            await self._read(subject, start, last.seq, pos, apply, reset)
+        except (TimeoutError, nats.errors.Error, MalformedEventError) as exc:
+            log.warning("replica %s: rebuilding from the KV-event stream stopped early (%s); "
+                        "the index holds what was read, up to batch %s", replica,
+                        str(exc) or type(exc).__name__, pos.last_seq)
+        finally:
+            log.info("replica %s: rebuilt from the KV-event stream: snapshot at %s, then %d "
+                     "batches, up to batch %s, in %.2f s", replica, pos.snapshot_seq,
+                     pos.batches, pos.last_seq, time.perf_counter() - began)
+        return pos
+
+    async def _read_snapshot(self, replica: ReplicaId) -> _Snapshot | None:
+        try:
+            obj = await self._snapshots.get(subject_token(replica))
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+        if obj.data is None:
+            return None
+        try:
+            return msgspec.msgpack.decode(obj.data, type=_Snapshot)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("replica %s: ignored an unreadable KV-event snapshot (%s); reading "
+                        "the stream from its start", replica, exc)
+            return None
+
+    async def _read(self, subject: str, start: int, last: int, pos: StreamPosition,
+                    apply: Callable[[EventBatch], None], reset: Callable[[str], None]) -> None:
+        """Read ``subject`` from stream sequence ``start`` through ``last``, in order."""
+        sub = await self._js.subscribe(
+            subject, stream=self.config.name, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                  opt_start_seq=start),
+            pending_msgs_limit=-1, pending_bytes_limit=-1,
+        )
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=_READ_WAIT_S)
+                meta = msg.metadata
+                headers = msg.headers or {}
+                epoch = int(headers.get(_EPOCH, "0"))
+                if headers.get(_KIND) == _RESET:
+                    reset(f"the KV-event stream says: {msg.data.decode('utf-8', 'replace')}")
+                    pos.epoch = epoch
+                else:
+                    seq = int(headers[_SEQ])
+                    expected = None if pos.last_seq is None else pos.last_seq + 1
+                    if expected is not None and epoch == pos.epoch and seq < expected:
+                        pass  # a repeat (two relays, or a relay restarted past its window)
+                    else:
+                        if expected is not None and (epoch != pos.epoch or seq != expected):
+                            reset(f"the KV-event stream jumps from batch {expected - 1} "
+                                  f"(epoch {pos.epoch}) to {seq} (epoch {epoch})")
+                        pos.epoch = epoch
+                        apply(decode_payload(msg.data, seq, token_ids=False))
+                        pos.last_seq = seq
+                        pos.batches += 1
+                        if pos.batches % _READ_PER_TURN == 0:
+                            await asyncio.sleep(0)  # a long read shares the loop
+                if meta.sequence.stream >= last:
+                    return
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    # ------------------------------------------------------------------ writing
+
+    def relay(self, *, queue_size: int = _RELAY_QUEUE) -> KvStreamRelay:
+        """A relay writing into this stream (start it with ``KvStreamRelay.start``)."""
+        return KvStreamRelay(self, queue_size=queue_size)
+
+    async def publish(self, replica: ReplicaId, kind: str, seq: int, epoch: int,
+                      payload: bytes) -> asyncio.Future[PubAck]:
+        headers = {_KIND: kind, _SEQ: str(seq), _EPOCH: str(epoch),
+                   "Nats-Msg-Id": f"{subject_token(replica)}:{epoch}:{kind}:{seq}"}
+        return await self._js.publish_async(self.subject(replica), payload, headers=headers)
+
+    async def put_snapshot(self, replica: ReplicaId, snap: _Snapshot) -> None:
+        await self._snapshots.put(subject_token(replica), msgspec.msgpack.encode(snap))
+
+
+@dataclasses.dataclass(slots=True)
+class RelayStats:
+    """Counters of one relay; ``KvStreamRelay.stats`` returns a copy."""
+
+    published: int = 0
+    """Batches handed to JetStream (acknowledged or not yet)."""
+    resets: int = 0
+    """Reset messages handed to JetStream."""
+    failed: int = 0
+    """Publishes JetStream refused or never acknowledged."""
+    dropped: int = 0
+    """Batches dropped because the relay's queue was full."""
+    snapshots: int = 0
+    """Snapshots written."""
+    snapshot_failures: int = 0
+    """Snapshots that could not be written."""
+    last_seq: dict[ReplicaId, int] = dataclasses.field(default_factory=dict)
+    """The last batch handed to JetStream, per replica."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Tail:
+    """The relay's view of one replica's subject."""
+
+    epoch: int
+    last_seq: int | None
+    census: BlockCensus
+    since_snapshot: int = 0
+    last_ack: asyncio.Future[PubAck] | None = None
+
+
+class KvStreamRelay:
+    """Mirrors KV-event batches into the stream, in the order they are delivered.
+
+    ``on_batch``/``on_reset`` are subscriber callbacks (``EventSubscriber``): they only queue,
+    so the subscriber never waits for NATS. One task publishes (``publish_async``: the acks
+    are awaited only before a snapshot) and writes each replica's snapshot every
+    ``snapshot_every`` batches. ``adopt`` first, with the position ``KvStream.rebuild``
+    found, so the relay continues the replica's history (its epoch and census).
+    """
+
+    def __init__(self, stream: KvStream, *, queue_size: int) -> None:
+        self._stream = stream
+        self._every = stream.config.snapshot_every
+        self._queue: asyncio.Queue[tuple[ReplicaId, EventBatch | str]] = asyncio.Queue(queue_size)
+        self._tails: dict[ReplicaId, _Tail] = {}
+        self._stats = RelayStats()
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    @property
+    def stats(self) -> RelayStats:
+        return dataclasses.replace(self._stats, last_seq=dict(self._stats.last_seq))
+
+    def adopt(self, replica: ReplicaId, position: StreamPosition) -> None:
+        """Continue ``replica``'s history from ``position`` (from ``KvStream.rebuild``)."""
+        if position.census is None:
+            raise ValueError("adopt needs the census: rebuild(..., census=True)")
+        self._tails[replica] = _Tail(position.epoch, position.last_seq, position.census)
+
+    def start(self) -> asyncio.Task[None]:
+        if self._task is not None:
+            raise RuntimeError("the relay is already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-stream-relay")
+        return self._task
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        """Publish what is queued (for up to ``drain_s``), then end the task."""
+        task = self._task
+        if task is None:
+            return
+        if not task.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_s):
+                    await self._queue.join()
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def idle(self) -> None:
+        """Return once everything queued so far has been handed to JetStream."""
+        await self._queue.join()
+
+    # -- the subscriber's callbacks (on the loop's thread) --------------------------------------
+
+    def on_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
+        self._put(replica, batch)
+
+    def on_reset(self, replica: ReplicaId, reason: str) -> None:
+        self._put(replica, reason)
+
+    def _put(self, replica: ReplicaId, item: EventBatch | str) -> None:
+        try:
+            self._queue.put_nowait((replica, item))
+        except asyncio.QueueFull:
+            self._stats.dropped += 1
+            if self._stats.dropped == 1 or self._stats.dropped % 10_000 == 0:
+                log.warning("KV-event relay: queue full (NATS too slow or away), %d batches "
+                            "dropped so far; readers of the stream will see the hole and "
+                            "reset that replica", self._stats.dropped)
+
+    # -- the task --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        queue = self._queue
+        while True:
+            replica, item = await queue.get()
+            try:
+                tail = self._tails.get(replica)
+                if tail is None:
+                    tail = self._tails[replica] = _Tail(0, None, BlockCensus())
+                if isinstance(item, str):
+                    await self._write_reset(replica, tail, item)
+                else:
+                    await self._write_batch(replica, tail, item)
+            finally:
+                queue.task_done()
+
+    async def _write_reset(self, replica: ReplicaId, tail: _Tail, reason: str) -> None:
+        tail.epoch += 1
+        tail.last_seq = None
+        tail.census.clear()
+        tail.since_snapshot = 0
+        if await self._publish(replica, _RESET, 0, tail.epoch, reason.encode("utf-8")) is not None:
+            self._stats.resets += 1
+
+    async def _write_batch(self, replica: ReplicaId, tail: _Tail, batch: EventBatch) -> None:
+        if tail.last_seq is not None and batch.seq != tail.last_seq + 1:
+            # No reset came first, so the batches in between were lost here (a full queue):
+            # readers see the same jump and reset; the census does the same.
+            tail.census.clear()
+        tail.census.apply(batch)
+        tail.last_seq = batch.seq
+        ack = await self._publish(replica, _BATCH, batch.seq, tail.epoch,
+                                  encode_payload(batch))
+        if ack is None:
+            return
+        tail.last_ack = ack
+        self._stats.published += 1
+        self._stats.last_seq[replica] = batch.seq
+        tail.since_snapshot += 1
+        if tail.since_snapshot >= self._every:
+            await self._write_snapshot(replica, tail, batch.seq)
+
+    async def _publish(self, replica: ReplicaId, kind: str, seq: int, epoch: int,
+                       payload: bytes) -> asyncio.Future[PubAck] | None:
+        try:
+            ack = await self._stream.publish(replica, kind, seq, epoch, payload)
+        except (nats.errors.Error, OSError) as exc:
+            self._failed(replica, exc)
+            return None
+        ack.add_done_callback(lambda fut: self._acked(replica, fut))
+        return ack
+
+    def _acked(self, replica: ReplicaId, fut: asyncio.Future[PubAck]) -> None:
+        if fut.cancelled():
+            self._failed(replica, asyncio.CancelledError())
+        elif fut.exception() is not None:
+            self._failed(replica, fut.exception())
+        else:
+            self._failing = False
+
+    def _failed(self, replica: ReplicaId, exc: BaseException | None) -> None:
+        self._stats.failed += 1
+        if not self._failing:
+            self._failing = True
+            log.warning("KV-event relay: a publish for replica %s failed (%s); readers of the "
+                        "stream will see the hole and reset that replica. Logged once until "
+                        "a publish succeeds again", replica, exc or "unknown")
+
+    async def _write_snapshot(self, replica: ReplicaId, tail: _Tail, seq: int) -> None:
+        tail.since_snapshot = 0
+        ack = tail.last_ack
+        try:
+            if ack is None:
+                return
+            done = await ack
+            snap = _Snapshot(seq=seq, epoch=tail.epoch, stream_seq=done.seq,
+                             payload=encode_payload(EventBatch(seq, time.time(),
+                                                               tail.census.snapshot())))
+            await self._stream.put_snapshot(replica, snap)
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            self._stats.snapshot_failures += 1
+            log.warning("replica %s: could not write the KV-event snapshot at batch %d (%s); "
+                        "trying again after %d more batches", replica, seq, exc, self._every)
+            return
+        self._stats.snapshots += 1
+
+
+async def _log_nats_error(exc: Exception) -> None:
+    log.warning("KV-event stream: NATS error: %s", exc)
+
+
+async def _log_disconnected() -> None:
+    log.warning("KV-event stream: disconnected from NATS; reconnecting")
+
+
+async def _log_reconnected() -> None:
+    log.info("KV-event stream: reconnected to NATS")

@@ -1,0 +1,266 @@
+"""The durable KV-event stream on real NATS JetStream, real ZMQ and real routers (loopback).
+
+A simulated engine's publisher (``sim.kv_publisher.KVEventPublisher``, vLLM's framing and its
+10,000-batch replay buffer) publishes more batches than its buffer holds while no router
+runs; a relay (``kvroute events relay``'s ``StandaloneRelay``) mirrors them into JetStream.
+A router started afterwards must hold exactly the engine's blocks; one without the stream
+must not (it can only replay the buffer's tail), which is what makes the first assertion
+able to fail. NATS away at start: the router logs it and follows ZMQ alone.
+
+Needs NATS with JetStream on 127.0.0.1:4222 (skipped without, failed under CI:
+``tests/required.py``). Each test uses its own stream and bucket, deleted at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+import pytest
+from required import skip_unless_required
+
+from kvroute.config import RouterConfig, parse_config
+from kvroute.core.errors import ConfigError
+from kvroute.core.events import BlockRemoved, BlockStored, KVEvent
+from kvroute.core.index import AdminCapability
+from kvroute.core.types import ReplicaId
+from kvroute.shell.kv_relay import StandaloneRelay
+from kvroute.shell.runtime import RouterRuntime
+from kvroute.sim.kv_publisher import KVEventPublisher
+from kvroute.sim.launcher import inprocess_fleet
+from kvroute.sim.server import SimServer, SimServerConfig
+
+pytestmark = pytest.mark.integration
+
+NATS_URL = "nats://127.0.0.1:4222"
+REPLICA = ReplicaId("s0")
+BUFFER = 10_000  # vLLM's buffer_steps default, kept as is: the test goes beyond it
+TOTAL = 12_000  # batches published while no router runs
+
+
+def _nats_missing() -> str | None:
+    try:
+        with socket.create_connection(("127.0.0.1", 4222), timeout=0.5):
+            return None
+    except OSError as exc:
+        return f"NATS is not reachable at {NATS_URL} ({exc}); start nats-server -js to run this"
+
+
+_NATS_MISSING = _nats_missing()
+
+
+@pytest.fixture
+def nats_reachable() -> None:
+    if _NATS_MISSING is not None:
+        skip_unless_required("the NATS suite", _NATS_MISSING, env="KVROUTE_REQUIRE_NATS")
+
+
+def run(coro: Any, timeout_s: float = 120.0) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout_s):
+            await coro
+    asyncio.run(bounded())
+
+
+class Engine:
+    """One engine's publisher and its truth: the hashes it holds now, as it published them.
+
+    Batch ``i`` stores block ``i + 1`` (chained to ``i``); every third batch also removes the
+    block stored just before it, so the truth keeps blocks from the first batches (the ones a
+    replay of the last 10,000 can never bring back) and loses some on the way.
+    """
+
+    def __init__(self) -> None:
+        self.pub = KVEventPublisher(replay_endpoint="tcp://127.0.0.1:0", buffer_steps=BUFFER)
+        self.held: set[int] = set()
+        self.next_seq = 0
+
+    def publish(self, n: int) -> None:
+        for _ in range(n):
+            i = self.next_seq
+            events: list[KVEvent] = [BlockStored((i + 1,), i or None, (), 16)]
+            self.held.add(i + 1)
+            if i % 3 == 2:
+                events.append(BlockRemoved((i,)))
+                self.held.discard(i)
+            self.pub.publish(events)
+            self.next_seq += 1
+        self.pub.wait_sent(timeout=30.0)
+
+
+def index_of(rt: RouterRuntime) -> tuple[int, set[int]]:
+    """(entries the index holds for the replica, the engine hashes it holds)."""
+    scope = AdminCapability().fleet_scope()
+    held = {h for h in range(1, TOTAL + 200)
+            if rt.core.index.match([h], scope).get(REPLICA) is not None}
+    return rt.core.index.stats().num_entries_by_replica.get(REPLICA, 0), held
+
+
+def config(sim: SimServer, engine: Engine, stream: dict[str, Any] | None) -> RouterConfig:
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"small": {"model": "sim-model", "replicas": [{
+            "name": REPLICA, "url": sim.url, "kv_events": engine.pub.endpoint,
+            "kv_replay": engine.pub.replay_endpoint, "kv_topic": "kv"}]}},
+        "routes": {"assistant": {"pools": ["small"]}},
+        "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
+                      "models_interval_s": 5, "timeout_s": 1.0},
+        "log_level": "warning",
+    }
+    if stream is not None:
+        data["kv_stream"] = stream
+    return parse_config(data, env={})
+
+
+@asynccontextmanager
+async def fixtures(snapshot_every: int = 4_000) -> AsyncIterator[tuple[SimServer, Engine,
+                                                                        dict[str, Any]]]:
+    """A simulated engine's HTTP side, its publisher, and a fresh stream (deleted after)."""
+    name = f"KVTEST_{uuid.uuid4().hex[:10]}"
+    stream = {"url": NATS_URL, "name": name, "subject_prefix": f"kvtest.{name}",
+              "max_bytes": 64 << 20, "max_age_s": 600, "snapshot_every": snapshot_every}
+    engine = Engine()
+    engine.pub.start()
+    try:
+        async with inprocess_fleet([SimServerConfig(kv_events=None)]) as (sim,):
+            yield sim, engine, stream
+    finally:
+        engine.pub.close()
+        nc = await nats.connect(NATS_URL)
+        js = nc.jetstream()
+        for drop in (js.delete_stream(name), js.delete_object_store(f"{name}_SNAPSHOTS")):
+            try:
+                await drop
+            except nats.js.errors.NotFoundError:
+                pass
+        await nc.close()
+
+
+async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.02)
+    assert predicate(), what
+
+
+async def live_until_following(engine: Engine, routers: list[RouterRuntime],
+                               limit: int = 100) -> None:
+    """Publish one batch at a time until every router's subscriber has delivered it (ZMQ's
+    late joiner loses the first messages; a bounded number of probes)."""
+    await wait_for(lambda: all(REPLICA in rt.subscribers for rt in routers), "subscribed")
+    for _ in range(limit):
+        engine.publish(1)
+        last = engine.next_seq - 1
+        for _ in range(20):
+            if all(rt.subscribers[REPLICA].stats.last_seq == last for rt in routers):
+                return
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"routers not following after {limit} live batches")
+
+
+def test_restarted_router_catches_up_from_the_stream_beyond_the_replay_buffer(
+        nats_reachable: None) -> None:
+    async def test() -> None:
+        async with fixtures() as (sim, engine, stream), \
+                StandaloneRelay(config(sim, engine, stream)) as relay:
+            assert relay.relay is not None
+            relay_stats = relay.relay
+            # A first router runs for a while, then goes away.
+            async with RouterRuntime(config(sim, engine, stream)) as first:
+                await live_until_following(engine, [first])
+                engine.publish(500)
+                await wait_for(lambda: first.subscribers[REPLICA].stats.last_seq
+                               == engine.next_seq - 1, "the first router follows")
+            # More than the engine's replay buffer while no router runs.
+            engine.publish(TOTAL - engine.next_seq)
+            await wait_for(lambda: relay_stats.stats.last_seq.get(REPLICA)
+                           == engine.next_seq - 1, "relayed everything")
+            await relay_stats.idle()
+            assert relay_stats.stats.failed == 0 and relay_stats.stats.dropped == 0
+            assert relay_stats.stats.snapshots >= 2
+            # Restarted, with the stream; and one without it, as the control.
+            async with RouterRuntime(config(sim, engine, stream)) as restarted, \
+                    RouterRuntime(config(sim, engine, None)) as without:
+                await live_until_following(engine, [restarted, without])
+                engine.publish(50)  # live batches after the catch-up: no gap, no repeat
+                last = engine.next_seq - 1
+                await wait_for(lambda: restarted.subscribers[REPLICA].stats.last_seq == last
+                               and without.subscribers[REPLICA].stats.last_seq == last,
+                               "both follow the live feed")
+                assert engine.next_seq > BUFFER + 1000
+                entries, held = index_of(restarted)
+                assert held == engine.held
+                assert entries == len(engine.held)
+                position = restarted.stream_positions[REPLICA]
+                assert position.snapshot_seq is not None  # bounded: snapshot plus tail
+                assert position.batches < TOTAL - position.snapshot_seq
+                sub = restarted.subscribers[REPLICA].stats
+                assert sub.resets == 0
+                assert sub.replayed_batches < 200  # the tail after the stream, not 10,000
+                # Without the stream, the blocks older than the buffer are missing.
+                entries_without, held_without = index_of(without)
+                missing = engine.held - held_without
+                assert missing, "a router without the stream rebuilt everything"
+                assert max(missing) < engine.next_seq - BUFFER
+                assert entries_without == len(engine.held) - len(missing)
+    run(test())
+
+
+def test_a_router_that_relays_rebuilds_from_its_own_stream(nats_reachable: None) -> None:
+    async def test() -> None:
+        async with fixtures(snapshot_every=150) as (sim, engine, stream):
+            relaying = {**stream, "relay": True}
+            async with RouterRuntime(config(sim, engine, relaying)) as first:
+                await live_until_following(engine, [first])
+                engine.publish(400)
+                await wait_for(lambda: first.relay is not None and first.relay.stats.last_seq
+                               .get(REPLICA) == engine.next_seq - 1, "relayed by the router")
+            async with RouterRuntime(config(sim, engine, relaying)) as second:
+                await wait_for(lambda: REPLICA in second.stream_positions, "rebuilt")
+                position = second.stream_positions[REPLICA]
+                assert position.last_seq == engine.next_seq - 1
+                assert position.snapshot_seq is not None
+                assert position.batches < 150
+                entries, held = index_of(second)
+                assert held == engine.held and entries == len(engine.held)
+                await live_until_following(engine, [second])
+                assert second.subscribers[REPLICA].stats.resets == 0
+                entries, held = index_of(second)
+                assert held == engine.held and entries == len(engine.held)
+    run(test())
+
+
+def test_nats_away_at_start_degrades_to_zmq_only(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    away = {"url": f"nats://127.0.0.1:{port}", "connect_timeout_s": 0.5}
+
+    async def test() -> None:
+        engine = Engine()
+        engine.pub.start()
+        try:
+            async with inprocess_fleet([SimServerConfig(kv_events=None)]) as (sim,):
+                with caplog.at_level(logging.WARNING, logger="kvroute.shell.kv_stream"):
+                    async with RouterRuntime(config(sim, engine, away)) as rt:
+                        await live_until_following(engine, [rt])
+                        engine.publish(30)
+                        await wait_for(lambda: rt.subscribers[REPLICA].stats.last_seq
+                                       == engine.next_seq - 1, "follows ZMQ")
+                        entries, held = index_of(rt)
+                        assert held == engine.held and entries == len(engine.held)
+                        assert rt.kv_stream is None and rt.relay is None
+                    with pytest.raises(ConfigError, match="cannot be reached"):
+                        async with StandaloneRelay(config(sim, engine, away)):
+                            pass
+        finally:
+            engine.pub.close()
+        assert any("running on the engines' ZMQ feeds only" in r.getMessage()
+                   for r in caplog.records)
+    run(test(), timeout_s=60.0)
