@@ -73,32 +73,53 @@ class Engine:
 
     Batch ``i`` stores block ``i + 1`` (chained to ``i``); every third batch also removes the
     block stored just before it, so the truth keeps blocks from the first batches (the ones a
-    replay of the last 10,000 can never bring back) and loses some on the way.
+    replay of the last 10,000 can never bring back) and loses some on the way. A restart
+    starts a new publisher on the same endpoints, counting from 0 again, with an empty cache
+    and other hashes.
     """
 
     def __init__(self) -> None:
         self.pub = KVEventPublisher(replay_endpoint="tcp://127.0.0.1:0", buffer_steps=BUFFER)
         self.held: set[int] = set()
+        self.ever: set[int] = set()
         self.next_seq = 0
+        self.offset = 0
 
     def publish(self, n: int) -> None:
         for _ in range(n):
             i = self.next_seq
-            events: list[KVEvent] = [BlockStored((i + 1,), i or None, (), 16)]
-            self.held.add(i + 1)
+            h = self.offset + i + 1
+            events: list[KVEvent] = [BlockStored((h,), (h - 1) if i else None, (), 16)]
+            self.held.add(h)
+            self.ever.add(h)
             if i % 3 == 2:
-                events.append(BlockRemoved((i,)))
-                self.held.discard(i)
+                events.append(BlockRemoved((h - 1,)))
+                self.held.discard(h - 1)
             self.pub.publish(events)
             self.next_seq += 1
         self.pub.wait_sent(timeout=30.0)
 
+    def probe(self) -> None:
+        """One batch that changes nothing the engine holds (it removes a block it never
+        stored), for waiting on a subscriber that may lose its first messages."""
+        self.pub.publish([BlockRemoved((0,))])
+        self.pub.wait_sent(timeout=30.0)
+        self.next_seq += 1
 
-def index_of(rt: RouterRuntime) -> tuple[int, set[int]]:
+    def restart(self) -> None:
+        endpoint, replay = self.pub.endpoint, self.pub.replay_endpoint
+        self.pub.close()
+        self.pub = KVEventPublisher(endpoint, replay_endpoint=replay, buffer_steps=BUFFER)
+        self.pub.start()
+        self.held = set()
+        self.next_seq = 0
+        self.offset += 1_000_000
+
+
+def index_of(rt: RouterRuntime, engine: Engine) -> tuple[int, set[int]]:
     """(entries the index holds for the replica, the engine hashes it holds)."""
     scope = AdminCapability().fleet_scope()
-    held = {h for h in range(1, TOTAL + 200)
-            if rt.core.index.match([h], scope).get(REPLICA) is not None}
+    held = {h for h in engine.ever if rt.core.index.match([h], scope).get(REPLICA) is not None}
     return rt.core.index.stats().num_entries_by_replica.get(REPLICA, 0), held
 
 
@@ -194,7 +215,7 @@ def test_restarted_router_catches_up_from_the_stream_beyond_the_replay_buffer(
                                and without.subscribers[REPLICA].stats.last_seq == last,
                                "both follow the live feed")
                 assert engine.next_seq > BUFFER + 1000
-                entries, held = index_of(restarted)
+                entries, held = index_of(restarted, engine)
                 assert held == engine.held
                 assert entries == len(engine.held)
                 position = restarted.stream_positions[REPLICA]
@@ -204,7 +225,7 @@ def test_restarted_router_catches_up_from_the_stream_beyond_the_replay_buffer(
                 assert sub.resets == 0
                 assert sub.replayed_batches < 200  # the tail after the stream, not 10,000
                 # Without the stream, the blocks older than the buffer are missing.
-                entries_without, held_without = index_of(without)
+                entries_without, held_without = index_of(without, engine)
                 missing = engine.held - held_without
                 assert missing, "a router without the stream rebuilt everything"
                 assert max(missing) < engine.next_seq - BUFFER
@@ -227,12 +248,48 @@ def test_a_router_that_relays_rebuilds_from_its_own_stream(nats_reachable: None)
                 assert position.last_seq == engine.next_seq - 1
                 assert position.snapshot_seq is not None
                 assert position.batches < 150
-                entries, held = index_of(second)
+                entries, held = index_of(second, engine)
                 assert held == engine.held and entries == len(engine.held)
                 await live_until_following(engine, [second])
                 assert second.subscribers[REPLICA].stats.resets == 0
-                entries, held = index_of(second)
+                entries, held = index_of(second, engine)
                 assert held == engine.held and entries == len(engine.held)
+    run(test())
+
+
+def test_an_engine_restart_relayed_as_a_reset_leaves_no_stale_block(
+        nats_reachable: None) -> None:
+    async def test() -> None:
+        async with fixtures() as (sim, engine, stream), \
+                StandaloneRelay(config(sim, engine, stream)) as relay:
+            assert relay.relay is not None
+            relayed = relay.relay
+            follower = relay.subscribers[REPLICA]
+            for _ in range(100):  # until the relay's subscriber has joined
+                engine.publish(1)
+                await asyncio.sleep(0.02)
+                if follower.stats.last_seq == engine.next_seq - 1:
+                    break
+            engine.publish(300)
+            await wait_for(lambda: follower.stats.last_seq == engine.next_seq - 1, "relayed")
+            engine.restart()
+            for _ in range(100):  # until the relay's subscriber has seen the new publisher
+                engine.probe()
+                await asyncio.sleep(0.02)
+                if follower.stats.resets:
+                    break
+            engine.publish(200)
+            await wait_for(lambda: relayed.stats.last_seq.get(REPLICA) == engine.next_seq - 1,
+                           "the restarted engine relayed")
+            await relayed.idle()
+            assert relayed.stats.resets == 1
+            async with RouterRuntime(config(sim, engine, stream)) as rt:
+                await wait_for(lambda: REPLICA in rt.stream_positions, "rebuilt")
+                position = rt.stream_positions[REPLICA]
+                assert position.last_seq == engine.next_seq - 1 and position.epoch == 1
+                entries, held = index_of(rt, engine)
+                assert held == engine.held  # nothing of the engine's first life
+                assert entries == len(engine.held)
     run(test())
 
 
@@ -253,7 +310,7 @@ def test_nats_away_at_start_degrades_to_zmq_only(caplog: pytest.LogCaptureFixtur
                         engine.publish(30)
                         await wait_for(lambda: rt.subscribers[REPLICA].stats.last_seq
                                        == engine.next_seq - 1, "follows ZMQ")
-                        entries, held = index_of(rt)
+                        entries, held = index_of(rt, engine)
                         assert held == engine.held and entries == len(engine.held)
                         assert rt.kv_stream is None and rt.relay is None
                     with pytest.raises(ConfigError, match="cannot be reached"):

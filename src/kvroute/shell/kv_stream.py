@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -169,7 +170,8 @@ class KvStream:
                                         allow_reconnect=True, max_reconnect_attempts=-1,
                                         reconnect_time_wait=1.0,
                                         error_cb=_log_nats_error,
-                                        disconnected_cb=_log_disconnected,
+                                        disconnected_cb=functools.partial(_log_disconnected,
+                                                                          config.url),
                                         reconnected_cb=_log_reconnected)
                 js = nc.jetstream()
                 stream = StreamConfig(
@@ -527,8 +529,9 @@ async def _log_nats_error(exc: Exception) -> None:
     log.warning("KV-event stream: NATS error: %s", exc)
 
 
-async def _log_disconnected() -> None:
-    log.warning("KV-event stream: disconnected from NATS; reconnecting")
+async def _log_disconnected(url: str) -> None:
+    # Also called when the connection is closed on purpose (drained at shutdown).
+    log.info("KV-event stream: disconnected from NATS at %s (reconnecting unless closing)", url)
 
 
 async def _log_reconnected() -> None:
