@@ -140,7 +140,7 @@ def config(sim: SimServer, engine: Engine, stream: dict[str, Any] | None) -> Rou
 
 
 @asynccontextmanager
-async def fixtures(snapshot_every: int = 4_000) -> AsyncIterator[tuple[SimServer, Engine,
+async def fixtures(snapshot_every: int = 5_000) -> AsyncIterator[tuple[SimServer, Engine,
                                                                         dict[str, Any]]]:
     """A simulated engine's HTTP side, its publisher, and a fresh stream (deleted after)."""
     name = f"KVTEST_{uuid.uuid4().hex[:10]}"
@@ -219,8 +219,8 @@ def test_restarted_router_catches_up_from_the_stream_beyond_the_replay_buffer(
                 assert held == engine.held
                 assert entries == len(engine.held)
                 position = restarted.stream_positions[REPLICA]
-                assert position.snapshot_seq is not None  # bounded: snapshot plus tail
-                assert position.batches < TOTAL - position.snapshot_seq
+                assert position.snapshot_seq == 9_999  # bounded: snapshot plus the tail
+                assert position.batches == TOTAL - 1 - position.snapshot_seq
                 sub = restarted.subscribers[REPLICA].stats
                 assert sub.resets == 0
                 assert sub.replayed_batches < 200  # the tail after the stream, not 10,000

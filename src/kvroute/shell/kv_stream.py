@@ -164,12 +164,13 @@ class KvStream:
         ``connect_timeout_s`` or refuses the stream: the caller runs on ZMQ alone.
         """
         nc: NatsClient | None = None
+        errors: list[Exception] = []
         try:
             async with asyncio.timeout(config.connect_timeout_s):
                 nc = await nats.connect(config.url, connect_timeout=config.connect_timeout_s,
                                         allow_reconnect=True, max_reconnect_attempts=-1,
                                         reconnect_time_wait=1.0,
-                                        error_cb=_log_nats_error,
+                                        error_cb=functools.partial(_nats_error, errors),
                                         disconnected_cb=functools.partial(_log_disconnected,
                                                                           config.url),
                                         reconnected_cb=_log_reconnected)
@@ -190,11 +191,12 @@ class KvStream:
                     bucket=bucket, max_bytes=config.max_bytes, storage=StorageType.FILE,
                     description="kvroute: per-replica block snapshots of the KV-event stream"))
         except (TimeoutError, OSError, nats.errors.Error) as exc:
+            why = str(errors[-1] if errors and isinstance(exc, TimeoutError) else exc)
             log.warning(
                 "KV-event stream unavailable (NATS at %s: %s): running on the engines' ZMQ "
-                "feeds only; a restarted router catches up on their replay buffers (the last "
-                "10,000 batches on vLLM) and nothing is relayed", config.url,
-                str(exc) or type(exc).__name__)
+                "feeds only until restarted; a restarted router catches up on their replay "
+                "buffers (the last 10,000 batches on vLLM) and nothing is relayed",
+                config.url, why or type(exc).__name__)
             if nc is not None:
                 with contextlib.suppress(Exception):  # already failing; the warning says why
                     await nc.close()
@@ -525,7 +527,9 @@ class KvStreamRelay:
         self._stats.snapshots += 1
 
 
-async def _log_nats_error(exc: Exception) -> None:
+async def _nats_error(seen: list[Exception], exc: Exception) -> None:
+    if len(seen) < 16:
+        seen.append(exc)  # the reason ``open`` gives when it times out
     log.warning("KV-event stream: NATS error: %s", exc)
 
 
