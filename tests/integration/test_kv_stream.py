@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -291,6 +295,98 @@ def test_an_engine_restart_relayed_as_a_reset_leaves_no_stale_block(
                 assert held == engine.held  # nothing of the engine's first life
                 assert entries == len(engine.held)
     run(test())
+
+
+class PrivateNats:
+    """A nats-server of this test's own (JetStream, a temporary store), to stop and start."""
+
+    def __init__(self, store: Path) -> None:
+        binary = shutil.which("nats-server")
+        if binary is None:
+            skip_unless_required("the NATS outage test", "nats-server is not on PATH",
+                                 env="KVROUTE_REQUIRE_NATS")
+        self.binary = binary
+        self.store = store
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"nats-server did not listen on {self.port} within 10 s")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def test_nats_killed_and_restarted_under_a_relaying_router(tmp_path: Path) -> None:
+    nats_server = PrivateNats(tmp_path / "js")
+
+    async def test() -> None:
+        engine = Engine()
+        engine.pub.start()
+        nats_server.start()
+        stream = {"url": nats_server.url, "relay": True, "snapshot_every": 1_000_000,
+                  "connect_timeout_s": 5}
+        try:
+            async with inprocess_fleet([SimServerConfig(kv_events=None)]) as (sim,):
+                async with RouterRuntime(config(sim, engine, stream)) as rt:
+                    await wait_for(lambda: rt.relay is not None, "connected to NATS")
+                    relay = rt.relay
+                    assert relay is not None
+                    await live_until_following(engine, [rt])
+                    engine.publish(2_000)
+                    # Killed in the middle of the burst: publishes on their way are lost.
+                    await wait_for(lambda: relay.stats.last_seq.get(REPLICA, 0) >= 500,
+                                   "relaying the burst")
+                    nats_server.kill()
+                    for _ in range(20):  # 200 batches over 2 s with NATS away
+                        engine.publish(10)
+                        await asyncio.sleep(0.1)
+                    await wait_for(lambda: rt.subscribers[REPLICA].stats.last_seq
+                                   == engine.next_seq - 1, "follows ZMQ while NATS is away")
+                    entries, held = index_of(rt, engine)
+                    assert held == engine.held and entries == len(engine.held)
+                    nats_server.start()
+                    back = time.monotonic()
+                    # Until every publish is settled: acknowledged, or failed and covered
+                    # by a snapshot written after NATS came back (bounded: 60 probes).
+                    for _ in range(60):
+                        engine.probe()
+                        await asyncio.sleep(0.5)
+                        stats = relay.stats
+                        if stats.last_seq.get(REPLICA) == engine.next_seq - 1 and (
+                                rt.kv_stream is not None and rt.kv_stream.pending() == 0) and (
+                                stats.failed == 0 or stats.snapshots > 0):
+                            break
+                    recovered_s = time.monotonic() - back
+                    stats = relay.stats
+                    assert stats.failed == 0 or stats.snapshots > 0, stats
+                logging.getLogger(__name__).info("NATS outage: %s, settled %.1f s after restart",
+                                                 stats, recovered_s)
+                async with RouterRuntime(config(sim, engine, {**stream, "relay": False})) as rt:
+                    await wait_for(lambda: REPLICA in rt.stream_positions, "rebuilt")
+                    assert rt.stream_positions[REPLICA].last_seq == engine.next_seq - 1
+                    entries, held = index_of(rt, engine)
+                    assert held == engine.held and entries == len(engine.held)
+        finally:
+            engine.pub.close()
+            nats_server.kill()
+    run(test(), timeout_s=120.0)
 
 
 def test_nats_away_at_start_degrades_to_zmq_only(caplog: pytest.LogCaptureFixture) -> None:

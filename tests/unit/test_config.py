@@ -301,3 +301,31 @@ def test_cache_drift_settings_parse_and_bad_ones_say_what_to_fix() -> None:
     assert "cache_drift.window" in error_of(with_("cache_drift.window", "many"))
     assert "min_samples" in error_of(with_("cache_drift", {"min_samples": 100, "window": 10}))
     assert "limit" in error_of(with_("cache_drift.limit", 1))
+
+
+def test_kv_stream_is_off_by_default_and_parses_with_its_limits() -> None:
+    assert parse_config(MINIMAL, env={}).kv_stream is None
+    config = parse_config(with_("kv_stream", {"url": "nats://10.0.0.9:4222", "relay": True,
+                                              "max_age_s": 3600, "max_bytes": 1 << 28,
+                                              "snapshot_every": 2000}), env={})
+    stream = config.kv_stream
+    assert stream is not None
+    assert (stream.url, stream.relay, stream.max_age_s, stream.max_bytes,
+            stream.snapshot_every) == ("nats://10.0.0.9:4222", True, 3600.0, 1 << 28, 2000)
+    assert (stream.name, stream.subject_prefix) == ("KVROUTE_KV_EVENTS", "kvroute.kv")
+
+
+@pytest.mark.parametrize(("stream", "fragments"), [
+    ({"url": "redis://127.0.0.1:6379"}, ["kv_stream.url", "nats://"]),
+    ({"name": "kv.events"}, ["kv_stream.name", "no dots"]),
+    ({"subject_prefix": "kvroute.*"}, ["kv_stream.subject_prefix", "wildcards"]),
+    ({"max_bytes": 1000}, ["kv_stream.max_bytes", ">= 1048576"]),
+    ({"snapshot_every": 0}, ["kv_stream.snapshot_every", ">= 1"]),
+    ({"relay": "yes"}, ["kv_stream.relay", "true or false"]),
+    ({"snapshot": 10}, ["kv_stream.snapshot", "did you mean 'snapshot_every'"]),
+])
+def test_bad_kv_stream_values_say_what_to_fix(stream: dict[str, Any],
+                                              fragments: list[str]) -> None:
+    message = error_of(with_("kv_stream", stream))
+    for fragment in fragments:
+        assert fragment in message

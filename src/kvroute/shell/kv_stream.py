@@ -103,6 +103,11 @@ _READ_WAIT_S = 5.0
 """Longest wait for the next message of a rebuild before it is declared cut short."""
 _READ_PER_TURN = 16
 """Most batches a rebuild applies between two yields to the loop (as a ZMQ replay does)."""
+_ACK_TIMEOUT_S = 10.0
+"""A publish JetStream has not acknowledged by then counts as failed (nats-py's futures
+never time out: one lost with its connection would otherwise wait for ever)."""
+_SNAPSHOT_RETRY_S = 2.0
+"""Least time between two attempts at a snapshot that is due after a failure."""
 _RELAY_QUEUE = 100_000
 """Batches waiting for the relay's publisher; beyond it they are dropped (and counted)."""
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -209,6 +214,10 @@ class KvStream:
         """Send what is pending and close the connection."""
         if not self._nc.is_closed:
             await self._nc.drain()
+
+    def pending(self) -> int:
+        """Publishes JetStream has not acknowledged (nor failed) yet."""
+        return self._js.publish_async_pending()
 
     def subject(self, replica: ReplicaId) -> str:
         return f"{self.config.subject_prefix}.events.{subject_token(replica)}"
@@ -367,6 +376,10 @@ class _Tail:
     census: BlockCensus
     since_snapshot: int = 0
     last_ack: asyncio.Future[PubAck] | None = None
+    snapshot_due: bool = False
+    """A publish failed: the stream may have a hole, so snapshot past it soon."""
+    next_try: float = 0.0
+    """Loop time before which a due snapshot is not tried again (NATS still away)."""
 
 
 class KvStreamRelay:
@@ -461,7 +474,7 @@ class KvStreamRelay:
         tail.last_seq = None
         tail.census.clear()
         tail.since_snapshot = 0
-        if await self._publish(replica, _RESET, 0, tail.epoch, reason.encode("utf-8")) is not None:
+        if await self._publish(replica, tail, _RESET, 0, reason.encode("utf-8")) is not None:
             self._stats.resets += 1
 
     async def _write_batch(self, replica: ReplicaId, tail: _Tail, batch: EventBatch) -> None:
@@ -471,59 +484,79 @@ class KvStreamRelay:
             tail.census.clear()
         tail.census.apply(batch)
         tail.last_seq = batch.seq
-        ack = await self._publish(replica, _BATCH, batch.seq, tail.epoch,
-                                  encode_payload(batch))
-        if ack is None:
-            return
-        tail.last_ack = ack
-        self._stats.published += 1
-        self._stats.last_seq[replica] = batch.seq
+        ack = await self._publish(replica, tail, _BATCH, batch.seq, encode_payload(batch))
+        if ack is not None:
+            tail.last_ack = ack
+            self._stats.published += 1
+            self._stats.last_seq[replica] = batch.seq
         tail.since_snapshot += 1
-        if tail.since_snapshot >= self._every:
+        if tail.since_snapshot >= self._every or (
+                tail.snapshot_due and asyncio.get_running_loop().time() >= tail.next_try):
             await self._write_snapshot(replica, tail, batch.seq)
 
-    async def _publish(self, replica: ReplicaId, kind: str, seq: int, epoch: int,
+    async def _publish(self, replica: ReplicaId, tail: _Tail, kind: str, seq: int,
                        payload: bytes) -> asyncio.Future[PubAck] | None:
         try:
-            ack = await self._stream.publish(replica, kind, seq, epoch, payload)
+            ack = await self._stream.publish(replica, kind, seq, tail.epoch, payload)
         except (nats.errors.Error, OSError) as exc:
-            self._failed(replica, exc)
+            self._failed(replica, tail, exc)
             return None
-        ack.add_done_callback(lambda fut: self._acked(replica, fut))
+        timer = asyncio.get_running_loop().call_later(_ACK_TIMEOUT_S, ack.cancel)
+
+        def acked(fut: asyncio.Future[PubAck]) -> None:
+            timer.cancel()
+            if fut.cancelled():
+                self._failed(replica, tail, TimeoutError(
+                    f"no acknowledgement within {_ACK_TIMEOUT_S:g} s"))
+            elif fut.exception() is not None:
+                self._failed(replica, tail, fut.exception())
+            else:
+                self._failing = False
+
+        ack.add_done_callback(acked)
         return ack
 
-    def _acked(self, replica: ReplicaId, fut: asyncio.Future[PubAck]) -> None:
-        if fut.cancelled():
-            self._failed(replica, asyncio.CancelledError())
-        elif fut.exception() is not None:
-            self._failed(replica, fut.exception())
-        else:
-            self._failing = False
-
-    def _failed(self, replica: ReplicaId, exc: BaseException | None) -> None:
+    def _failed(self, replica: ReplicaId, tail: _Tail, exc: BaseException | None) -> None:
         self._stats.failed += 1
+        tail.snapshot_due = True
         if not self._failing:
             self._failing = True
-            log.warning("KV-event relay: a publish for replica %s failed (%s); readers of the "
-                        "stream will see the hole and reset that replica. Logged once until "
-                        "a publish succeeds again", replica, exc or "unknown")
+            log.warning("KV-event relay: a publish for replica %s failed (%s); readers that "
+                        "meet the hole in the stream reset that replica until the next "
+                        "snapshot, written as soon as NATS acknowledges again. Logged once "
+                        "until a publish succeeds again", replica, exc or "unknown")
 
     async def _write_snapshot(self, replica: ReplicaId, tail: _Tail, seq: int) -> None:
+        """Write ``tail``'s census as the replica's snapshot: it covers batch ``seq``; its
+        stream position is that of the last batch JetStream acknowledged (a batch after it
+        that never reached the stream is in the census; one that did is a repeat readers
+        drop)."""
         tail.since_snapshot = 0
         ack = tail.last_ack
-        try:
-            if ack is None:
-                return
-            done = await ack
-            snap = _Snapshot(seq=seq, epoch=tail.epoch, stream_seq=done.seq,
+        if ack is None:
+            return
+        await asyncio.wait([ack])  # done within _ACK_TIMEOUT_S: cancelled then
+        problem: BaseException | None
+        if ack.cancelled():
+            problem = TimeoutError(f"batch not acknowledged within {_ACK_TIMEOUT_S:g} s")
+        else:
+            problem = ack.exception()
+        if problem is None:
+            snap = _Snapshot(seq=seq, epoch=tail.epoch, stream_seq=ack.result().seq,
                              payload=encode_payload(EventBatch(seq, time.time(),
                                                                tail.census.snapshot())))
-            await self._stream.put_snapshot(replica, snap)
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            try:
+                await self._stream.put_snapshot(replica, snap)
+            except (nats.errors.Error, OSError, TimeoutError) as exc:
+                problem = exc
+        if problem is not None:
             self._stats.snapshot_failures += 1
+            tail.snapshot_due = True
+            tail.next_try = asyncio.get_running_loop().time() + _SNAPSHOT_RETRY_S
             log.warning("replica %s: could not write the KV-event snapshot at batch %d (%s); "
-                        "trying again after %d more batches", replica, seq, exc, self._every)
+                        "trying again in %g s", replica, seq, problem, _SNAPSHOT_RETRY_S)
             return
+        tail.snapshot_due = False
         self._stats.snapshots += 1
 
 
