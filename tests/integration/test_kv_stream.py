@@ -246,6 +246,10 @@ def test_a_router_that_relays_rebuilds_from_its_own_stream(nats_reachable: None)
                 engine.publish(400)
                 await wait_for(lambda: first.relay is not None and first.relay.stats.last_seq
                                .get(REPLICA) == engine.next_seq - 1, "relayed by the router")
+                first.sync_metrics()
+                assert first.metrics.value("kvroute_kv_stream_up") == 1
+                assert (first.metrics.value("kvroute_kv_stream_relay", {"stat": "published"})
+                        or 0) >= 400
             async with RouterRuntime(config(sim, engine, relaying)) as second:
                 await wait_for(lambda: REPLICA in second.stream_positions, "rebuilt")
                 position = second.stream_positions[REPLICA]
@@ -409,6 +413,8 @@ def test_nats_away_at_start_degrades_to_zmq_only(caplog: pytest.LogCaptureFixtur
                         entries, held = index_of(rt, engine)
                         assert held == engine.held and entries == len(engine.held)
                         assert rt.kv_stream is None and rt.relay is None
+                        rt.sync_metrics()
+                        assert rt.metrics.value("kvroute_kv_stream_up") == 0
                     with pytest.raises(ConfigError, match="cannot be reached"):
                         async with StandaloneRelay(config(sim, engine, away)):
                             pass

@@ -37,6 +37,10 @@ kv_event_replays_total                 counter    replica
 kv_event_resets_total                  counter    replica
 kv_event_malformed_total               counter    replica
 kv_event_replaying                     gauge      replica (1 while a replay is under way)
+kv_stream_up                           gauge      - (1: the durable KV-event stream is in use;
+                                                  0: configured, NATS away; absent: not set up)
+kv_stream_relay                        gauge      stat (this router's relay: published, resets,
+                                                  failed, dropped, snapshots, snapshot_failures)
 index_entries / index_hashes           gauge      -
 pool_approximate                       gauge      pool (1 = routing on text chunks)
 tokenizer_mode                         gauge      pool, mode (1 for the pool's current mode)
@@ -246,6 +250,17 @@ class RouterMetrics:
             "delivers a replay (a catch-up after the router starts, or a gap's recovery).",
             ["replica"], namespace=ns, registry=r,
         )
+        self._kv_stream_up = Gauge(
+            "kv_stream_up", "1 while the durable KV-event stream (NATS JetStream) is in use, "
+            "0 when it is configured but NATS could not be reached at start.",
+            namespace=ns, registry=r,
+        )
+        self._kv_stream_relay = Gauge(
+            "kv_stream_relay", "This router's relay into the durable KV-event stream, since "
+            "start: batches published, resets written, publishes failed, batches dropped, "
+            "snapshots written and failed.",
+            ["stat"], namespace=ns, registry=r,
+        )
         self._approximate = Gauge(
             "pool_approximate", "1 if the pool routes approximately (no exact block hashes: "
             "block size/hash algorithm not read yet, or no tokenizer).",
@@ -429,6 +444,13 @@ class RouterMetrics:
 
     def set_replaying(self, replica: str, on: bool) -> None:
         self._replaying.labels(replica).set(1 if on else 0)
+
+    def set_kv_stream(self, up: bool, relay: dict[str, int] | None) -> None:
+        """The durable KV-event stream's state, and the relay's counters when this router
+        relays (``shell/kv_stream.py``)."""
+        self._kv_stream_up.set(1 if up else 0)
+        for stat, value in (relay or {}).items():
+            self._kv_stream_relay.labels(stat).set(value)
 
     def set_index_size(self, entries: int, hashes: int) -> None:
         self._index_entries.set(entries)

@@ -379,6 +379,15 @@ class RouterRuntime:
             )
             self.metrics.set_replaying(replica, now.replaying)
             self._seen[replica] = now
+        if self._stream_ready is not None and self._stream_ready.done():
+            relay = None
+            if self.relay is not None:
+                stats = self.relay.stats
+                relay = {"published": stats.published, "resets": stats.resets,
+                         "failed": stats.failed, "dropped": stats.dropped,
+                         "snapshots": stats.snapshots,
+                         "snapshot_failures": stats.snapshot_failures}
+            self.metrics.set_kv_stream(self.kv_stream is not None, relay)
         for pool, local in self._local_tokenizers():
             pieces = local.pieces
             self.metrics.set_token_piece_cache(
