@@ -14,10 +14,13 @@ Needs NATS with JetStream on 127.0.0.1:4222 (skipped without, failed under CI:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +30,7 @@ from typing import Any
 
 import nats
 import pytest
+import yaml
 from required import skip_unless_required
 
 from kvroute.config import RouterConfig, parse_config
@@ -35,6 +39,7 @@ from kvroute.core.events import BlockRemoved, BlockStored, KVEvent
 from kvroute.core.index import AdminCapability
 from kvroute.core.types import ReplicaId
 from kvroute.shell.kv_relay import StandaloneRelay
+from kvroute.shell.kv_stream import KvStream
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.kv_publisher import KVEventPublisher
 from kvroute.sim.launcher import inprocess_fleet
@@ -128,6 +133,10 @@ def index_of(rt: RouterRuntime, engine: Engine) -> tuple[int, set[int]]:
 
 
 def config(sim: SimServer, engine: Engine, stream: dict[str, Any] | None) -> RouterConfig:
+    return parse_config(config_data(sim, engine, stream), env={})
+
+
+def config_data(sim: SimServer, engine: Engine, stream: dict[str, Any] | None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": {"small": {"model": "sim-model", "replicas": [{
@@ -140,7 +149,7 @@ def config(sim: SimServer, engine: Engine, stream: dict[str, Any] | None) -> Rou
     }
     if stream is not None:
         data["kv_stream"] = stream
-    return parse_config(data, env={})
+    return data
 
 
 @asynccontextmanager
@@ -299,6 +308,66 @@ def test_an_engine_restart_relayed_as_a_reset_leaves_no_stale_block(
                 assert held == engine.held  # nothing of the engine's first life
                 assert entries == len(engine.held)
     run(test())
+
+
+def test_the_relay_command_relays_until_sigterm(nats_reachable: None, tmp_path: Path) -> None:
+    async def test() -> None:
+        async with fixtures() as (sim, engine, stream):
+            path = tmp_path / "kvroute.yaml"
+            path.write_text(yaml.safe_dump(config_data(sim, engine, stream)))
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvroute.cli", "events", "relay", "-c", str(path),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            try:
+                assert proc.stdout is not None
+                line = await asyncio.wait_for(proc.stdout.readline(), 30)
+                assert json.loads(line) == {"ready": True, "replicas": [REPLICA]}
+                parsed = config(sim, engine, stream)
+                assert parsed.kv_stream is not None
+                reader = await KvStream.open(parsed.kv_stream)
+                assert reader is not None
+                try:
+                    position = None
+                    for _ in range(100):  # until the relay has joined and written the probe
+                        engine.publish(1)
+                        await asyncio.sleep(0.05)
+                        position = await reader.rebuild(REPLICA, None, None, census=True)
+                        if position.last_seq == engine.next_seq - 1:
+                            break
+                    engine.publish(300)
+                    for _ in range(100):
+                        position = await reader.rebuild(REPLICA, None, None, census=True)
+                        if position.last_seq == engine.next_seq - 1:
+                            break
+                        await asyncio.sleep(0.1)
+                    assert position is not None and position.census is not None
+                    assert position.last_seq == engine.next_seq - 1
+                    # every block the engine holds and was relayed (the first probes may be
+                    # lost to ZMQ's late join) is in the stream's census, none it dropped
+                    assert position.census.hashes() <= engine.held
+                    assert {h for h in engine.held if h > engine.next_seq - 300} \
+                        <= position.census.hashes()
+                finally:
+                    await reader.close()
+                proc.send_signal(signal.SIGTERM)
+                assert await asyncio.wait_for(proc.wait(), 30) == 0
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    run(test())
+
+
+def test_the_relay_command_refuses_a_config_without_kv_stream(tmp_path: Path) -> None:
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(yaml.safe_dump({
+        "pools": {"p": {"model": "m", "replicas": [{"name": "a", "url": "http://127.0.0.1:1",
+                                                    "kv_events": "tcp://127.0.0.1:2"}]}},
+        "routes": {"r": {"pools": ["p"]}}}))
+    done = subprocess.run([sys.executable, "-m", "kvroute.cli", "events", "relay", "-c",
+                           str(path)], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "kv_stream: missing" in done.stderr
 
 
 class PrivateNats:
