@@ -35,7 +35,7 @@ from required import skip_unless_required
 
 from kvroute.config import RouterConfig, parse_config
 from kvroute.core.errors import ConfigError
-from kvroute.core.events import BlockRemoved, BlockStored, KVEvent
+from kvroute.core.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.index import AdminCapability
 from kvroute.core.types import ReplicaId
 from kvroute.shell.kv_relay import StandaloneRelay
@@ -368,6 +368,39 @@ def test_the_relay_command_refuses_a_config_without_kv_stream(tmp_path: Path) ->
                            str(path)], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert "kv_stream: missing" in done.stderr
+
+
+def test_a_foreign_message_in_the_stream_ends_the_rebuild_there_with_a_warning(
+        nats_reachable: None, caplog: pytest.LogCaptureFixture) -> None:
+    async def test() -> None:
+        async with fixtures() as (sim, engine, stream):
+            parsed = config(sim, engine, stream)
+            assert parsed.kv_stream is not None
+            kv = await KvStream.open(parsed.kv_stream)
+            assert kv is not None
+            try:
+                relay = kv.relay()
+                relay.start()
+                for seq in range(5):
+                    relay.on_batch(REPLICA, EventBatch(seq, 0.0, (BlockStored((seq + 1,), None,
+                                                                              (), 16),)))
+                await relay.idle()
+                await kv._js.publish(kv.subject(REPLICA), b"not a batch")
+                relay.on_batch(REPLICA, EventBatch(5, 0.0, (BlockStored((6,), None, (), 16),)))
+                await relay.idle()
+                await relay.stop()
+                with caplog.at_level(logging.WARNING, logger="kvroute.shell.kv_stream"):
+                    position = await kv.rebuild(REPLICA, None, None, census=True)
+                assert position.last_seq == 4 and position.census is not None
+                assert position.census.hashes() == {1, 2, 3, 4, 5}
+                assert any("stopped early" in r.getMessage() and "only kvroute's relay" in
+                           r.getMessage() for r in caplog.records)
+            finally:
+                await kv.close()
+            async with RouterRuntime(parsed) as rt:  # resumes after batch 4; follows ZMQ
+                await live_until_following(engine, [rt])
+                assert rt.stream_positions[REPLICA].last_seq == 4
+    run(test())
 
 
 class PrivateNats:

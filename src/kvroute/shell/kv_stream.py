@@ -210,10 +210,17 @@ class KvStream:
                  config.url, config.max_age_s, config.max_bytes)
         return cls(config, nc, js, snapshots)
 
-    async def close(self) -> None:
-        """Send what is pending and close the connection."""
-        if not self._nc.is_closed:
-            await self._nc.drain()
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is pending (for up to ``timeout_s``: NATS may be away) and close."""
+        if self._nc.is_closed:
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._nc.drain()
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("KV-event stream: closed without sending everything pending (%s)",
+                        str(exc) or type(exc).__name__)
+            await self._nc.close()
 
     def pending(self) -> int:
         """Publishes JetStream has not acknowledged (nor failed) yet."""
@@ -306,12 +313,18 @@ class KvStream:
                 msg = await sub.next_msg(timeout=_READ_WAIT_S)
                 meta = msg.metadata
                 headers = msg.headers or {}
-                epoch = int(headers.get(_EPOCH, "0"))
+                try:
+                    epoch = int(headers.get(_EPOCH, "0"))
+                    seq = int(headers[_SEQ])
+                except (KeyError, ValueError) as exc:
+                    raise MalformedEventError(
+                        f"stream message {meta.sequence.stream} on {subject} has no valid "
+                        f"{_SEQ}/{_EPOCH} headers ({exc!r}): only kvroute's relay may "
+                        "publish there") from exc
                 if headers.get(_KIND) == _RESET:
                     reset(f"the KV-event stream says: {msg.data.decode('utf-8', 'replace')}")
                     pos.epoch = epoch
                 else:
-                    seq = int(headers[_SEQ])
                     expected = None if pos.last_seq is None else pos.last_seq + 1
                     if expected is not None and epoch == pos.epoch and seq < expected:
                         pass  # a repeat (two relays, or a relay restarted past its window)
@@ -461,7 +474,10 @@ class KvStreamRelay:
             try:
                 tail = self._tails.get(replica)
                 if tail is None:
-                    tail = self._tails[replica] = _Tail(0, None, BlockCensus())
+                    # Not adopted (its history could not be read): an epoch no earlier
+                    # writer can have used, so readers reset and no Nats-Msg-Id repeats.
+                    tail = self._tails[replica] = _Tail(int(time.time() * 1000), None,
+                                                        BlockCensus())
                 if isinstance(item, str):
                     await self._write_reset(replica, tail, item)
                 else:

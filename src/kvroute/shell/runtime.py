@@ -295,14 +295,21 @@ class RouterRuntime:
         stream = await asyncio.shield(self._stream_ready)
         resume_after: int | None = None
         if stream is not None:
-            async with self._catch_up_turns:
-                position = await stream.rebuild(rep.name, self._on_stream_batch,
-                                                self._on_stream_reset,
-                                                census=self.relay is not None)
-            self.stream_positions[rep.name] = position
-            if self.relay is not None:
-                self.relay.adopt(rep.name, position)
-            resume_after = position.last_seq
+            try:
+                async with self._catch_up_turns:
+                    position = await stream.rebuild(rep.name, self._on_stream_batch,
+                                                    self._on_stream_reset,
+                                                    census=self.relay is not None)
+            except Exception:
+                log.exception("replica %s: rebuilding its index from the KV-event stream "
+                              "failed; following the engine's ZMQ feed from scratch",
+                              rep.name)
+                self._on_stream_reset(rep.name, "the stream could not be read")
+            else:
+                self.stream_positions[rep.name] = position
+                if self.relay is not None:
+                    self.relay.adopt(rep.name, position)
+                resume_after = position.last_seq
         self._following.pop(rep.name, None)
         self._subscribe(rep, resume_after=resume_after)
 
