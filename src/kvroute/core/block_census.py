@@ -82,17 +82,23 @@ class BlockCensus:
         """Forget everything (the engine's stream was reset)."""
         self._copies.clear()
 
-    def snapshot(self) -> tuple[KVEvent, ...]:
-        """Events that, applied to an empty index, give it exactly these copies: one
-        ``BlockStored`` per medium, each hash repeated once per copy, parent None."""
+    def snapshot(self, chunk: int = 4096) -> tuple[KVEvent, ...]:
+        """Events that, applied to an empty index, give it exactly these copies:
+        ``BlockStored`` events of at most ``chunk`` hashes, each hash repeated once per copy,
+        parent None (chunks let a reader apply a large snapshot in slices).
+
+        Raises:
+            ValueError: ``chunk`` < 1.
+        """
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1 hash, got {chunk}")
         events: list[KVEvent] = []
         for medium, held in self._copies.items():
-            if not held:
-                continue
             hashes: list[WireHash] = []
             for h, n in held.items():
                 hashes.extend([h] * n)
-            events.append(BlockStored(block_hashes=tuple(hashes), parent_block_hash=None,
-                                      token_ids=(), block_size=self._block_size,
-                                      medium=medium))
+            for i in range(0, len(hashes), chunk):
+                events.append(BlockStored(block_hashes=tuple(hashes[i:i + chunk]),
+                                          parent_block_hash=None, token_ids=(),
+                                          block_size=self._block_size, medium=medium))
         return tuple(events)

@@ -265,7 +265,10 @@ class KvStream:
                 batch = decode_payload(snap.payload, snap.seq, token_ids=False)
                 reset("rebuilding from the KV-event stream's snapshot")
                 pos.resets -= 1  # the index starts from the snapshot: not a reset of history
-                apply(batch)
+                for n, event in enumerate(batch.events, start=1):  # chunks of 4,096 hashes
+                    apply(EventBatch(batch.seq, batch.ts, (event,), batch.data_parallel_rank))
+                    if n % 4 == 0:
+                        await asyncio.sleep(0)  # a large snapshot shares the loop too
                 pos.last_seq, pos.epoch, pos.snapshot_seq = snap.seq, snap.epoch, snap.seq
                 start = snap.stream_seq + 1
             try:

@@ -61,3 +61,15 @@ def test_all_blocks_cleared_empties_the_census() -> None:
 def test_an_event_of_another_type_is_refused() -> None:
     with pytest.raises(TypeError, match="cannot count"):
         BlockCensus().apply(batch(0, "BlockStored"))  # type: ignore[arg-type]
+
+
+def test_a_snapshot_comes_in_chunks_that_add_up_to_every_copy() -> None:
+    census = BlockCensus()
+    census.apply(batch(0, stored(*range(1, 11)), stored(1, 2), stored(50, medium="CPU")))
+    events = census.snapshot(chunk=4)
+    assert all(isinstance(e, BlockStored) and len(e.block_hashes) <= 4 for e in events)
+    gpu = sorted(h for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+                 for h in e.block_hashes)
+    assert gpu == sorted([*range(1, 11), 1, 2])
+    with pytest.raises(ValueError, match="chunk"):
+        census.snapshot(chunk=0)
