@@ -76,17 +76,30 @@ async def one(n: int, snapshot_every: int, url: str) -> dict[str, Any]:
         results["relay_cpu_us_per_batch"] = round(relay_cpu * 1e6 / n, 1)
         results["snapshots"] = relay.stats.snapshots
         results["failed"] = relay.stats.failed
+        idle: list[float] = []  # the same timer with nothing else on the loop: the machine
+        ticking = asyncio.get_running_loop().create_task(_tick(idle))
+        await asyncio.sleep(2.0)
+        ticking.cancel()
+        idle.sort()
+        results["idle_timer_late_p99_ms"] = round(idle[int(len(idle) * 0.99)] * 1e3, 2)
+        results["idle_timer_late_max_ms"] = round(idle[-1] * 1e3, 2)
         for label, use_snapshot in (("whole_stream", False), ("snapshot_plus_tail", True)):
             index = PrefixIndex(clock=ManualClock())
             reader = stream if use_snapshot else _NoSnapshot(stream)
+            late: list[float] = []
+            ticking = asyncio.get_running_loop().create_task(_tick(late))
             cpu0, wall0 = time.process_time(), time.perf_counter()
             pos = await reader.rebuild(REPLICA, index.apply_batch,
                                        lambda r, why, index=index: index.clear_replica(r))
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+            ticking.cancel()
+            late.sort()
             entries = index.stats().num_entries
             results[label] = {
                 "wall_s": round(wall, 3),
                 "cpu_s": round(cpu, 3),
+                "timer_late_p99_ms": round(late[int(len(late) * 0.99)] * 1e3, 2) if late else None,
+                "timer_late_max_ms": round(late[-1] * 1e3, 2) if late else None,
                 "batches_read": pos.batches, "snapshot_seq": pos.snapshot_seq,
                 "last_seq": pos.last_seq, "entries": entries,
                 "equals_truth": entries == len(truth) and pos.last_seq == n - 1,
@@ -102,6 +115,16 @@ async def one(n: int, snapshot_every: int, url: str) -> dict[str, Any]:
         await nc.close()
         await stream.close()
     return results
+
+
+async def _tick(late: list[float]) -> None:
+    """A 1 ms timer on the rebuild's loop: how late each tick runs is what a request's next
+    step would wait for meanwhile."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + 0.001
+        await asyncio.sleep(0.001)
+        late.append(max(0.0, loop.time() - due))
 
 
 class _NoSnapshot:

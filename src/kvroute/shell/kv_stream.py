@@ -66,6 +66,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import (
+    AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
@@ -101,6 +102,8 @@ _DUPLICATE_WINDOW_S = 120.0
 """JetStream's ``Nats-Msg-Id`` window: a relay restarted within it repeats nothing."""
 _READ_WAIT_S = 5.0
 """Longest wait for the next message of a rebuild before it is declared cut short."""
+_FETCH = 64
+"""Messages asked of JetStream at a time while rebuilding."""
 _READ_PER_TURN = 16
 """Most batches a rebuild applies between two yields to the loop (as a ZMQ replay does)."""
 _ACK_TIMEOUT_S = 10.0
@@ -305,44 +308,46 @@ class KvStream:
     async def _read(self, subject: str, start: int, last: int, pos: StreamPosition,
                     apply: Callable[[EventBatch], None], reset: Callable[[str], None]) -> None:
         """Read ``subject`` from stream sequence ``start`` through ``last``, in order."""
-        sub = await self._js.subscribe(
-            subject, stream=self.config.name, ordered_consumer=True,
+        sub = await self._js.pull_subscribe(
+            subject, durable=None, stream=self.config.name,
             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                  opt_start_seq=start),
-            pending_msgs_limit=-1, pending_bytes_limit=-1,
+                                  opt_start_seq=start, ack_policy=AckPolicy.NONE,
+                                  inactive_threshold=_READ_WAIT_S * 6),
         )
         try:
             while True:
-                msg = await sub.next_msg(timeout=_READ_WAIT_S)
-                meta = msg.metadata
-                headers = msg.headers or {}
-                try:
-                    epoch = int(headers.get(_EPOCH, "0"))
-                    seq = int(headers[_SEQ])
-                except (KeyError, ValueError) as exc:
-                    raise MalformedEventError(
-                        f"stream message {meta.sequence.stream} on {subject} has no valid "
-                        f"{_SEQ}/{_EPOCH} headers ({exc!r}): only kvroute's relay may "
-                        "publish there") from exc
-                if headers.get(_KIND) == _RESET:
-                    reset(f"the KV-event stream says: {msg.data.decode('utf-8', 'replace')}")
-                    pos.epoch = epoch
-                else:
-                    expected = None if pos.last_seq is None else pos.last_seq + 1
-                    if expected is not None and epoch == pos.epoch and seq < expected:
-                        pass  # a repeat (two relays, or a relay restarted past its window)
-                    else:
-                        if expected is not None and (epoch != pos.epoch or seq != expected):
-                            reset(f"the KV-event stream jumps from batch {expected - 1} "
-                                  f"(epoch {pos.epoch}) to {seq} (epoch {epoch})")
+                # Small fetches: the client parses what one fetch brings in one go, so
+                # this bounds how long a read holds the loop (as _READ_PER_TURN does).
+                for msg in await sub.fetch(_FETCH, timeout=_READ_WAIT_S):
+                    meta = msg.metadata
+                    headers = msg.headers or {}
+                    try:
+                        epoch = int(headers.get(_EPOCH, "0"))
+                        seq = int(headers[_SEQ])
+                    except (KeyError, ValueError) as exc:
+                        raise MalformedEventError(
+                            f"stream message {meta.sequence.stream} on {subject} has no valid "
+                            f"{_SEQ}/{_EPOCH} headers ({exc!r}): only kvroute's relay may "
+                            "publish there") from exc
+                    if headers.get(_KIND) == _RESET:
+                        reset(f"the KV-event stream says: {msg.data.decode('utf-8', 'replace')}")
                         pos.epoch = epoch
-                        apply(decode_payload(msg.data, seq, token_ids=False))
-                        pos.last_seq = seq
-                        pos.batches += 1
-                        if pos.batches % _READ_PER_TURN == 0:
-                            await asyncio.sleep(0)  # a long read shares the loop
-                if meta.sequence.stream >= last:
-                    return
+                    else:
+                        expected = None if pos.last_seq is None else pos.last_seq + 1
+                        if expected is not None and epoch == pos.epoch and seq < expected:
+                            pass  # a repeat (two relays, or a relay restarted past its window)
+                        else:
+                            if expected is not None and (epoch != pos.epoch or seq != expected):
+                                reset(f"the KV-event stream jumps from batch {expected - 1} "
+                                      f"(epoch {pos.epoch}) to {seq} (epoch {epoch})")
+                            pos.epoch = epoch
+                            apply(decode_payload(msg.data, seq, token_ids=False))
+                            pos.last_seq = seq
+                            pos.batches += 1
+                            if pos.batches % _READ_PER_TURN == 0:
+                                await asyncio.sleep(0)  # a long read shares the loop
+                    if meta.sequence.stream >= last:
+                        return
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
