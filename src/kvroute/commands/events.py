@@ -12,6 +12,7 @@ SIGTERM; it prints ``{"ready": true}`` once every replica is followed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -29,7 +30,10 @@ from kvroute.core.errors import ConfigError, MalformedEventError
 from kvroute.core.events import BlockStored, EventBatch, KVEvent
 from kvroute.wire.vllm_events import decode_message
 
-HELP = "Inspect engines' KV-cache event streams."
+HELP = "Inspect engines' KV-cache event streams, and relay them into NATS JetStream."
+
+_STATS_EVERY_S = 60.0
+"""How often ``kvroute events relay`` logs what it relayed."""
 
 events_app = typer.Typer(name="events", help=HELP, no_args_is_help=True, add_completion=False)
 
@@ -129,9 +133,19 @@ async def _relay(config_path: Path) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    log = logging.getLogger("kvroute.relay")
     async with StandaloneRelay(config) as relay:
         print(json.dumps({"ready": True, "replicas": sorted(relay.subscribers)}), flush=True)
-        await stop.wait()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_STATS_EVERY_S):
+                    await stop.wait()
+            if relay.relay is not None:  # what the relay did so far, for the operator
+                stats = relay.relay.stats
+                log.info("relayed %d batches (%d resets), %d publishes failed, %d dropped, "
+                         "%d snapshots written (%d failed); last batch per replica: %s",
+                         stats.published, stats.resets, stats.failed, stats.dropped,
+                         stats.snapshots, stats.snapshot_failures, stats.last_seq)
 
 
 @events_app.command("relay")
