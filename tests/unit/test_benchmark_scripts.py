@@ -27,6 +27,7 @@ CASES = {
     "bench_long_turn.py": ["--turn-chars", "2000", "--target-tokens", "9000", "--last", "2"],
     "bench_kv_catchup.py": ["--batches", "200", "--replicas", "2", "--repeats", "1"],
     "bench_kv_subscriber.py": ["--messages", "200", "--gap-ms", "0.5"],
+    "bench_kv_stream_catchup.py": ["--batches", "300", "--snapshot-every", "100"],  # NATS
     "bench_memo_churn.py": ["--bound", "64", "--calls", "50"],
     "bench_metrics.py": ["--calls", "100", "--repeats", "1"],
     "bench_router_path.py": ["--requests", "20", "--repeats", "1", "--no-engine"],
