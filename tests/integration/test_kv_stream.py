@@ -94,7 +94,9 @@ class Engine:
         self.next_seq = 0
         self.offset = 0
 
-    def publish(self, n: int) -> None:
+    def publish(self, n: int, *, lose: bool = False) -> None:
+        """``n`` batches; with ``lose`` they are numbered and buffered for replay but not
+        sent (what a subscriber sees when messages are lost: ``KVEventPublisher``)."""
         for _ in range(n):
             i = self.next_seq
             h = self.offset + i + 1
@@ -104,7 +106,7 @@ class Engine:
             if i % 3 == 2:
                 events.append(BlockRemoved((h - 1,)))
                 self.held.discard(h - 1)
-            self.pub.publish(events)
+            self.pub.publish(events, skip_send=lose)
             self.next_seq += 1
         self.pub.wait_sent(timeout=30.0)
 
@@ -223,6 +225,9 @@ def test_restarted_router_catches_up_from_the_stream_beyond_the_replay_buffer(
                     RouterRuntime(config(sim, engine, None)) as without:
                 await live_until_following(engine, [restarted, without])
                 engine.publish(50)  # live batches after the catch-up: no gap, no repeat
+                gaps_before = restarted.subscribers[REPLICA].stats.gaps
+                engine.publish(3, lose=True)  # the gap detection still works after resuming
+                engine.publish(10)
                 last = engine.next_seq - 1
                 await wait_for(lambda: restarted.subscribers[REPLICA].stats.last_seq == last
                                and without.subscribers[REPLICA].stats.last_seq == last,
@@ -236,7 +241,7 @@ def test_restarted_router_catches_up_from_the_stream_beyond_the_replay_buffer(
                 assert position.snapshot_seq in (4_999, 9_999)
                 assert position.batches == TOTAL - 1 - position.snapshot_seq
                 sub = restarted.subscribers[REPLICA].stats
-                assert sub.resets == 0
+                assert sub.resets == 0 and sub.gaps == gaps_before + 1
                 assert sub.replayed_batches < 200  # the tail after the stream, not 10,000
                 # Without the stream, the blocks older than the buffer are missing.
                 entries_without, held_without = index_of(without, engine)
