@@ -25,6 +25,7 @@ import difflib
 import hashlib
 import hmac
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from kvroute.wire.reasoning import THINK_SWITCHES, ReasoningSettings
 __all__ = [
     "DEFAULT_TENANT",
     "AdmissionConfig",
+    "ClusterConfig",
     "DiscoveryConfig",
     "ExternalConfig",
     "HttpLimitsConfig",
@@ -348,6 +350,33 @@ class KvStreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Several routers in front of one fleet sharing what each has just placed
+    (``shell/cluster.py`` reads this; off by default).
+
+    Each router announces, on a NATS subject, the requests it sends (replica, prompt size,
+    the predicted blocks it wrote) and when they produce a first token and end; each merges
+    its peers' announcements into its own index overlay and load view. A peer silent for
+    ``peer_expiry_s`` is dropped with everything it had in flight.
+
+    Attributes:
+        bus: ``none`` (one router, the default) or ``nats``.
+        url: the NATS server (``nats`` only), e.g. ``nats://127.0.0.1:4222``.
+        subject: the subject the fleet's routers share (one per fleet).
+        router_id: this router's name on the bus; empty: ``<hostname>-<pid>``.
+        heartbeat_s: how often a router says it is alive when it has nothing to announce.
+        peer_expiry_s: a peer silent this long is gone (its load vanishes).
+    """
+
+    bus: Literal["none", "nats"] = "none"
+    url: str | None = None
+    subject: str = "kvroute.cluster"
+    router_id: str = ""
+    heartbeat_s: float = 0.5
+    peer_expiry_s: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
 class TenantConfig:
     """A tenant: its API key's environment variable, whether its cache is salted, and
     whether it is shown the routing headers.
@@ -503,6 +532,7 @@ class RouterConfig:
     listen: ListenConfig = ListenConfig()
     policy: PolicyConfig = PolicyConfig()
     state: StateConfig = StateConfig()
+    cluster: ClusterConfig = ClusterConfig()
     tenants: tuple[TenantConfig, ...] = ()
     admin_key_env: str | None = None
     salt_secret_env: str = "KVROUTE_SALT_SECRET"
@@ -633,7 +663,7 @@ def _zmq_endpoint(key: str, value: Any) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 _TOP_KEYS: Final = (
-    "listen", "pools", "routes", "policy", "state", "tenants", "admin_key_env",
+    "listen", "pools", "routes", "policy", "state", "cluster", "tenants", "admin_key_env",
     "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
     "cache_drift", "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
     "audit_sample",
@@ -1052,6 +1082,50 @@ def _state(data: Any) -> StateConfig:
     )
 
 
+_SUBJECT_TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _cluster(data: Any) -> ClusterConfig:
+    d = _mapping("cluster", data, '{bus: nats, url: "nats://127.0.0.1:4222"}')
+    _check_keys("cluster", d, ("bus", "url", "subject", "router_id", "heartbeat_s",
+                               "peer_expiry_s"))
+    base = ClusterConfig()
+    bus = d.get("bus", "none")
+    if bus not in ("none", "nats"):
+        raise _fail("cluster.bus", bus, "must be none or nats",
+                    'Write bus: none (one router), or bus: nats with url: "nats://host:4222".')
+    url = d.get("url")
+    if bus == "nats":
+        url = _str("cluster.url", url, example='"nats://127.0.0.1:4222"')
+        parts = urlsplit(url)
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise _fail("cluster.url", url, "must be a nats:// URL with a host",
+                        'Write e.g. url: "nats://127.0.0.1:4222".')
+    elif url is not None:
+        raise _fail("cluster.url", url, "is only used with bus: nats",
+                    "Remove url, or set bus: nats.")
+    subject = _str("cluster.subject", d.get("subject", base.subject), example="kvroute.cluster")
+    if not all(_SUBJECT_TOKEN.fullmatch(token) for token in subject.split(".")):
+        raise _fail("cluster.subject", subject,
+                    "must be dot-separated tokens of letters, digits, - and _ (no wildcards)",
+                    "Write e.g. subject: kvroute.cluster.prod (one subject per fleet).")
+    router_id = d.get("router_id", base.router_id)
+    if router_id != "" and not (isinstance(router_id, str)
+                                and _SUBJECT_TOKEN.fullmatch(router_id)):
+        raise _fail("cluster.router_id", router_id,
+                    "must be letters, digits, - and _ (or empty for <hostname>-<pid>)",
+                    "Write e.g. router_id: router-a, or remove it.")
+    heartbeat_s = _num("cluster.heartbeat_s", d.get("heartbeat_s", base.heartbeat_s))
+    expiry_s = _num("cluster.peer_expiry_s", d.get("peer_expiry_s", base.peer_expiry_s))
+    if expiry_s < 2 * heartbeat_s:
+        raise _fail("cluster.peer_expiry_s", expiry_s,
+                    f"must be at least twice heartbeat_s ({heartbeat_s})",
+                    "Otherwise one late heartbeat drops a live peer's load; raise peer_expiry_s "
+                    "or lower heartbeat_s.")
+    return ClusterConfig(bus=bus, url=url, subject=subject, router_id=router_id,
+                         heartbeat_s=heartbeat_s, peer_expiry_s=expiry_s)
+
+
 def _env_name(key: str, value: Any) -> str:
     text = _str(key, value, example="ACME_KEY")
     if not text.replace("_", "").isalnum() or text[0].isdigit():
@@ -1300,6 +1374,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         listen=_listen(data.get("listen")),
         policy=_policy(data.get("policy")),
         state=_state(data.get("state")),
+        cluster=_cluster(data.get("cluster")),
         tenants=_tenants(data.get("tenants")),
         admin_key_env=admin_key_env,
         salt_secret_env=_env_name("salt_secret_env", data.get("salt_secret_env", "KVROUTE_SALT_SECRET")),

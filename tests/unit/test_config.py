@@ -329,3 +329,31 @@ def test_bad_kv_stream_values_say_what_to_fix(stream: dict[str, Any],
     message = error_of(with_("kv_stream", stream))
     for fragment in fragments:
         assert fragment in message
+
+
+def test_cluster_sharing_is_off_by_default_and_takes_a_nats_url() -> None:
+    assert parse_config(MINIMAL, env={}).cluster.bus == "none"
+    cluster = parse_config(with_("cluster", {"bus": "nats", "url": "nats://127.0.0.1:4222",
+                                             "router_id": "router-a"}), env={}).cluster
+    assert (cluster.bus, cluster.url, cluster.router_id) == (
+        "nats", "nats://127.0.0.1:4222", "router-a")
+    assert cluster.subject == "kvroute.cluster" and cluster.peer_expiry_s == 3.0
+
+
+@pytest.mark.parametrize(("cluster", "expected"), [
+    ({"bus": "kafka"}, "cluster.bus: must be none or nats"),
+    ({"bus": "nats"}, "cluster.url: must be a non-empty string"),
+    ({"bus": "nats", "url": "redis://127.0.0.1:6379"}, "cluster.url: must be a nats:// URL"),
+    ({"url": "nats://127.0.0.1:4222"}, "cluster.url: is only used with bus: nats"),
+    ({"bus": "nats", "url": "nats://h:4222", "subject": "kvroute.*"},
+     "cluster.subject: must be dot-separated tokens"),
+    ({"bus": "nats", "url": "nats://h:4222", "router_id": "a.b"},
+     "cluster.router_id: must be letters"),
+    ({"bus": "nats", "url": "nats://h:4222", "heartbeat_s": 1.0, "peer_expiry_s": 1.5},
+     "cluster.peer_expiry_s: must be at least twice heartbeat_s"),
+    ({"bus": "nats", "url": "nats://h:4222", "heartbeat_s": 0}, "cluster.heartbeat_s"),
+    ({"bus": "nats", "url": "nats://h:4222", "peers": []}, "peers"),
+])
+def test_bad_cluster_settings_name_the_key_and_the_fix(cluster: dict[str, Any],
+                                                       expected: str) -> None:
+    assert expected in error_of(with_("cluster", cluster))

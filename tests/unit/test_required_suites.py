@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from required import CI_ENV, skip_unless_required
 
@@ -36,3 +38,19 @@ def test_ci_run_exports_the_variable() -> None:
     script = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
     assert f"export {CI_ENV}=1" in script
     assert "|| true" not in script, "a set-up failure must be reported, not hidden"
+
+
+def test_a_missing_nats_fails_under_ci_and_skips_locally(monkeypatch: pytest.MonkeyPatch) -> None:
+    from required import nats_missing, require_nats
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{probe.getsockname()[1]}"
+    assert "NATS is not reachable" in (nats_missing(url) or "")
+    monkeypatch.setenv(CI_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="the NATS suite cannot run, and CI"):
+        require_nats(url)
+    monkeypatch.delenv(CI_ENV)
+    monkeypatch.delenv("KVROUTE_REQUIRE_NATS", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="NATS is not reachable"):
+        require_nats(url)

@@ -47,9 +47,10 @@ from kvroute.core.events import EventBatch
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.hashing_chains import DEFAULT_CHAIN_TOKENS, SessionChains
-from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch
+from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch, TenantScope
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
 from kvroute.core.model_identity import ModelIdentity
+from kvroute.core.peers import Announcement, Done, FirstToken, Placed
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
 from kvroute.core.recency import BlockRecency
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
@@ -232,6 +233,9 @@ class RouterCore:
         self._slots: dict[ReplicaId, AdapterSlots] = {}
         self._adapter_in_flight: dict[ReplicaId, Counter[str]] = {}
         self._adapter_of: dict[RequestId, tuple[ReplicaId, str]] = {}
+        self.announce: Callable[[Announcement], None] | None = None
+        """Told of every placement, first token and end (``core/peers.py``), when several
+        routers share their fresh placements (the shell sets it; None: one router)."""
         for spec in pools:
             if spec.name in self._pools:
                 raise ConfigError(f"pool {spec.name!r} is defined twice; pool names must be unique")
@@ -605,6 +609,8 @@ class RouterCore:
         Returns ``None`` when the ranking has no other healthy replica left.
         """
         self.load.on_complete(failed, decision.request.request_id)
+        if self.announce is not None:
+            self.announce(Done(decision.request.request_id, failed))
         self._release_adapter(decision.request.request_id)
         entry = self._pool(decision.request.pool)
         tried = decision.request.exclude | {failed}
@@ -633,6 +639,8 @@ class RouterCore:
 
     def on_first_token(self, replica: ReplicaId, request_id: RequestId) -> None:
         self.load.on_first_token(replica, request_id, now_s=self._clock.now())
+        if self.announce is not None:
+            self.announce(FirstToken(request_id, replica))
 
     def on_complete(self, replica: ReplicaId, request_id: RequestId, *,
                     output_tokens: int | None = None) -> None:
@@ -640,6 +648,8 @@ class RouterCore:
         replica's inter-token factor."""
         self.load.on_complete(replica, request_id, now_s=self._clock.now(),
                               output_tokens=output_tokens)
+        if self.announce is not None:
+            self.announce(Done(request_id, replica, output_tokens))
         self._release_adapter(request_id)
 
     # -- internals ------------------------------------------------------------------------
@@ -659,30 +669,40 @@ class RouterCore:
         recomputes it, and says so.
         """
         request = decision.request
+        prefill_tokens = max(1, request.num_prompt_tokens - decision.expected_cached_tokens)
+        # Two tenants' sessions of one id are two sessions.
+        session = None if request.session_id is None else (
+            f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}")
         self.load.on_dispatch(
             decision.replica,
             request.request_id,
-            prefill_tokens=max(1, request.num_prompt_tokens - decision.expected_cached_tokens),
+            prefill_tokens=prefill_tokens,
             prompt_tokens=request.num_prompt_tokens,
             expected_output_tokens=request.expected_output_tokens,
             now_s=self._clock.now(),
             predicted_output_tokens=request.predicted_output_tokens,
-            # Two tenants' sessions of one id are two sessions.
-            session=None if request.session_id is None else (
-                f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}"),
+            session=session,
         )
         if request.lora is not None:
             self._release_adapter(request.request_id)
             self._adapter_in_flight.setdefault(decision.replica, Counter())[request.lora.name] += 1
             self._adapter_of[request.request_id] = (decision.replica, request.lora.name)
-        if decision.replica in self._no_prefix_caching:
-            return  # an engine without prefix caching will not reuse these blocks
-        if decision.block_hashes and (entry.policy.uses_predicted or decision.approximate):
+        written: tuple[WireHash, ...] = ()
+        if (decision.replica not in self._no_prefix_caching  # such an engine reuses nothing
+                and decision.block_hashes
+                and (entry.policy.uses_predicted or decision.approximate)):
             index = self.approx_index if decision.approximate else self.index
             other = held.num_cpu_blocks + held.num_storage_blocks + held.num_predicted_blocks
             confirmed = 0 if other else held.num_gpu_blocks
-            index.add_predicted(decision.replica, decision.block_hashes[confirmed:],
-                                request.scope)
+            written = decision.block_hashes[confirmed:]
+            index.add_predicted(decision.replica, written, request.scope)
+        if self.announce is not None:
+            tenant = request.scope.tenant if type(request.scope) is TenantScope else None
+            self.announce(Placed(
+                request.request_id, decision.replica, prefill_tokens,
+                request.num_prompt_tokens, request.expected_output_tokens,
+                request.predicted_output_tokens, session, tenant,
+                written if tenant is not None else (), decision.approximate))
 
     def _pool(self, name: PoolName) -> _Pool:
         entry = self._pools.get(name)

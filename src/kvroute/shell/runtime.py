@@ -54,6 +54,7 @@ from kvroute.core.types import PoolName, ReplicaId
 from kvroute.http.client import EngineClient
 from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.cache_feedback import CacheFeedback
+from kvroute.shell.cluster import ClusterSharing
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
@@ -147,6 +148,8 @@ class RouterRuntime:
         """Where each replica's rebuild from the durable stream ended."""
         self._stopping: set[asyncio.Task[None]] = set()
         self.state: SessionState | None = None
+        self.cluster: ClusterSharing | None = None
+        """Fresh placements shared with the other routers (None: ``cluster.bus: none``)."""
         self._stop_gc_watch: Callable[[], None] | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
         self.tokenizer_checks: dict[str, TokenizerCheck] = {}
@@ -189,6 +192,9 @@ class RouterRuntime:
                                              hook=self, env=self._env)
             await self.members.start()
         self.state = build_state(config, metrics=self.metrics)
+        if config.cluster.bus == "nats":
+            self.cluster = ClusterSharing(config.cluster, self.core, clock=self.clock)
+            await self.cluster.start()
         self.tokenizers = build_tokenizers(config, self.discovery, self.engine_client, self.metrics)
         self._start_tokenizer_checks()
         self.app = build_app(
@@ -249,6 +255,9 @@ class RouterRuntime:
             self.kv_stream = None
         for task in list(self._stopping):
             await step(task)
+        if self.cluster is not None:
+            await step(self.cluster.stop())
+            self.cluster = None
         if self.state is not None:
             await step(self.state.close())
             self.state = None
@@ -445,7 +454,10 @@ class RouterRuntime:
         windows = {}
         if self.discovery is not None:
             windows = {pool: self.discovery.pool_window(pool) for pool in self.config.pools}
-        return {"kv_events": subs, "windows": windows}
+        out: dict[str, Any] = {"kv_events": subs, "windows": windows}
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.state()
+        return out
 
 
 def _load_local(pool: str, metrics: RouterMetrics, path: str) -> LocalTokenizer:

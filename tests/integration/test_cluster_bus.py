@@ -1,0 +1,169 @@
+"""``shell/cluster.py`` over a real NATS server: two routers' cores, one subject.
+
+Each test uses its own subject, so runs never see each other's messages. The routers are
+``ClusterSharing`` objects around real ``RouterCore``s in this event loop (no engines: the
+placements are the core's own ``route`` calls), so a test can read both cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from required import NATS_URL, require_nats
+
+from kvroute.config import ClusterConfig
+from kvroute.core.index import TenantScope
+from kvroute.core.peer_policies import make_policy
+from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
+from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
+from kvroute.shell.cluster import ClusterSharing
+from kvroute.shell.nats_bus import NatsBus
+from kvroute.shell.state import MonotonicClock
+
+pytestmark = pytest.mark.integration
+
+POOL = PoolName("p")
+PROMPT = list(range(100, 420))
+
+
+@pytest.fixture(autouse=True)
+def nats_up() -> None:
+    require_nats(NATS_URL)
+
+
+def make_core(seed: int) -> RouterCore:
+    rng = random.Random(seed)
+    return RouterCore([PoolSpec(POOL, tuple(ReplicaSpec(ReplicaId(f"r{i}")) for i in range(4)),
+                                block_size=16)],
+                      lambda: make_policy("kvroute", rng), clock=MonotonicClock())
+
+
+def request(rid: str, tokens: list[int]) -> RouteRequest:
+    return RouteRequest(RequestId(rid), POOL, TenantScope(TenantName("t")),
+                        num_prompt_tokens=len(tokens), prompt_token_ids=tokens,
+                        expected_output_tokens=16)
+
+
+def config(subject: str, router_id: str, url: str = NATS_URL) -> ClusterConfig:
+    return ClusterConfig(bus="nats", url=url, subject=subject, router_id=router_id,
+                         heartbeat_s=0.1, peer_expiry_s=0.5)
+
+
+async def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def run(coro: Any) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30.0))
+
+
+def test_a_placement_reaches_the_peer_and_its_end_releases_the_load() -> None:
+    async def main() -> None:
+        subject = f"kvroute.test.{secrets.token_hex(4)}"
+        a_core, b_core = make_core(1), make_core(2)
+        a = ClusterSharing(config(subject, "a"), a_core, clock=MonotonicClock())
+        b = ClusterSharing(config(subject, "b"), b_core, clock=MonotonicClock())
+        await a.start()
+        await b.start()
+        try:
+            await wait_for(lambda: "a" in b.view.peers() and "b" in a.view.peers(),
+                           "the routers to hear each other")
+            first = a_core.route(request("x", PROMPT + [1]))
+            await wait_for(lambda: b.view.in_flight("a") == 1, "the placement at b")
+            assert b_core.load.snapshot(first.replica).num_in_flight == 1
+            sibling = b_core.route(request("y", PROMPT + [2]))
+            assert sibling.replica == first.replica
+            assert sibling.expected_cached_tokens == len(PROMPT)
+            await wait_for(lambda: a.view.in_flight("b") == 1, "b's placement at a")
+            a_core.on_complete(first.replica, RequestId("x"), output_tokens=16)
+            await wait_for(lambda: b.view.in_flight("a") == 0, "the end at b")
+            assert b_core.load.snapshot(first.replica).num_in_flight == 1  # b's own
+            assert a.state()["gaps"] == 0 and b.state()["bad"] == 0
+        finally:
+            await a.stop()
+        # A router that stops says so: its load leaves b at once, not at expiry.
+        await wait_for(lambda: b.view.peers() == [], "a's goodbye")
+        assert b.view.stats.num_expired_peers == 1
+        await b.stop()
+
+    run(main())
+
+
+def test_a_router_that_goes_silent_is_expired_with_its_load() -> None:
+    async def main() -> None:
+        subject = f"kvroute.test.{secrets.token_hex(4)}"
+        a_core, b_core = make_core(1), make_core(2)
+        a = ClusterSharing(config(subject, "a"), a_core, clock=MonotonicClock())
+        b = ClusterSharing(config(subject, "b"), b_core, clock=MonotonicClock())
+        await a.start()
+        await b.start()
+        try:
+            await wait_for(lambda: "a" in b.view.peers(), "b to hear a")
+            placed = a_core.route(request("x", PROMPT))
+            await wait_for(lambda: b.view.in_flight("a") == 1, "the placement at b")
+            # Silence a without a goodbye, as a killed process would be.
+            for task in a._tasks:
+                task.cancel()
+            await a.bus.close()
+            await wait_for(lambda: "a" not in b.view.peers(), "a's expiry", timeout_s=3.0)
+            assert b_core.load.snapshot(placed.replica).num_in_flight == 0
+            assert b.view.stats.num_expired_requests == 1
+        finally:
+            await b.stop()
+
+    run(main())
+
+
+def test_no_nats_at_start_is_logged_and_routing_goes_on(caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    async def main() -> None:
+        import socket
+
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            url = f"nats://127.0.0.1:{probe.getsockname()[1]}"
+        core = make_core(1)
+        sharing = ClusterSharing(config("kvroute.test.none", "a", url), core,
+                                 clock=MonotonicClock())
+        await sharing.start(wait_s=0.5)
+        try:
+            assert core.route(request("x", PROMPT)).replica  # routing is not held up
+            await asyncio.sleep(0.05)
+            assert sharing.bus.num_dropped >= 1 and not sharing.bus.available
+        finally:
+            await sharing.stop()
+
+    with caplog.at_level(logging.ERROR, logger="kvroute.shell.nats_bus"):
+        run(main())
+    assert any("cluster bus (NATS" in r.getMessage() and "unavailable" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_garbage_on_the_subject_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        subject = f"kvroute.test.{secrets.token_hex(4)}"
+        core = make_core(1)
+        sharing = ClusterSharing(config(subject, "a"), core, clock=MonotonicClock())
+        await sharing.start()
+        other = NatsBus(NATS_URL, subject, lambda data: None, name="kvroute-test-garbage")
+        await other.start(wait_s=5.0)
+        try:
+            assert await other.publish(b"not msgpack at all")
+            await wait_for(lambda: sharing.num_bad == 1, "the bad message")
+        finally:
+            await other.close()
+            await sharing.stop()
+
+    with caplog.at_level(logging.ERROR, logger="kvroute.shell.cluster"):
+        run(main())
+    assert any("not a kvroute peer batch" in r.getMessage() for r in caplog.records)
