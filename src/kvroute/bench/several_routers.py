@@ -21,16 +21,16 @@ The workload (``Workload``; deterministic for a seed):
   first turn arrives at once), a *sibling burst*: ``siblings`` requests that share
   a fresh ``burst_words``-word prefix, each sent to a different router ``burst_gap_s`` apart,
   which land together when every sibling reports the same ``x-kvroute-replica``. The gap
-  (100 ms) is far above the bus's latency (well under 1 ms) but leaves room for a busy
-  machine's scheduling (a shared 2-core box at load 15–25 delays a router's handling of a
-  request by tens of ms); the prefix (3,000 tokens, 300 ms of prefill at the engines' 10k
-  tokens/s) is long enough that without the bus no router learns of the first sibling from
-  the engine's KV events before the last one arrives. Siblings that reach different routers
-  before the first one is placed anywhere cannot be co-located by announcements; that case is
-  not what this measures.
+  (200 ms) is far above the bus's latency (well under 1 ms) but leaves room for a busy
+  machine's scheduling (on a shared 2-core box at load average 20–27, 100 ms was not always
+  enough: a router's handling of a request, or of an announcement, was delayed longer); the
+  prefix (5,000 tokens, 500 ms of prefill at the engines' 10k tokens/s) is long enough that
+  without the bus no router learns of the first sibling from the engine's KV events before
+  the last one arrives. Siblings that reach different routers before the first one is placed
+  anywhere cannot be co-located by announcements; that case is not what this measures.
 
 What is measured: the engines' prefix-cache hit rate (``vllm:prefix_cache_hits_total`` over
-``..._queries_total``, read from every engine before and after: deterministic, not a timing),
+``..._queries_total``, read from every engine before and after: counted by the engines, not timed),
 TTFT, ITL and E2E (client side, streamed), how many bursts landed together, and the count of
 requests ok / failed / hung / cut.
 """
@@ -72,14 +72,14 @@ __all__ = [
 class Workload:
     """The bounded session workload (module docstring)."""
 
-    sessions: int = 10
+    sessions: int = 16
     turns: int = 10
     system_words: int = 600
     turn_words: int = 40
     burst_every: int = 3
     siblings: int = 3
-    burst_words: int = 3000
-    burst_gap_s: float = 0.1
+    burst_words: int = 5000
+    burst_gap_s: float = 0.2
     max_tokens: int = 8
     timeout_s: float = 30.0
     seed: int = 0

@@ -410,8 +410,10 @@ class LoadTracker:
         )
         record.last_chosen_s = now_s
 
-    def on_first_token(self, replica: ReplicaId, request_id: RequestId, *, now_s: float) -> None:
-        """The request produced its first token: its prefill is done; learn the rate."""
+    def on_first_token(self, replica: ReplicaId, request_id: RequestId, *, now_s: float,
+                       learn: bool = True) -> None:
+        """The request produced its first token: its prefill is done; learn the rate (unless
+        ``learn`` is False: another router's request, timed by when its news arrived)."""
         record = self._replicas.get(replica)
         flight = record.in_flight.get(request_id) if record else None
         if record is None or flight is None or flight.decoding:
@@ -437,7 +439,7 @@ class LoadTracker:
         ttft_s = now_s - flight.dispatched_s
         work_tokens = flight.queue_ahead_tokens + flight.prefill_tokens
         # Tiny prefills are dominated by fixed step costs and say little about the rate.
-        if ttft_s >= MIN_RATE_SAMPLE_S and work_tokens >= 256:
+        if learn and ttft_s >= MIN_RATE_SAMPLE_S and work_tokens >= 256:
             sample = work_tokens / ttft_s
             low = record.base_rate_tps / RATE_CLAMP_FACTOR
             high = record.base_rate_tps * RATE_CLAMP_FACTOR

@@ -17,7 +17,9 @@ the announcements over a bus.
   collide with a local request) and predicted entries in the tenant's scope; ``FirstToken``
   and ``Done`` move it on as they would a local request. Times are the local clock's at
   arrival: routers share no clock, and the bus adds well under a millisecond (docs/
-  benchmarks.md, "Several routers").
+  benchmarks.md, "Several routers"). A peer's request teaches nothing: neither the prefill
+  rate nor the inter-token factor is learned from announcement arrival times (two of them
+  often share one batch); each router learns those from its own requests.
 * Expiry: every batch a peer sends (a heartbeat when it has nothing else) refreshes it;
   ``PeerView.expire`` drops a peer silent for ``expiry_s``, completing everything it had in
   flight, so a dead router's load vanishes. Its predicted entries expire on their own TTL.
@@ -187,14 +189,17 @@ class PeerView:
                 if record.in_flight.get(rid) != item.replica:
                     self.stats.num_unknown += 1
                     continue
-                load.on_first_token(item.replica, rid, now_s=now)
+                load.on_first_token(item.replica, rid, now_s=now, learn=False)
             else:
                 assert type(item) is Done
                 if record.in_flight.get(rid) != item.replica:
                     self.stats.num_unknown += 1
                     continue
                 del record.in_flight[rid]
-                load.on_complete(item.replica, rid, now_s=now, output_tokens=item.output_tokens)
+                # No output count: it would teach the inter-token factor from the arrival times
+                # of two announcements (often in one batch), not from the engine's pace. The
+                # session rests here with its predicted answer.
+                load.on_complete(item.replica, rid, now_s=now)
             self.stats.num_applied += 1
 
     def expire(self) -> list[str]:
