@@ -6,7 +6,7 @@ and reports publish-to-receive latency (p50, p99, max) and the CPU per message o
 process (client side: encode-free, the client libraries only) and of the server, read from
 ``/proc/<pid>/stat`` when the server runs on this machine.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/micro/bench_bus.py --messages 3000
+    PYTHONPATH=src .venv/bin/python benchmarks/live/bench_bus.py --messages 3000
 
 Transports: NATS core publish/subscribe (what ``shell/cluster_bus.py`` uses), NATS JetStream
 (publish acknowledged by the stream, push consumer), Redis pub/sub, Redis streams
