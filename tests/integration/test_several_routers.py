@@ -174,4 +174,8 @@ def test_a_router_killed_mid_run_fails_no_request_that_had_not_reached_it(
             assert time.monotonic() < deadline, "a dead router's load never expired"
             time.sleep(0.1)
         state = cluster_state(survivor)
-        assert state["expired_peers"] == 1
+        assert state["expired_peers"] == 1 and state["peer_requests"] == 0
+        with urllib.request.urlopen(survivor.targets[0] + "/metrics", timeout=5.0) as resp:
+            metrics = resp.read().decode()
+        assert 'kvroute_cluster{stat="peers"} 1.0' in metrics
+        assert 'kvroute_cluster{stat="expired_peers"} 1.0' in metrics

@@ -102,11 +102,20 @@ class ClusterSharing:
 
     def state(self) -> dict[str, Any]:
         """What ``/admin/state`` shows of the cluster."""
-        stats = self.view.stats
         return {
+            **self.stats(),
             "router_id": self.router_id,
-            "connected": self.bus.available and self.bus.connected.is_set(),
             "peers": {peer: self.view.in_flight(peer) for peer in self.view.peers()},
+        }
+
+    def stats(self) -> dict[str, float]:
+        """The counters ``kvroute_cluster{stat=...}`` exports."""
+        stats = self.view.stats
+        peers = self.view.peers()
+        return {
+            "connected": int(self.bus.available and self.bus.connected.is_set()),
+            "peers": len(peers),
+            "peer_requests": sum(self.view.in_flight(peer) for peer in peers),
             "published": self.bus.num_published,
             "dropped": self.bus.num_dropped,
             "received": self.bus.num_received,

@@ -51,6 +51,7 @@ discovery_total                        counter    replica, outcome
 replica_healthy                        gauge      replica
 pool_window_tokens                     gauge      pool
 state_errors_total                     counter    backend, op
+cluster                                gauge      stat (several routers: ``shell/cluster.py``)
 warm_total                             counter    outcome, reason
 escalations_total                      counter    from_pool, to_pool, kind
 cut_short_total                        counter    pool
@@ -299,6 +300,15 @@ class RouterMetrics:
             "pool_window_tokens", "Smallest max_model_len among the pool's healthy replicas.",
             ["pool"], namespace=ns, registry=r,
         )
+        self._cluster = Gauge(
+            "cluster",
+            "Several routers (cluster.bus): connected (1/0), peers heard within the expiry, "
+            "peer_requests (their requests counted as load here), published, dropped (not "
+            "connected), received, applied, unknown (an end for a request never placed), "
+            "unknown_replica, expired_peers, expired_requests, gaps (batches lost), bad "
+            "(foreign bytes on the subject); counts since start.",
+            ["stat"], namespace=ns, registry=r,
+        )
         self._state_errors = self._deferred(Counter(
             "state_errors", "Shared-state operations that failed and degraded to no pin / "
             "no warm.", ["backend", "op"], namespace=ns, registry=r,
@@ -488,6 +498,11 @@ class RouterMetrics:
                             ("checks_dropped", checks_dropped),
                             ("checks_failed", checks_failed)):
             self._piece_cache.labels(pool, stat).set(value)
+
+    def set_cluster(self, stats: dict[str, float]) -> None:
+        """Export ``ClusterSharing.stats()`` (``shell/cluster.py``)."""
+        for stat, value in stats.items():
+            self._cluster.labels(stat).set(value)
 
     def discovery(self, replica: str, outcome: str) -> None:
         self._discovery.add((replica, outcome), 1)

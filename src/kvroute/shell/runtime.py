@@ -404,6 +404,8 @@ class RouterRuntime:
                          "snapshots": stats.snapshots,
                          "snapshot_failures": stats.snapshot_failures}
             self.metrics.set_kv_stream(self.kv_stream is not None, relay)
+        if self.cluster is not None:
+            self.metrics.set_cluster(self.cluster.stats())
         for pool, local in self._local_tokenizers():
             pieces = local.pieces
             self.metrics.set_token_piece_cache(
