@@ -31,7 +31,7 @@ from typing import Any
 import nats
 import pytest
 import yaml
-from required import skip_unless_required
+from required import NATS_URL, require_nats, skip_unless_required
 
 from kvroute.config import RouterConfig, parse_config
 from kvroute.core.errors import ConfigError
@@ -47,27 +47,14 @@ from kvroute.sim.server import SimServer, SimServerConfig
 
 pytestmark = pytest.mark.integration
 
-NATS_URL = "nats://127.0.0.1:4222"
 REPLICA = ReplicaId("s0")
 BUFFER = 10_000  # vLLM's buffer_steps default, kept as is: the test goes beyond it
 TOTAL = 12_000  # batches published while no router runs
 
 
-def _nats_missing() -> str | None:
-    try:
-        with socket.create_connection(("127.0.0.1", 4222), timeout=0.5):
-            return None
-    except OSError as exc:
-        return f"NATS is not reachable at {NATS_URL} ({exc}); start nats-server -js to run this"
-
-
-_NATS_MISSING = _nats_missing()
-
-
 @pytest.fixture
 def nats_reachable() -> None:
-    if _NATS_MISSING is not None:
-        skip_unless_required("the NATS suite", _NATS_MISSING, env="KVROUTE_REQUIRE_NATS")
+    require_nats(NATS_URL)
 
 
 def run(coro: Any, timeout_s: float = 120.0) -> None:
