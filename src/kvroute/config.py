@@ -38,7 +38,7 @@ import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 from kvroute.core.cache_drift import CacheDriftSettings
 from kvroute.core.errors import ConfigError
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
-from kvroute.core.peer_policies import POLICY_NAMES
+from kvroute.core.peer_policies import POLICY_NAMES, policy_parameters
 from kvroute.core.scenarios import (
     NO_SCENARIOS,
     AbArm,
@@ -223,6 +223,10 @@ class PoolConfig:
             ({name: path the engines can read}), through vLLM's ``/v1/load_lora_adapter``
             (the engines need ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), when a request
             names one no replica lists (``docs/lora.md``).
+        policy_params: this pool's own values of the policy's parameters, over
+            ``policy.params`` (e.g. ``{decode_weight: 1.5, harm_weight: 1}`` for a pool that
+            serves coding agents, whose turns are long decodes over long contexts); checked
+            against the policy's parameters when the config loads.
     """
 
     name: PoolName
@@ -237,6 +241,8 @@ class PoolConfig:
     report_hits: bool = False
     lora_adapters: Mapping[str, str] = field(default_factory=dict)
     kubernetes: KubernetesSource | None = None
+    policy_params: Mapping[str, float | int | bool] = field(
+        default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -796,7 +802,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
         return _external(_name("pools", name), d["external"])
     _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
                          "external", "decode_timing", "report_hits", "lora_adapters",
-                         "kubernetes"))
+                         "kubernetes", "policy_params"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
     kubernetes = None if d.get("kubernetes") is None else _kubernetes(f"{key}.kubernetes",
@@ -828,6 +834,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
         report_hits=_bool(f"{key}.report_hits", d.get("report_hits", False)),
         lora_adapters=_lora_adapters(f"{key}.lora_adapters", d.get("lora_adapters"), model),
         kubernetes=kubernetes,
+        policy_params=_policy_params(f"{key}.policy_params", d.get("policy_params")),
     )
 
 
@@ -1036,6 +1043,29 @@ def _known_pool(key: str, pool: Any, pools: Mapping[PoolName, PoolConfig]) -> No
                     f"Known pools: {', '.join(pools)}.{hint}")
 
 
+def _policy_params(key: str, data: Any) -> Mapping[str, float | int | bool]:
+    """A mapping of policy parameter names to numbers (or true/false), at ``key``."""
+    params = _mapping(key, data, "{work_weight: 0.5}")
+    for pkey, pval in params.items():
+        if not isinstance(pval, int | float):  # bool is an int
+            raise _fail(f"{key}.{pkey}", pval, "must be a number or true/false",
+                        "Policy parameters are numbers.")
+    return MappingProxyType(dict(params))
+
+
+def _check_pool_policy(policy: PolicyConfig, pools: Mapping[PoolName, PoolConfig]) -> None:
+    """Every pool's ``policy_params`` names parameters the configured policy takes."""
+    known = policy_parameters(policy.name)
+    for pool in pools.values():
+        for pkey, pval in pool.policy_params.items():
+            if pkey not in known:
+                close = difflib.get_close_matches(pkey, list(known), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise _fail(f"pools.{pool.name}.policy_params.{pkey}", pval,
+                            f"is not a parameter of policy {policy.name!r}",
+                            f"It takes {', '.join(known) if known else 'no parameters'}.{hint}")
+
+
 def _policy(data: Any) -> PolicyConfig:
     d = _mapping("policy", data, "{name: kvroute}")
     _check_keys("policy", d, ("name", "params", "seed"))
@@ -1044,14 +1074,11 @@ def _policy(data: Any) -> PolicyConfig:
         close = difflib.get_close_matches(str(name), POLICY_NAMES, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise _fail("policy.name", name, "is not a known policy", f"Choose one of: {', '.join(POLICY_NAMES)}.{hint}")
-    params = _mapping("policy.params", d.get("params"), "{work_weight: 0.5}")
-    for pkey, pval in params.items():
-        if not isinstance(pval, int | float):  # bool is an int
-            raise _fail(f"policy.params.{pkey}", pval, "must be a number or true/false", "Policy parameters are numbers.")
+    params = _policy_params("policy.params", d.get("params"))
     seed = d.get("seed")
     if seed is not None:
         seed = _int("policy.seed", seed)
-    return PolicyConfig(name=name, params=MappingProxyType(dict(params)), seed=seed)
+    return PolicyConfig(name=name, params=params, seed=seed)
 
 
 def _state(data: Any) -> StateConfig:
@@ -1368,11 +1395,13 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         raise _fail("log_format", log_format, "must be json or kv", "Write log_format: json (one JSON object per line) or kv (key=value).")
     admin_env = data.get("admin_key_env")
     admin_key_env = None if admin_env is None else _env_name("admin_key_env", admin_env)
+    policy = _policy(data.get("policy"))
+    _check_pool_policy(policy, pools)
     return RouterConfig(
         pools=MappingProxyType(pools),
         routes=MappingProxyType(routes),
         listen=_listen(data.get("listen")),
-        policy=_policy(data.get("policy")),
+        policy=policy,
         state=_state(data.get("state")),
         cluster=_cluster(data.get("cluster")),
         tenants=_tenants(data.get("tenants")),

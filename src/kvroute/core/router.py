@@ -210,7 +210,11 @@ class RouterCore:
         track_recency: bool = False,
         session_chain_tokens: int = DEFAULT_CHAIN_TOKENS,
         dynamic_pools: frozenset[PoolName] = frozenset(),
+        pool_policy_factory: Callable[[PoolName], Policy] | None = None,
     ) -> None:
+        """``policy_factory`` builds each pool's policy; ``pool_policy_factory``, when given,
+        does instead, told the pool (a pool may set its own policy parameters,
+        ``config.PoolConfig.policy_params``)."""
         if not pools:
             raise ConfigError("the router needs at least one pool; add one under 'pools:'")
         self._clock = clock
@@ -255,11 +259,16 @@ class RouterCore:
                 spec=spec,
                 hasher=BlockHashMemo(BlockHasher(spec.hash_algo, spec.block_size,
                                                  spec.hash_seed)),
-                policy=policy_factory(),
+                policy=(policy_factory() if pool_policy_factory is None
+                        else pool_policy_factory(spec.name)),
                 healthy={rep.name for rep in spec.replicas},
             )
 
     # -- configuration learned at run time --------------------------------------------------
+
+    def policy_of(self, name: PoolName) -> Policy:
+        """The policy that ranks pool ``name``'s replicas."""
+        return self._pool(name).policy
 
     def pool(self, name: PoolName) -> PoolSpec:
         return self._pool(name).spec

@@ -88,6 +88,12 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
     def policy_factory() -> Policy:
         return make_policy(config.policy.name, random.Random(rng.getrandbits(64)), **params)
 
+    def pool_policy_factory(pool: PoolName) -> Policy:
+        # A pool's own policy_params over the global ones (config.PoolConfig).
+        own = config.pools[pool].policy_params if pool in config.pools else {}
+        return make_policy(config.policy.name, random.Random(rng.getrandbits(64)),
+                           **{**params, **own})
+
     pools = []
     for pool in config.pools.values():
         fixed = pool.block_size is not None and pool.hash_algo is not None
@@ -100,7 +106,7 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
             approximate=pool.tokenizer.mode == "none" or not fixed,
             decode_timing=pool.decode_timing,
         ))
-    core = RouterCore(pools, policy_factory, clock=clock,
+    core = RouterCore(pools, policy_factory, clock=clock, pool_policy_factory=pool_policy_factory,
                       predicted_ttl_s=config.predicted_ttl_s,
                       approx_predicted_ttl_s=config.approx_predicted_ttl_s,
                       track_recency=any(pool.report_hits for pool in config.pools.values()),
