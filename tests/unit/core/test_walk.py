@@ -15,6 +15,7 @@ from kvroute.core.session import SessionRecord, SessionUsage, session_key
 from kvroute.core.tiers import OverflowNumbers, OverflowPart, TierPool
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.walk import (
+    MIN_OUTPUT_PAIRS,
     CutShortNote,
     Decided,
     Escalated,
@@ -438,6 +439,29 @@ def test_a_sessions_last_answer_predicts_its_next_one_within_the_budget() -> Non
     assert lengths.predict("chat", 40, None) == 40  # the session's own last answer
     assert lengths.predict("chat", 900, 128) == 128  # never above the budget
     assert lengths.predict("other", None, 0) == 1
+
+
+def test_a_last_answer_counts_as_much_as_it_predicted_the_next_ones() -> None:
+    """The route's sessions answer 100 and 500 in turn, whatever they said last: a short
+    last answer then predicts the route's mean, not itself. Where each answer repeats the
+    last one, the last answer is the prediction."""
+    lengths = OutputLengths(alpha=0.5, pair_alpha=0.1)
+    for i in range(MIN_OUTPUT_PAIRS):
+        previous, answer = (100, 500) if i % 2 else (500, 100)
+        lengths.observe("agent", answer, previous)
+    assert lengths.slope("agent") == 0.0
+    mean = round(lengths.predict("agent", None, None))
+    assert 100 < mean < 500
+    assert lengths.predict("agent", 100, None) == mean
+    for i in range(MIN_OUTPUT_PAIRS):
+        answer = (100, 500)[i % 2]
+        lengths.observe("echo", answer, answer)
+    assert lengths.slope("echo") == pytest.approx(1.0)
+    assert lengths.predict("echo", 100, None) == 100
+    fresh = OutputLengths(alpha=0.5)
+    for _ in range(MIN_OUTPUT_PAIRS - 1):  # too few pairs: the last answer as it is
+        fresh.observe("agent", 500, 100)
+    assert fresh.predict("agent", 100, None) == 100
 
 
 def test_a_thinking_budget_is_a_floor_of_the_predicted_output() -> None:
