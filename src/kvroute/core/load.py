@@ -65,6 +65,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -88,6 +89,15 @@ MIN_ITL_SAMPLE_TOKENS = 8
 SESSION_RETURN_S = 300.0
 """A session whose last request ended less than this long ago is likely to send its next
 one: its cached context counts as ``resting_session_tokens`` (module docstring)."""
+SESSION_REST_PRIOR_S = 60.0
+"""The mean time a session rests between its requests before any session was seen to return
+(``LoadTracker.session_rest_s``); the learned mean replaces it after a few returns."""
+ANSWER_SAMPLE = 2048
+"""Answer lengths kept (the most recent) to estimate how much longer an answer that has
+outrun its prediction will go on (``AnswerLengths``)."""
+MIN_LONGER_ANSWERS = 4
+"""Answers longer than a request's output so far needed to estimate its remaining output
+from them; with fewer, an answer past its prediction is taken to end now."""
 MAX_RESTING_SESSIONS = 4096
 """Resting sessions remembered per replica (the oldest is forgotten first): a bound on
 memory, far above the sessions one engine's KV holds."""
@@ -141,7 +151,11 @@ class ReplicaLoad(NamedTuple):
         last_chosen_s: clock time this replica was last chosen (for least-recently-chosen ties).
         decoding_context_tokens: context the decoding requests read each step (their prompts
             plus half their predicted outputs).
-        decode_tokens_left: output tokens the decoding requests are predicted still to make.
+        decode_tokens_left: output tokens the decoding requests are predicted still to make
+            (each one's prediction less what it made; 0 for one past its prediction).
+        overdue_tokens_left: what the decoding requests that outran their predictions will
+            likely still make: the mean residual of recent answers that long
+            (``AnswerLengths``).
         waiting_context_tokens / waiting_output_tokens: the same for the requests still
             waiting for their first token (they will decode beside a request sent now).
         rate_age_s: seconds since ``prefill_rate_tps`` last learned from a sample (infinite
@@ -152,6 +166,12 @@ class ReplicaLoad(NamedTuple):
             reported usage and the router's own count of their contexts).
         resting_session_tokens: cached context of the sessions that ended a request there
             less than ``SESSION_RETURN_S`` ago and have not sent their next one.
+        resting_sessions / resting_other_tokens: how many sessions rest there, and their
+            cached context, leaving out the session of the request being routed (its own
+            return is not a stranger joining its batch; ``snapshot(..., session=)``).
+        session_rest_s: the fleet's learned mean time from a session's request ending to its
+            next one being sent (``SESSION_REST_PRIOR_S`` until sessions were seen to return):
+            how soon a resting session is likely to be back in a batch.
     """
 
     outstanding_prefill_tokens: int = 0
@@ -172,6 +192,61 @@ class ReplicaLoad(NamedTuple):
     kv_capacity_tokens: int = 0
     kv_used_tokens: int = 0
     resting_session_tokens: int = 0
+    resting_sessions: int = 0
+    resting_other_tokens: int = 0
+    session_rest_s: float = SESSION_REST_PRIOR_S
+    overdue_tokens_left: float = 0.0
+
+
+class AnswerLengths:
+    """The lengths of recent answers, and what they say of an answer still running.
+
+    ``remaining(k)``: the mean of ``L − k`` over the answers ``L`` longer than ``k``, the
+    mean residual output of an answer that has made ``k`` tokens. It matters for answers
+    that have outrun their prediction: counting them as about to end (0 left) is wrong when
+    answer lengths are heavy-tailed. On the Claude Code agentic trace an answer that reached
+    369 tokens (the mean) makes 633 more on average, one that reached 1,000 makes 1,257 more;
+    on the Mooncake conversation trace 171 and 477. The load tracker counts an in-flight
+    answer's left tokens as its prediction less what it made, or, once past its prediction,
+    this (``overdue_tokens_left``).
+    """
+
+    __slots__ = ("_dirty", "_lengths", "_next", "_sorted", "_suffix")
+
+    def __init__(self) -> None:
+        self._lengths: list[int] = []
+        self._next = 0
+        self._sorted: list[int] = []
+        self._suffix: list[int] = [0]
+        self._dirty = False
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def add(self, tokens: int) -> None:
+        """An answer ended with ``tokens`` output tokens."""
+        if len(self._lengths) < ANSWER_SAMPLE:
+            self._lengths.append(tokens)
+        else:
+            self._lengths[self._next] = tokens
+            self._next = (self._next + 1) % ANSWER_SAMPLE
+        self._dirty = True
+
+    def remaining(self, made: float) -> float:
+        """Mean output still to come of an answer that has made ``made`` tokens (0 when
+        fewer than ``MIN_LONGER_ANSWERS`` known answers were longer)."""
+        if self._dirty:
+            self._sorted = sorted(self._lengths)
+            suffix = [0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                suffix[i] = suffix[i + 1] + self._sorted[i]
+            self._suffix = suffix
+            self._dirty = False
+        first = bisect.bisect_right(self._sorted, made)
+        longer = len(self._sorted) - first
+        if longer < MIN_LONGER_ANSWERS:
+            return 0.0
+        return self._suffix[first] / longer - made
 
 
 @dataclass(slots=True)
@@ -209,7 +284,6 @@ class _ReplicaRecord:
     rate_sampled_s: float = float("-inf")
     decoding_context_tokens: int = 0
     decode_output_sum: int = 0
-    decode_first_token_sum: float = 0.0
     itl_scale: float = 1.0
     prefill_dispatched_total: int = 0
     waiting_context_tokens: int = 0
@@ -251,13 +325,26 @@ class _ReplicaRecord:
         """The replica's decode step now, as modelled and learned."""
         return self.timing.step_s(self.num_decoding, self.decoding_context_tokens) * self.itl_scale
 
-    def decode_left(self, now_s: float) -> float:
-        """Output tokens its decoding requests are predicted still to make at ``now_s``."""
+    def decode_left_each(self, now_s: float,
+                         answers: AnswerLengths) -> tuple[float, float]:
+        """``(predicted, overdue)`` at ``now_s``: the output its decoding requests are
+        predicted still to make, each one's prediction less what it made (one past its
+        prediction counts 0, and takes nothing off the others'); and what those past their
+        predictions will likely still make, the mean residual of answers that long."""
         if not self.num_decoding:
-            return 0.0
+            return 0.0, 0.0
         step = self.step_s()
-        made = (self.num_decoding * now_s - self.decode_first_token_sum) / step if step > 0 else 0.0
-        return max(0.0, self.decode_output_sum - made)
+        if step <= 0:
+            return float(self.decode_output_sum), 0.0
+        predicted = overdue = 0.0
+        for flight in self.in_flight.values():
+            if flight.decoding:
+                made = (now_s - flight.first_token_s) / step
+                if made < flight.predicted_output_tokens:
+                    predicted += flight.predicted_output_tokens - made
+                elif answers:
+                    overdue += answers.remaining(made)
+        return predicted, overdue
 
     def drained_backlog(self, now_s: float) -> float:
         """The backlog left at ``now_s`` if the replica kept prefilling at its learned rate."""
@@ -280,6 +367,10 @@ class LoadTracker:
         self._replicas: dict[ReplicaId, _ReplicaRecord] = {}
         self._resting_on: dict[str, ReplicaId] = {}
         """Where each resting session rests (a session rests on one replica at most)."""
+        self._rest_mean_s = SESSION_REST_PRIOR_S
+        """Learned mean rest of a session between its requests (``session_rest_s``)."""
+        self.answers = AnswerLengths()
+        """Recent answer lengths: the output an answer past its prediction has left."""
         self.num_unknown_completions = 0
 
     # -- membership -------------------------------------------------------------------------
@@ -326,7 +417,6 @@ class LoadTracker:
         record.active_kv_tokens = 0
         record.decoding_context_tokens = 0
         record.decode_output_sum = 0
-        record.decode_first_token_sum = 0.0
         record.waiting_context_tokens = 0
         record.waiting_output_tokens = 0
         for session in record.resting:  # a restarted engine's cache is empty
@@ -379,6 +469,10 @@ class LoadTracker:
             home = self._resting_on.pop(session, None)
             home_record = self._replicas.get(home) if home is not None else None
             if home_record is not None:
+                entry = home_record.resting.get(session)
+                if entry is not None:  # it came back: one sample of how long sessions rest
+                    self._rest_mean_s += self._alpha * (max(0.0, now_s - entry[1])
+                                                        - self._rest_mean_s)
                 home_record.drop_resting(session)
         prefill_tokens = max(0, prefill_tokens)
         kv_tokens = max(0, prompt_tokens) + max(0, expected_output_tokens)
@@ -427,7 +521,6 @@ class LoadTracker:
                                            - flight.predicted_output_tokens)
         record.decoding_context_tokens += context
         record.decode_output_sum += flight.predicted_output_tokens
-        record.decode_first_token_sum += now_s
         backlog = record.drained_backlog(now_s)
         record.outstanding_prefill_tokens = max(
             0, record.outstanding_prefill_tokens - flight.prefill_tokens
@@ -459,6 +552,8 @@ class LoadTracker:
         if record is None or flight is None:
             self.num_unknown_completions += 1
             return
+        if flight.decoding and output_tokens is not None and output_tokens > 0:
+            self.answers.add(output_tokens)
         if flight.session is not None and now_s is not None:
             # Its prompt and answer stay cached here, free, until the LRU needs the room.
             answer = flight.predicted_output_tokens if output_tokens is None else output_tokens
@@ -477,9 +572,6 @@ class LoadTracker:
                 flight.context_tokens + flight.predicted_output_tokens // 2))
             record.decode_output_sum = max(0, record.decode_output_sum
                                            - flight.predicted_output_tokens)
-            record.decode_first_token_sum -= flight.first_token_s
-            if not record.num_decoding:
-                record.decode_first_token_sum = 0.0  # no float residue once empty
             if (now_s is not None and output_tokens is not None
                     and output_tokens >= MIN_ITL_SAMPLE_TOKENS and flight.predicted_step_s > 0):
                 # The prefill sent there while this answer decoded ran in the same steps: its
@@ -525,18 +617,26 @@ class LoadTracker:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def snapshot(self, replica: ReplicaId, now_s: float | None = None) -> ReplicaLoad:
+    @property
+    def session_rest_s(self) -> float:
+        """The learned mean time a session rests between its requests (module docstring)."""
+        return self._rest_mean_s
+
+    def snapshot(self, replica: ReplicaId, now_s: float | None = None,
+                 session: str | None = None) -> ReplicaLoad:
         """The load a policy should score for ``replica``.
 
         With ``now_s``, outstanding prefill is the backlog drained at the learned rate since
         the last progress report (see the module docstring); without it, the raw count.
+        ``session`` (the routed request's session key, as ``on_dispatch`` takes it) is left
+        out of ``resting_sessions`` and ``resting_other_tokens``.
         """
         record = self._replicas.get(replica)
         if record is None:
             record = self._record(replica)  # raises the KeyError that names the replica
         rate = record.effective_rate(now_s)
-        left = record.decode_left(now_s) if now_s is not None else float(
-            record.decode_output_sum)
+        left, overdue = (record.decode_left_each(now_s, self.answers) if now_s is not None
+                         else (float(record.decode_output_sum), 0.0))
         outstanding = record.outstanding_prefill_tokens
         if now_s is not None and outstanding:  # nothing outstanding drains to 0 anyway
             outstanding = int(record.drained_backlog(now_s))
@@ -548,13 +648,20 @@ class LoadTracker:
         used = record.decoding_context_tokens + record.waiting_context_tokens
         if capacity and record.kv_usage is not None:
             used = max(used, int(record.kv_usage * capacity))
+        resting_tokens = self._forget_resting(record, now_s)
+        resting = record.resting
+        others, other_tokens = len(resting), resting_tokens
+        if session is not None and (own := resting.get(session)) is not None:
+            others -= 1
+            other_tokens -= own[0]
         return ReplicaLoad(  # positional (field order): the fastest way to build one
             outstanding, len(record.in_flight), record.num_decoding, rate,
             record.engine_running, record.engine_waiting, record.kv_usage,
             record.active_kv_tokens, record.last_chosen_s, record.decoding_context_tokens,
             left, record.itl_scale, record.waiting_context_tokens, record.waiting_output_tokens,
             float("inf") if now_s is None else now_s - record.rate_sampled_s,
-            capacity, used, self._forget_resting(record, now_s),
+            capacity, used, resting_tokens, others, other_tokens, self._rest_mean_s,
+            overdue,
         )
 
     def _forget_resting(self, record: _ReplicaRecord, now_s: float | None) -> int:

@@ -21,13 +21,18 @@ would cost the streams already decoding there, plus a small charge for the prefi
     decode_r    = m · step(in_flight_r + 1, context_r + n + m/2)          its own decode
     harm_r      = left_r · [step(in_flight_r + 1, …) − step(in_flight_r, context_r)]
                   + decoding_r · prefill_r / rate_r                   the others' lost time
+    left_r      = predicted_left_r + residual_weight · overdue_left_r
+    share_r     = (1 − exp(−m · step_with_r / rest)) / 2
+    return_r    = decode_weight · m · share_r · (seq·N_r + context_token·(K_r + N_r·m/2))
+                  + harm_weight · share_r · N_r · m · [step with it − step without it]
     free_r      = kv_capacity_r − kv_used_r                    KV no request in flight holds
     resting_r   = min(resting_session_tokens_r, free_r)      live sessions' cached context
     evicted_r   = min(max(0, prefill_r + m − (free_r − resting_r)), resting_r − cached_r)
     pressure_r  = evicted_r / rate_r                the returning sessions' lost prefill
     cost_r      = ttft_r + work_weight · prefill_r / rate_r + inflight_cost_s · in_flight_r
                   + waiting_cost_s · waiting_r + decode_weight · decode_r + harm_weight · harm_r
-                  + pressure_weight · pressure_r
+                  + return_weight · return_r + pressure_weight · pressure_r
+                  + kv_wait_weight · kv_wait_r                         (0 by default)
 
 ``m`` is the output the request will likely produce (``PolicyInput.predicted_output_tokens``:
 the session's last answer, else the route's mean, at most ``max_tokens``); ``context_r`` and
@@ -43,6 +48,26 @@ decode_slowdown 0, work_weight 0.5, no decoding anywhere, so the turn terms are 
     A        992     9,000   8        0.9008   0.9012      holds the prefix, but deep queue
     B        0       0       1,000    0.1000   0.1500      cold and idle  ← chosen
     C        496     2,000   504      0.2504   0.2756      half cached, some queue
+
+Lifetime load: the batch a request decodes in is the batch over its decode, not at its
+arrival. Two corrections follow. (1) Requests there that outran their predicted answers
+(``overdue_left_r``) count the mean residual of recent answers as long as they are so far
+(``core/load.AnswerLengths``), not zero: with heavy-tailed answers they are the ones most
+likely to go on (on the agentic trace an answer past 1,000 tokens makes 1,257 more on
+average). (2) ``N_r`` sessions rest on r (other than the request's own), ``K_r`` tokens of
+cached context: sessions stick to the replica that caches them, so each comes back into r's
+batch during the request's decode window with probability ``1 − exp(−window / rest)``
+(``rest``: the fleet's learned mean time from a session's answer to its next request), and
+then shares on average half the window; ``return_r`` prices that share like the requests in
+flight (their steps slow its tokens, its context slows theirs).
+
+``kv_wait_r`` (an option, ``kv_wait_weight`` 0 by default): vLLM admits a waiting request
+only when blocks for its whole uncached prompt are free; when the KV its requests in flight
+hold leaves too little, the request waits until decoding requests end and free theirs
+(``kv_wait_s``). ``lifetime_stall`` (off by default) counts, in the prefill-stall part of
+the harm, the requests queued ahead (they decode by the time the prefill runs) and only the
+decoders that outlast the queue's wait. Both were measured and left off
+(docs/benchmarks.md, "The whole turn").
 
 The pressure term prices KV a placement takes from sessions likely to return. A session
 whose request ended on r less than ``SESSION_RETURN_S`` ago and has not sent its next one
@@ -130,6 +155,7 @@ The peers' policies live in ``core/peer_policies.py`` and implement the same ``P
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -338,20 +364,27 @@ class KvrouteCostPolicy:
         cpu_load_s_per_token: float = CPU_LOAD_S_PER_TOKEN,
         storage_load_s_per_token: float = STORAGE_LOAD_S_PER_TOKEN,
         pressure_weight: float = 1.0,
+        return_weight: float = 1.0,
+        lifetime_stall: bool = False,
+        kv_wait_weight: float = 0.0,
+        residual_weight: float = 1.0,
     ) -> None:
         if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
             raise ValueError(
                 f"kvroute tier load times must be >= 0 s per token (cpu_load_s_per_token="
                 f"{cpu_load_s_per_token}, storage_load_s_per_token={storage_load_s_per_token})")
         if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s,
-               waiting_cost_s, decode_weight, harm_weight, stale_rate_s, pressure_weight) < 0:
+               waiting_cost_s, decode_weight, harm_weight, stale_rate_s, pressure_weight,
+               return_weight, kv_wait_weight, residual_weight) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
                 f"predicted_credit={predicted_credit}, step_tokens={step_tokens}, "
                 f"inflight_cost_s={inflight_cost_s}, waiting_cost_s={waiting_cost_s}, "
                 f"decode_weight={decode_weight}, harm_weight={harm_weight}, "
-                f"stale_rate_s={stale_rate_s}, pressure_weight={pressure_weight})"
+                f"stale_rate_s={stale_rate_s}, pressure_weight={pressure_weight}, "
+                f"return_weight={return_weight}, kv_wait_weight={kv_wait_weight}, "
+                f"residual_weight={residual_weight})"
             )
         self._rng = rng
         self.work_weight = work_weight
@@ -366,6 +399,10 @@ class KvrouteCostPolicy:
         self.cpu_load_s_per_token = cpu_load_s_per_token
         self.storage_load_s_per_token = storage_load_s_per_token
         self.pressure_weight = pressure_weight
+        self.return_weight = return_weight
+        self.lifetime_stall = lifetime_stall
+        self.kv_wait_weight = kv_wait_weight
+        self.residual_weight = residual_weight
 
     def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
                      scale: float = 1.0) -> tuple[float, float]:
@@ -376,15 +413,84 @@ class KvrouteCostPolicy:
         m = (request.expected_output_tokens if request.predicted_output_tokens is None
              else request.predicted_output_tokens)
         n = request.num_prompt_tokens
-        decoding = load.num_decoding
         batch = load.num_in_flight  # those ahead decode beside it once it decodes
         context = load.decoding_context_tokens + load.waiting_context_tokens
         step_now = timing.step_s(batch, context) * scale
         step_with = timing.step_s(batch + 1, context + n + m // 2) * scale
         rate = max(load.prefill_rate_tps, 1e-9)
-        others_left = load.decode_tokens_left + load.waiting_output_tokens
-        harm = others_left * (step_with - step_now) + decoding * prefill_tokens / rate
+        others_left = (load.decode_tokens_left + self.residual_weight * load.overdue_tokens_left
+                       + load.waiting_output_tokens)
+        harm = (others_left * (step_with - step_now)
+                + self.stalled_streams(load, rate, step_now) * prefill_tokens / rate)
         return m * step_with, harm
+
+    def kv_wait_s(self, load: ReplicaLoad, prefill_tokens: float, scale: float = 1.0,
+                  timing: DecodeTiming = DEFAULT_DECODE_TIMING) -> float:
+        """How long the request would wait on this replica for KV to start its prefill
+        (module docstring): the engine admits a waiting request only when blocks for its
+        whole uncached prompt are free, so when the KV held by the requests in flight (those
+        ahead take theirs first) leaves too little, it waits until decoding requests end
+        and free theirs. Their ends are taken as spread exponentially around their mean
+        remaining decode time. 0 when the capacity is unknown or the KV suffices."""
+        capacity = load.kv_capacity_tokens
+        if not capacity:
+            return 0.0
+        short = prefill_tokens + load.kv_used_tokens - capacity
+        decoding = load.num_decoding
+        if short <= 0 or decoding <= 0 or load.decoding_context_tokens <= 0:
+            return 0.0
+        step = timing.step_s(load.num_in_flight, load.decoding_context_tokens
+                             + load.waiting_context_tokens) * scale
+        left_s = (load.decode_tokens_left + self.residual_weight
+                  * load.overdue_tokens_left) / decoding * step
+        if left_s <= 0:
+            return 0.0
+        return -left_s * math.log1p(-min(short / load.decoding_context_tokens, 0.99))
+
+    def stalled_streams(self, load: ReplicaLoad, rate: float, step_now: float) -> float:
+        """The streams decoding on the replica when the request's prefill runs there, which
+        it stalls for its duration (module docstring): with ``lifetime_stall``, the requests
+        queued ahead of it (they decode by then) plus those decoding now that are still
+        decoding after the queue's wait; without, those decoding now."""
+        decoding = load.num_decoding
+        if not self.lifetime_stall:
+            return float(decoding)
+        waiting = max(0, load.num_in_flight - decoding)
+        if decoding <= 0:
+            return float(waiting)
+        wait_s = ((load.outstanding_prefill_tokens + self.step_tokens * waiting) / rate
+                  * (1.0 + self.decode_slowdown * decoding))
+        left_s = (load.decode_tokens_left + self.residual_weight
+                  * load.overdue_tokens_left) / decoding * step_now
+        if wait_s <= 0.0:
+            return float(waiting + decoding)
+        survive = math.exp(-wait_s / left_s) if left_s > 0 else 0.0
+        return waiting + decoding * survive
+
+    def returning_terms_s(self, request: PolicyInput, cand: Candidate,
+                          scale: float = 1.0) -> tuple[float, float]:
+        """``(decode_s, harm_s)`` added by the sessions resting on this replica that are
+        likely to come back while the request decodes there (module docstring, "lifetime
+        load"): their expected share of its batch slows its tokens, and its context slows
+        theirs. 0 when no other session rests there."""
+        load = cand.load
+        others = load.resting_sessions
+        if others <= 0:
+            return 0.0, 0.0
+        timing = request.decode_timing
+        m = (request.expected_output_tokens if request.predicted_output_tokens is None
+             else request.predicted_output_tokens)
+        n = request.num_prompt_tokens
+        batch = load.num_in_flight
+        context = load.decoding_context_tokens + load.waiting_context_tokens
+        step_with = timing.step_s(batch + 1, context + n + m // 2) * scale
+        window_s = m * step_with
+        share = 0.5 * -math.expm1(-window_s / max(load.session_rest_s, 1e-9))
+        sessions = share * others
+        joined = timing.seq_s * sessions + timing.context_token_s * share * (
+            load.resting_other_tokens + others * (m // 2))
+        delta = timing.seq_s + timing.context_token_s * (n + m // 2)
+        return m * joined * scale, sessions * m * delta * scale
 
     def evicted_resting_tokens(self, request: PolicyInput, cand: Candidate,
                                prefill_tokens: float) -> float:
@@ -440,6 +546,10 @@ class KvrouteCostPolicy:
         decode_weight, harm_weight = self.decode_weight, self.harm_weight
         cpu_load, storage_load = self.cpu_load_s_per_token, self.storage_load_s_per_token
         pressure_weight = self.pressure_weight
+        return_weight = self.return_weight
+        lifetime_stall = self.lifetime_stall
+        kv_wait_weight = self.kv_wait_weight
+        residual_weight = self.residual_weight
         turn = decode_weight > 0 or harm_weight > 0
         timing = request.decode_timing
         t_fixed, t_seq, t_ctx = timing.fixed_s, timing.seq_s, timing.context_token_s
@@ -485,11 +595,19 @@ class KvrouteCostPolicy:
                 step_now = (t_fixed + t_seq * in_flight + t_ctx * context) * scale
                 step_with = (t_fixed + t_seq * (in_flight + 1)
                              + t_ctx * (context + added_context)) * scale
-                harm = ((load.decode_tokens_left + load.waiting_output_tokens)
-                        * (step_with - step_now) + load.num_decoding * prefill / rate)
+                stalled = (self.stalled_streams(load, rate, step_now) if lifetime_stall
+                           else float(load.num_decoding))
+                harm = ((load.decode_tokens_left + residual_weight * load.overdue_tokens_left
+                         + load.waiting_output_tokens)
+                        * (step_with - step_now) + stalled * prefill / rate)
                 cost += decode_weight * (m * step_with)
                 cost += harm_weight * harm
+                if return_weight > 0 and load.resting_sessions > 0:
+                    ret_decode, ret_harm = self.returning_terms_s(request, cand, scale)
+                    cost += return_weight * (decode_weight * ret_decode + harm_weight * ret_harm)
             capacity = load.kv_capacity_tokens
+            if capacity and kv_wait_weight > 0:
+                cost += kv_wait_weight * self.kv_wait_s(load, prefill, scale, timing)
             if capacity and pressure_weight > 0:  # evicted_resting_tokens written out inline
                 free = max(0, capacity - load.kv_used_tokens)
                 resting = min(load.resting_session_tokens, free)

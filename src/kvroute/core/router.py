@@ -558,8 +558,9 @@ class RouterCore:
         now = self._clock.now()
         snapshot, healthy, exclude = self.load.snapshot, entry.healthy, request.exclude
         no_caching = self._no_prefix_caching
+        session = self._session_key(request)
         candidates = [
-            Candidate(rep.name, snapshot(rep.name, now),
+            Candidate(rep.name, snapshot(rep.name, now, session),
                       NO_MATCH if no_caching and rep.name in no_caching
                       else matches.get(rep.name, NO_MATCH))
             for rep in entry.spec.replicas
@@ -679,9 +680,7 @@ class RouterCore:
         """
         request = decision.request
         prefill_tokens = max(1, request.num_prompt_tokens - decision.expected_cached_tokens)
-        # Two tenants' sessions of one id are two sessions.
-        session = None if request.session_id is None else (
-            f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}")
+        session = self._session_key(request)
         self.load.on_dispatch(
             decision.replica,
             request.request_id,
@@ -712,6 +711,14 @@ class RouterCore:
                 request.num_prompt_tokens, request.expected_output_tokens,
                 request.predicted_output_tokens, session, tenant,
                 written if tenant is not None else (), decision.approximate))
+
+    @staticmethod
+    def _session_key(request: RouteRequest) -> str | None:
+        """The load tracker's key for ``request``'s session (None: no session). Two tenants'
+        sessions of one id are two sessions."""
+        if request.session_id is None:
+            return None
+        return f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}"
 
     def _pool(self, name: PoolName) -> _Pool:
         entry = self._pools.get(name)
