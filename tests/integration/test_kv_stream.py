@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +30,8 @@ from typing import Any
 import nats
 import pytest
 import yaml
-from required import NATS_URL, require_nats, skip_unless_required
+from private_nats import PrivateNats
+from required import NATS_URL, require_nats
 
 from kvroute.config import RouterConfig, parse_config
 from kvroute.core.errors import ConfigError
@@ -396,42 +396,6 @@ def test_a_foreign_message_in_the_stream_ends_the_rebuild_there_with_a_warning(
     run(test())
 
 
-class PrivateNats:
-    """A nats-server of this test's own (JetStream, a temporary store), to stop and start."""
-
-    def __init__(self, store: Path) -> None:
-        binary = shutil.which("nats-server")
-        if binary is None:
-            skip_unless_required("the NATS outage test", "nats-server is not on PATH",
-                                 env="KVROUTE_REQUIRE_NATS")
-        self.binary = binary
-        self.store = store
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"nats-server did not listen on {self.port} within 10 s")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
 def test_nats_killed_and_restarted_under_a_relaying_router(tmp_path: Path) -> None:
     nats_server = PrivateNats(tmp_path / "js")
 
@@ -518,3 +482,71 @@ def test_nats_away_at_start_degrades_to_zmq_only(caplog: pytest.LogCaptureFixtur
         assert any("running on the engines' ZMQ feeds only" in r.getMessage()
                    for r in caplog.records)
     run(test(), timeout_s=60.0)
+
+
+def test_a_relaying_router_started_while_nats_is_down_relays_once_it_is_up(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """NATS holds an older history of the replica, goes away, and a relaying router starts
+    without it; the engine moves on (stores and removals) while NATS is down. Once NATS is
+    back the router relays without a restart, and a router started afterwards rebuilds
+    exactly the engine's blocks from the stream: the relay resumed from the census counted
+    meanwhile (a plain new epoch would leave only the blocks published after NATS came back,
+    and the old history without the reset would leave removed blocks in)."""
+    nats_server = PrivateNats(tmp_path / "js")
+
+    async def test() -> None:
+        engine = Engine()
+        engine.pub.start()
+        nats_server.start()
+        stream = {"url": nats_server.url, "relay": True, "snapshot_every": 1_000_000,
+                  "connect_timeout_s": 1}
+        try:
+            async with inprocess_fleet([SimServerConfig(kv_events=None)]) as (sim,):
+                async with RouterRuntime(config(sim, engine, stream)) as rt:
+                    await wait_for(lambda: rt.relay is not None, "connected to NATS")
+                    relay = rt.relay
+                    assert relay is not None
+                    await live_until_following(engine, [rt])
+                    engine.publish(150)
+                    await wait_for(lambda: relay.stats.last_seq.get(REPLICA)
+                                   == engine.next_seq - 1, "the history relayed")
+                    await wait_for(lambda: rt.kv_stream is not None
+                                   and rt.kv_stream.pending() == 0, "acknowledged")
+                nats_server.kill()
+                with caplog.at_level(logging.DEBUG, logger="kvroute.shell.kv_stream"):
+                    async with RouterRuntime(config(sim, engine, stream)) as rt:
+                        await live_until_following(engine, [rt])
+                        engine.publish(200)  # removes a third of what it stores
+                        await wait_for(lambda: rt.subscribers[REPLICA].stats.last_seq
+                                       == engine.next_seq - 1, "follows ZMQ while NATS is away")
+                        assert rt.kv_stream is None and rt.relay is None
+                        rt.sync_metrics()
+                        assert rt.metrics.value("kvroute_kv_stream_up") == 0
+                        await asyncio.sleep(1.5)  # at least one quiet retry has failed
+                        nats_server.start()
+                        await wait_for(lambda: rt.relay is not None, "relaying after NATS came "
+                                       "back, without a restart", timeout_s=45.0)
+                        relay = rt.relay
+                        assert relay is not None
+                        for _ in range(3):
+                            engine.publish(10)
+                            await asyncio.sleep(0.1)
+                        await wait_for(lambda: relay.stats.last_seq.get(REPLICA)
+                                       == engine.next_seq - 1 and relay.stats.snapshots >= 1
+                                       and rt.kv_stream is not None
+                                       and rt.kv_stream.pending() == 0, "relayed and snapshot")
+                        assert relay.stats.failed == 0 and relay.stats.resets == 1
+                        rt.sync_metrics()
+                        assert rt.metrics.value("kvroute_kv_stream_up") == 1
+                    unavailable = [r for r in caplog.records if r.levelno >= logging.WARNING
+                                   and "KV-event stream unavailable" in r.getMessage()]
+                    assert len(unavailable) == 1, "the outage is logged once, not per retry"
+                async with RouterRuntime(config(sim, engine, {**stream, "relay": False})) as rt:
+                    await wait_for(lambda: REPLICA in rt.stream_positions, "rebuilt")
+                    assert rt.stream_positions[REPLICA].last_seq == engine.next_seq - 1
+                    entries, held = index_of(rt, engine)
+                    assert held == engine.held and entries == len(engine.held)
+        finally:
+            engine.pub.close()
+            nats_server.kill()
+    run(test(), timeout_s=120.0)

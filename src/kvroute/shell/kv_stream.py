@@ -45,7 +45,10 @@ Failure
 -------
 
 NATS unreachable at start: ``KvStream.open`` logs a warning saying the router runs on the
-engines' ZMQ feeds only, and returns None. A publish that fails later is counted and logged
+engines' ZMQ feeds only, and returns None; the router (``shell/runtime.py``) tries again
+with bounded backoff (``STREAM_RETRY_S``, doubling to ``STREAM_RETRY_MAX_S``, quietly) and,
+once NATS answers, uses the stream for its next restart; a relaying router then hands the
+relay what it counted meanwhile (``KvStreamRelay.resume``: a reset and a snapshot). A publish that fails later is counted and logged
 (the first of a run of failures); readers see the hole it leaves as a jump and reset. A
 snapshot that cannot be written is logged and retried at the next interval.
 """
@@ -165,11 +168,12 @@ class KvStream:
         self._snapshots = snapshots
 
     @classmethod
-    async def open(cls, config: KvStreamConfig) -> KvStream | None:
+    async def open(cls, config: KvStreamConfig, *, quiet: bool = False) -> KvStream | None:
         """Connect and make sure the stream and the bucket exist (limits as configured).
 
-        Returns None, after a warning, when NATS cannot be reached within
-        ``connect_timeout_s`` or refuses the stream: the caller runs on ZMQ alone.
+        Returns None, after a warning (at debug level with ``quiet``: a retry of an outage
+        already logged), when NATS cannot be reached within ``connect_timeout_s`` or
+        refuses the stream: the caller runs on ZMQ alone, and may try again later.
         """
         nc: NatsClient | None = None
         errors: list[Exception] = []
@@ -198,13 +202,19 @@ class KvStream:
                 snapshots = await js.create_object_store(bucket, config=ObjectStoreConfig(
                     bucket=bucket, max_bytes=config.max_bytes, storage=StorageType.FILE,
                     description="kvroute: per-replica block snapshots of the KV-event stream"))
+        except asyncio.CancelledError:
+            if nc is not None:  # cancelled at shutdown while connected: leave nothing open
+                with contextlib.suppress(Exception):
+                    await nc.close()
+            raise
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             why = str(errors[-1] if errors and isinstance(exc, TimeoutError) else exc)
-            log.warning(
-                "KV-event stream unavailable (NATS at %s: %s): running on the engines' ZMQ "
-                "feeds only until restarted; a restarted router catches up on their replay "
-                "buffers (the last 10,000 batches on vLLM) and nothing is relayed",
-                config.url, why or type(exc).__name__)
+            log.log(logging.DEBUG if quiet else logging.WARNING,
+                    "KV-event stream unavailable (NATS at %s: %s): running on the engines' "
+                    "ZMQ feeds only until NATS answers (retried with backoff); meanwhile a "
+                    "restarted router catches up on their replay buffers (the last 10,000 "
+                    "batches on vLLM) and nothing is relayed",
+                    config.url, why or type(exc).__name__)
             if nc is not None:
                 with contextlib.suppress(Exception):  # already failing; the warning says why
                     await nc.close()
@@ -224,6 +234,11 @@ class KvStream:
             log.warning("KV-event stream: closed without sending everything pending (%s)",
                         str(exc) or type(exc).__name__)
             await self._nc.close()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the NATS connection is up now (nats-py reconnects on its own)."""
+        return self._nc.is_connected
 
     def pending(self) -> int:
         """Publishes JetStream has not acknowledged (nor failed) yet."""
@@ -403,6 +418,15 @@ class _Tail:
     """Loop time before which a due snapshot is not tried again (NATS still away)."""
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Resume:
+    """A relay's queue item: the replica's census counted while NATS was away."""
+
+    census: BlockCensus
+    last_seq: int | None
+    reason: str
+
+
 class KvStreamRelay:
     """Mirrors KV-event batches into the stream, in the order they are delivered.
 
@@ -416,7 +440,8 @@ class KvStreamRelay:
     def __init__(self, stream: KvStream, *, queue_size: int) -> None:
         self._stream = stream
         self._every = stream.config.snapshot_every
-        self._queue: asyncio.Queue[tuple[ReplicaId, EventBatch | str]] = asyncio.Queue(queue_size)
+        self._queue: asyncio.Queue[tuple[ReplicaId, EventBatch | str | _Resume]] = (
+            asyncio.Queue(queue_size))
         self._tails: dict[ReplicaId, _Tail] = {}
         self._stats = RelayStats()
         self._task: asyncio.Task[None] | None = None
@@ -463,7 +488,16 @@ class KvStreamRelay:
     def on_reset(self, replica: ReplicaId, reason: str) -> None:
         self._put(replica, reason)
 
-    def _put(self, replica: ReplicaId, item: EventBatch | str) -> None:
+    def resume(self, replica: ReplicaId, census: BlockCensus, last_seq: int | None,
+               reason: str) -> None:
+        """Continue ``replica`` from what its owner counted while the stream was away
+        (``census``, up to batch ``last_seq``): the relay writes a reset, then a snapshot
+        of ``census`` covering ``last_seq`` (past the reset), so a reader rebuilds the
+        engine's blocks without the batches that were never relayed. Call it before the
+        first ``on_batch`` after ``last_seq``; the census is the relay's from then on."""
+        self._put(replica, _Resume(census, last_seq, reason))
+
+    def _put(self, replica: ReplicaId, item: EventBatch | str | _Resume) -> None:
         try:
             self._queue.put_nowait((replica, item))
         except asyncio.QueueFull:
@@ -488,18 +522,34 @@ class KvStreamRelay:
                                                         BlockCensus())
                 if isinstance(item, str):
                     await self._write_reset(replica, tail, item)
+                elif isinstance(item, _Resume):
+                    await self._write_resume(replica, tail, item)
                 else:
                     await self._write_batch(replica, tail, item)
             finally:
                 queue.task_done()
 
-    async def _write_reset(self, replica: ReplicaId, tail: _Tail, reason: str) -> None:
+    async def _write_reset(self, replica: ReplicaId, tail: _Tail,
+                           reason: str) -> asyncio.Future[PubAck] | None:
         tail.epoch += 1
         tail.last_seq = None
         tail.census.clear()
         tail.since_snapshot = 0
-        if await self._publish(replica, tail, _RESET, 0, reason.encode("utf-8")) is not None:
+        ack = await self._publish(replica, tail, _RESET, 0, reason.encode("utf-8"))
+        if ack is not None:
             self._stats.resets += 1
+        return ack
+
+    async def _write_resume(self, replica: ReplicaId, tail: _Tail, resume: _Resume) -> None:
+        """A new epoch whose snapshot is what the owner counted while NATS was away."""
+        ack = await self._write_reset(replica, tail, resume.reason)
+        tail.census = resume.census
+        tail.last_seq = resume.last_seq
+        if ack is None or resume.last_seq is None:
+            tail.snapshot_due = ack is None and resume.last_seq is not None
+            return
+        tail.last_ack = ack
+        await self._write_snapshot(replica, tail, resume.last_seq)
 
     async def _write_batch(self, replica: ReplicaId, tail: _Tail, batch: EventBatch) -> None:
         if tail.last_seq is not None and batch.seq != tail.last_seq + 1:
@@ -587,7 +637,9 @@ class KvStreamRelay:
 async def _nats_error(seen: list[Exception], exc: Exception) -> None:
     if len(seen) < 16:
         seen.append(exc)  # the reason ``open`` gives when it times out
-    log.warning("KV-event stream: NATS error: %s", exc)
+    # Each failed (re)connection attempt reports here: the outage itself is logged once,
+    # by ``open`` or ``_log_disconnected``.
+    log.debug("KV-event stream: NATS error: %s", exc)
 
 
 async def _log_disconnected(url: str) -> None:

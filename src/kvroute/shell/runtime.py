@@ -19,8 +19,12 @@ Start-up order (each step needs the previous one):
    NATS (``shell/kv_stream.py``) and, one replica at a time (the catch-up turns), rebuilds
    the replica's index from the durable stream, then starts its subscriber resuming after
    the last batch read; with ``kv_stream.relay`` every batch the subscribers deliver is also
-   mirrored into the stream. NATS unreachable: logged, and the subscribers start as without
-   the section;
+   mirrored into the stream. NATS unreachable: logged once, the subscribers start as without
+   the section, and a background task tries NATS again (``STREAM_RETRY_S`` doubling to
+   ``STREAM_RETRY_MAX_S``, cancelled at shutdown). Once it answers the stream is used (the
+   next restart rebuilds from it; ``kvroute_kv_stream_up`` goes to 1); a relaying router
+   counts each replica's blocks meanwhile and hands that census to the relay
+   (``KvStreamRelay.resume``), so the stream continues from a reset plus a snapshot of it;
 5. session state, tokenizers (with the background checks of ``local`` and ``auto`` ones,
    ``tokenize/check.py``), then the HTTP server (``http/server.py``; a client that
    disconnects cancels its handler and so its upstream request). A refused connection seen
@@ -40,11 +44,12 @@ import logging
 import os
 import random
 from collections.abc import Callable, Mapping
-from typing import Any, Self
+from typing import Any, Final, Self
 
 import aiohttp
 
 from kvroute.config import ReplicaConfig, RouterConfig, resolve_secrets
+from kvroute.core.block_census import BlockCensus
 from kvroute.core.clock import Clock
 from kvroute.core.events import EventBatch
 from kvroute.core.peer_policies import make_policy
@@ -74,6 +79,11 @@ from kvroute.tokenize.prompt import (
 __all__ = ["RouterRuntime", "build_core"]
 
 log = logging.getLogger(__name__)
+
+STREAM_RETRY_S: Final = 1.0
+"""First pause before trying an unreachable KV-event stream's NATS again (then doubled)."""
+STREAM_RETRY_MAX_S: Final = 30.0
+"""Longest pause between two tries: a NATS back after an outage is used within it."""
 
 
 def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
@@ -149,6 +159,10 @@ class RouterRuntime:
         self.relay: KvStreamRelay | None = None
         """This router's relay into the stream (``kv_stream.relay``)."""
         self._stream_ready: asyncio.Task[KvStream | None] | None = None
+        self._stream_retry: asyncio.Task[None] | None = None
+        self._standby: dict[ReplicaId, tuple[BlockCensus, int | None]] | None = None
+        """Per replica, its blocks and last batch counted while a configured relay waits for
+        NATS (None: no relay waiting)."""
         self._following: dict[ReplicaId, asyncio.Task[None]] = {}
         self.stream_positions: dict[ReplicaId, StreamPosition] = {}
         """Where each replica's rebuild from the durable stream ended."""
@@ -249,6 +263,10 @@ class RouterRuntime:
         for sub in self.subscribers.values():
             await step(sub.stop())
         self.subscribers.clear()
+        if self._stream_retry is not None:
+            self._stream_retry.cancel()
+            await step(asyncio.gather(self._stream_retry, return_exceptions=True))
+            self._stream_retry = None
         if self._stream_ready is not None:
             self._stream_ready.cancel()
             await step(asyncio.gather(self._stream_ready, return_exceptions=True))
@@ -303,7 +321,41 @@ class RouterRuntime:
             if config.relay:
                 self.relay = stream.relay()
                 self.relay.start()
+        else:
+            if config.relay:
+                self._standby = {}
+            self._stream_retry = asyncio.get_running_loop().create_task(
+                self._retry_stream(), name="kv-stream-retry")
         return stream
+
+    async def _retry_stream(self) -> None:
+        """Try NATS again until it answers (module doc, step 4); the outage was logged by
+        the first attempt, the retries are quiet."""
+        config = self.config.kv_stream
+        assert config is not None, "only started with a kv_stream section"
+        delay = STREAM_RETRY_S
+        attempts = 0
+        while True:
+            await asyncio.sleep(delay)
+            attempts += 1
+            stream = await KvStream.open(config, quiet=True)
+            if stream is not None:
+                break
+            delay = min(delay * 2, STREAM_RETRY_MAX_S)
+        # No await from here on: no batch slips between the census and the relay.
+        self.kv_stream = stream
+        standby, self._standby = self._standby, None
+        if config.relay:
+            relay = self.relay = stream.relay()
+            for replica, (census, last_seq) in (standby or {}).items():
+                relay.resume(replica, census, last_seq,
+                             "relaying resumed after NATS was away: the batches in between "
+                             "were not relayed; the snapshot that follows holds the blocks")
+            relay.start()
+        log.warning("KV-event stream reachable at %s after %d retries: %s", config.url,
+                    attempts, "relaying from now on" if config.relay
+                    else "a restarted router will rebuild from it")
+        self._stream_retry = None
 
     async def _follow_from_stream(self, rep: ReplicaConfig) -> None:
         assert self._stream_ready is not None
@@ -349,6 +401,8 @@ class RouterRuntime:
             following.cancel()
         sub = self.subscribers.pop(replica, None)
         self._seen.pop(replica, None)
+        if self._standby is not None:
+            self._standby.pop(replica, None)
         if sub is not None:
             task = asyncio.create_task(sub.stop(), name=f"kvroute-unsubscribe-{replica}")
             self._stopping.add(task)
@@ -361,6 +415,10 @@ class RouterRuntime:
             self.core.apply_events(replica, batch)
             if self.relay is not None:
                 self.relay.on_batch(replica, batch)
+            elif self._standby is not None:
+                census = self._standby.get(replica, (BlockCensus(), None))[0]
+                census.apply(batch)
+                self._standby[replica] = (census, batch.seq)
 
     def _on_stream_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
         """A batch read back from the durable stream: applied, never relayed again."""
@@ -372,6 +430,8 @@ class RouterRuntime:
             self.core.reset_replica_index(replica)
             if self.relay is not None:
                 self.relay.on_reset(replica, reason)
+            elif self._standby is not None:
+                self._standby[replica] = (BlockCensus(), None)
 
     def _on_stream_reset(self, replica: ReplicaId, reason: str) -> None:
         """The durable stream's history of ``replica`` restarts: forget, never relay."""
@@ -409,7 +469,8 @@ class RouterRuntime:
                          "failed": stats.failed, "dropped": stats.dropped,
                          "snapshots": stats.snapshots,
                          "snapshot_failures": stats.snapshot_failures}
-            self.metrics.set_kv_stream(self.kv_stream is not None, relay)
+            self.metrics.set_kv_stream(self.kv_stream is not None and self.kv_stream.connected,
+                                       relay)
         if self.cluster is not None:
             self.metrics.set_cluster(self.cluster.stats())
         for pool, local in self._local_tokenizers():
