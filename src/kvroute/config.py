@@ -342,7 +342,8 @@ class KvStreamConfig:
             snapshot bucket).
         snapshot_every: batches of one replica between two snapshots of its blocks (the
             most a restarting router reads from the stream's tail, about).
-        connect_timeout_s: how long start-up waits for NATS before going on without it.
+        connect_timeout_s: how long start-up (and each background retry) waits for NATS
+            before going on without it.
     """
 
     url: str = "nats://127.0.0.1:4222"

@@ -524,8 +524,11 @@ def test_a_relaying_router_started_while_nats_is_down_relays_once_it_is_up(
                         assert rt.metrics.value("kvroute_kv_stream_up") == 0
                         await asyncio.sleep(1.5)  # at least one quiet retry has failed
                         nats_server.start()
+                        back = time.monotonic()
                         await wait_for(lambda: rt.relay is not None, "relaying after NATS came "
                                        "back, without a restart", timeout_s=45.0)
+                        logging.getLogger(__name__).warning(
+                            "relaying %.2f s after NATS came back", time.monotonic() - back)
                         relay = rt.relay
                         assert relay is not None
                         for _ in range(3):

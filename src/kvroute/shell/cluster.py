@@ -17,6 +17,13 @@ the seconds until the engines' own KV events confirm them, so nothing is stored,
 acknowledged, and a router that (re)starts needs none of the past ones. The figures behind the
 choice (NATS against Redis pub/sub and streams) are in docs/benchmarks.md.
 
+NATS away (at start or in mid-traffic, ``shell/nats_bus.py``): each router routes alone, its
+announcements are dropped and counted (``dropped``), its peers' load expires after
+``peer_expiry_s`` without their heartbeats, and sharing resumes by itself once NATS answers
+(nats-py reconnects and resubscribes; a peer heard again after expiry joins afresh).
+Tested with a private ``nats-server`` started late and SIGKILLed mid-traffic
+(``tests/integration/test_cluster_outage.py``, docs/reliability.md).
+
 Ordering: NATS keeps one publisher's messages in order on one connection, so a request's
 ``Placed``, ``FirstToken`` and ``Done`` arrive in that order. A batch lost in a reconnect is
 counted (``seq`` gaps) and can leave a peer request counted after it ended, until that peer

@@ -253,7 +253,7 @@ class RouterMetrics:
         )
         self._kv_stream_up = Gauge(
             "kv_stream_up", "1 while the durable KV-event stream (NATS JetStream) is in use, "
-            "0 when it is configured but NATS could not be reached at start.",
+            "0 while it is configured but NATS is away (retried in the background).",
             namespace=ns, registry=r,
         )
         self._kv_stream_relay = Gauge(

@@ -359,7 +359,8 @@ class RouterRuntime:
 
     async def _follow_from_stream(self, rep: ReplicaConfig) -> None:
         assert self._stream_ready is not None
-        stream = await asyncio.shield(self._stream_ready)
+        # A replica that joins after a late connection (``_retry_stream``) uses the stream too.
+        stream = await asyncio.shield(self._stream_ready) or self.kv_stream
         resume_after: int | None = None
         if stream is not None:
             try:
