@@ -25,6 +25,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -74,24 +75,37 @@ def engines(checkpoints: dict[str, Path]) -> Iterator[RealVllmEngines]:
         yield pair
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One verdict file for the module: verdicts accumulate as they would for an operator."""
+    return tmp_path_factory.mktemp("gate") / "verdicts.json"
+
+
 def gate(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(app, ["gate", *args], catch_exceptions=False)
     return result.exit_code, result.output
 
 
-def replay(tmp_path: Path, serving: RealVllmEngine, source: RealVllmEngine, path: str
+def replay(store: Path, serving: RealVllmEngine, source: RealVllmEngine, path: str
            ) -> tuple[int, str, dict[str, Any]]:
-    report = tmp_path / f"{path}.json"
+    report = store.with_name(f"{path}.json")
     code, out = gate("replay", "--serving", serving.url, "--source", source.url,
                      "--model", serving.model, "--path", path,
-                     "--store", str(tmp_path / "verdicts.json"), "--report", str(report))
+                     "--store", str(store), "--report", str(report))
     print(out)  # the measured figures, per class (-s shows them)
     return code, out, json.loads(report.read_text())
 
 
+def allows(store: Path, serving: RealVllmEngine, source: RealVllmEngine, path: str
+           ) -> tuple[int, str]:
+    code, out = gate("allows", "--serving", serving.url, "--source", source.url,
+                     "--path", path, "--store", str(store))
+    return code, " ".join(out.split())
+
+
 def test_a_prefix_cache_hit_against_recompute_is_measured_and_reported_per_class(
-        engines: RealVllmEngines, tmp_path: Path) -> None:
-    code, _, report = replay(tmp_path, engines[0], engines[0], "prefix-cache-hit")
+        engines: RealVllmEngines, store: Path) -> None:
+    code, _, report = replay(store, engines[0], engines[0], "prefix-cache-hit")
     classes = {c["class"]: c for c in report["classes"]}
     assert set(classes) == {"extraction", "code", "reasoning"}
     assert all(c["turns"] == 6 for c in classes.values())
@@ -106,32 +120,36 @@ def test_a_prefix_cache_hit_against_recompute_is_measured_and_reported_per_class
     assert policy["serving.enable_prefix_caching"] == "True"
     assert {"serving.cache_dtype", "serving.prefix_caching_hash_algo", "serving.weights",
             "serving.root"} <= set(policy)
-    (verdict,) = load_store(tmp_path / "verdicts.json")
+    (verdict,) = load_store(store)
     assert verdict.key.serving_version == verdict.key.source_version == policy["serving.weights"]
     assert dict(verdict.cache_policy) == policy
+    # What a router asks now: the path is open exactly when the measured verdict passed.
+    code, said = allows(store, engines[0], engines[0], "prefix-cache-hit")
+    assert code == (0 if report["passed"] else 1), said
 
 
 def test_the_gate_fails_the_perturbed_weights_by_shadow_replay(
-        engines: RealVllmEngines, tmp_path: Path) -> None:
-    code, out, report = replay(tmp_path, engines[1], engines[0], "cross-engine")
+        engines: RealVllmEngines, store: Path) -> None:
+    code, out, report = replay(store, engines[1], engines[0], "cross-engine")
     assert code == 1 and not report["passed"], out
     assert "tokenizer" not in report["reason"]  # same tokenizer: the replay decided
     assert len(report["turns"]) == 18
     assert {c["class"] for c in report["classes"]} == {"extraction", "code", "reasoning"}
     assert any(not c["passed"] for c in report["classes"])
     assert report["serving_version"] != report["source_version"]
-    (verdict,) = load_store(tmp_path / "verdicts.json")
+    verdict = next(v for v in load_store(store) if v.key.path == "cross-engine")
     assert not verdict.passed and "replay failed" in verdict.reason
     assert "code.max_dlogprob" in verdict.scores
+    code, said = allows(store, engines[1], engines[0], "cross-engine")
+    assert code == 1 and "the verdict fails: replay failed" in said, said
 
 
 def test_a_run_whose_serving_weights_change_on_disk_is_void(
-        engines: RealVllmEngines, tmp_path: Path) -> None:
+        engines: RealVllmEngines) -> None:
     config = Path(engines[1].model_dir) / "config.json"
     original = config.read_bytes()
-    one = parse_transcripts(
-        (Path(realvllm.__file__).parents[1] / "src/kvroute/data/gate/transcripts.jsonl"
-         ).read_text(), "sample")[:2]
+    one = parse_transcripts(resources.files("kvroute").joinpath(
+        "data/gate/transcripts.jsonl").read_text(encoding="utf-8"), "sample")[:2]
 
     def update_weights(_turn: Any) -> None:  # a hot weight update, announced in config.json
         config.write_text(json.dumps({**json.loads(original), "version": "hot-update"}))
@@ -152,7 +170,7 @@ def test_a_run_whose_serving_weights_change_on_disk_is_void(
 
 
 def test_a_replica_restarted_on_other_weights_loses_its_hits_and_another_tokenizer_stops(
-        engines: RealVllmEngines, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+        engines: RealVllmEngines, checkpoints: dict[str, Path], store: Path) -> None:
     base = engines[0]
     config = parse_config({
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -216,8 +234,12 @@ def test_a_replica_restarted_on_other_weights_loses_its_hits_and_another_tokeniz
                                     {"replica": "r0"}) == 1.0
 
     asyncio.run(asyncio.wait_for(body(), READY_S + 180))
+    # The hit-vs-recompute verdict of the base weights is stale for the replica now.
+    code, said = allows(store, engines[0], engines[0], "prefix-cache-hit")
+    assert code == 1 and "stale" in said, said
     # e1 now serves the base weights with another tokenizer under the same name.
     code, out = gate("replay", "--serving", engines[0].url, "--source", engines[1].url,
-                     "--path", "cross-engine", "--store", str(tmp_path / "v.json"))
+                     "--path", "cross-engine", "--store", str(store))
+    out = " ".join(out.split())
     assert code == 1 and "tokenizer mismatch" in out and "no request was replayed" in out, out
     assert realvllm.metric_total(engines[1], "vllm:request_success_total") == 0.0

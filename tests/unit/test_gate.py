@@ -39,7 +39,13 @@ def test_a_verdict_goes_stale_with_new_weights_and_void_with_new_cache_settings(
     assert not store.allows(A2, B_SAME_TOK, "cross-engine", policy)  # serving side changed
     assert store.current(A2, B_SAME_TOK, "cross-engine") is None
     assert not store.allows(A, B_SAME_TOK, "shared-store", policy)  # another path
+    allowed, why = store.decide(A, B_SAME_TOK, "cross-engine", {**policy, "block_size": 32})
+    assert not allowed and why.startswith("void") and "block_size: 16 -> 32" in why
+    assert "stale" in store.decide(A2, B_SAME_TOK, "cross-engine", policy)[1]
+    assert store.decide(A, B_SAME_TOK, "cross-engine", policy) == (True, "allowed: replay passed")
     store.record(Verdict(PairKey.of(A, B_SAME_TOK, "cross-engine"), False, "replay drifted"))
+    assert "the verdict fails: replay drifted" in store.decide(
+        A, B_SAME_TOK, "cross-engine", policy)[1]
     assert not store.allows(A, B_SAME_TOK, "cross-engine", policy) and len(store) == 1
 
 

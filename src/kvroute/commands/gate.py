@@ -9,7 +9,9 @@ mismatch ends it before any request), then the shadow replay of transcripts thro
 native and candidate paths (``shell/shadow_replay.py``), scored per workload class against
 the thresholds of ``--config`` (``core/shadow_replay.py``), with the engines' cache settings
 audited before and after every transcript (a change voids the run: exit code 3, nothing
-recorded). ``show`` lists the store's verdicts, and with ``--serving`` and ``--source`` says
+recorded). ``allows`` asks what a router asks before it uses a path: is there a current,
+passing verdict for the pair as the engines run now, measured under the cache settings in
+force now (exit code 0), or must it recompute (1)? ``show`` lists the store's verdicts, and with ``--serving`` and ``--source`` says
 whether each is current for those directories as they are now.
 """
 
@@ -46,6 +48,7 @@ from kvroute.shell.shadow_replay import (
     Endpoint,
     ReplayError,
     ReplayRun,
+    read_policy,
     read_side_identity,
     run_replay,
 )
@@ -296,3 +299,48 @@ def _write_report(report: Path | None, verdict: Verdict, classes: list[ClassScor
                   for t in (run.turns if run is not None else ())],
     }
     report.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+@gate_app.command("allows")
+def gate_allows(
+    serving: Annotated[str, typer.Option(help="Base URL of the serving engine.")],
+    source: Annotated[str | None, typer.Option(
+        help="Base URL of the engine whose state would be reused (default: --serving).")] = None,
+    model: Annotated[str, typer.Option(help="Served model name on both engines.")] = "tiny",
+    path: Annotated[str, typer.Option(help=f"Transfer path: {', '.join(PATHS)}.")] = (
+        "prefix-cache-hit"),
+    serving_model: Annotated[str | None, typer.Option(
+        help="Model directory of the serving weights (default: its /v1/models root).")] = None,
+    source_model: Annotated[str | None, typer.Option(
+        help="Model directory of the source weights (default: its /v1/models root).")] = None,
+    store: Annotated[Path, typer.Option(help="Verdict file (JSON).")] = _STORE,
+) -> None:
+    """May the path be used now? Exit 0 with a current passing verdict, else 1 (recompute)."""
+    console = Console(stderr=True)
+    if path not in PATHS:
+        console.print(f"error: --path {path!r} is not a transfer path; use one of "
+                      f"{', '.join(PATHS)}")
+        raise typer.Exit(2)
+    try:
+        verdicts = load_store(store)
+    except GateStoreError as exc:
+        console.print(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    serving_ep = Endpoint(serving.rstrip("/"), model)
+    source_ep = Endpoint((source or serving).rstrip("/"), model)
+
+    async def now() -> tuple[ModelIdentity, ModelIdentity, dict[str, str]]:
+        async with aiohttp.ClientSession() as http:
+            return (await read_side_identity(http, serving_ep, serving_model),
+                    await read_side_identity(http, source_ep, source_model),
+                    await read_policy(http, {"serving": serving_ep, "source": source_ep}))
+
+    try:
+        a, b, policy = asyncio.run(now())
+    except ReplayError as exc:
+        console.print(f"error: {exc}")
+        raise typer.Exit(2) from exc
+    allowed, why = verdicts.decide(a, b, path, policy)
+    wide_console().print(f"{path} {a.version} <- {b.version}: {why}")
+    if not allowed:
+        raise typer.Exit(1)

@@ -19,10 +19,8 @@ instead of recomputing it? The router has no such path today (every move recompu
   whose recorded cache settings equal the engines' settings now. Anything else recomputes;
   the fallback never goes cold because it is the default.
 
-What is not here yet: the shadow replay that produces a passing verdict (turn-by-turn
-greedy continuations and top-k logprobs, late-turn weighting, per workload class). Without it
-the store can only hold failing verdicts (a tokenizer mismatch), so no transfer path is ever
-allowed.
+The shadow replay that produces a passing or failing verdict after identity is scored in
+``core/shadow_replay.py`` and run by ``shell/shadow_replay.py`` (``kvroute gate replay``).
 """
 
 from __future__ import annotations
@@ -141,6 +139,22 @@ class VerdictStore:
                cache_policy: Mapping[str, Any]) -> bool:
         """May ``path`` serve ``serving`` from ``source``'s state? Only with a current,
         passing verdict measured under the cache settings in force now."""
+        return self.decide(serving, source, path, cache_policy)[0]
+
+    def decide(self, serving: ModelIdentity, source: ModelIdentity, path: str,
+               cache_policy: Mapping[str, Any]) -> tuple[bool, str]:
+        """:meth:`allows`, with the reason in words (what an operator is told)."""
         verdict = self.current(serving, source, path)
-        return (verdict is not None and verdict.passed
-                and dict(verdict.cache_policy) == dict(cache_policy))
+        if verdict is None:
+            return False, ("no verdict for this pair as it is now (never evaluated, or either "
+                           "side's weights changed since: stale); recompute")
+        if not verdict.passed:
+            return False, f"the verdict fails: {verdict.reason}; recompute"
+        now = dict(cache_policy)
+        changed = sorted(k for k in verdict.cache_policy.keys() | now.keys()
+                         if verdict.cache_policy.get(k) != now.get(k))
+        if changed:
+            return False, ("void: the cache settings changed since the verdict ("
+                           + ", ".join(f"{k}: {verdict.cache_policy.get(k)} -> {now.get(k)}"
+                                       for k in changed) + "); recompute")
+        return True, f"allowed: {verdict.reason}"
