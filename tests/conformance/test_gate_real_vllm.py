@@ -4,14 +4,17 @@ tokenizer), and the base weights with another tokenizer (``tests/model_variants.
 
 1. ``kvroute gate replay`` on the base engine alone, ``prefix-cache-hit`` path: a warm
    prefix-cache hit against recompute (a fresh ``cache_salt`` per native request); the
-   figures are reported as measured, pass or drift, and the hit must really happen;
+   figures are reported as measured, pass or drift, the hit must really happen, and
+   ``kvroute gate allows`` opens the path exactly when the verdict passed;
 2. the perturbed pair (serving the perturbed weights, state from the base weights,
-   ``cross-engine``): the shadow replay fails it, per workload class;
+   ``cross-engine``): the shadow replay fails it, per workload class, and ``allows`` says
+   recompute;
 3. the cache-policy audit: the settings are recorded with the verdict, and a run during
    which the serving side's weights change on disk is void (no verdict);
 4. a replica restarted on the perturbed weights under the same served name gets no predicted
-   hits from its old index entries; the other engine, restarted at the same time on the
-   other-tokenizer checkpoint, is stopped at identity by ``gate replay`` before any request.
+   hits from its old index entries, and its hit-vs-recompute verdict is stale; the other
+   engine, restarted at the same time on the other-tokenizer checkpoint, is stopped at
+   identity by ``gate replay`` before any request.
 
 Engines: one pair per module, started in parallel (``e0`` base, ``e1`` perturbed, both with
 ``--enable-prompt-tokens-details``), restarted once in parallel by the last test (about two
