@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -92,10 +93,12 @@ def gate(*args: str) -> tuple[int, str]:
 def replay(store: Path, serving: RealVllmEngine, source: RealVllmEngine, path: str
            ) -> tuple[int, str, dict[str, Any]]:
     report = store.with_name(f"{path}.json")
+    started = time.monotonic()
     code, out = gate("replay", "--serving", serving.url, "--source", source.url,
                      "--model", serving.model, "--path", path,
                      "--store", str(store), "--report", str(report))
-    print(out)  # the measured figures, per class (-s shows them)
+    # The measured figures, per class, and the wall time (-s shows them; never asserted).
+    print(out, f"\n{path} replay wall time {time.monotonic() - started:.1f} s")
     return code, out, json.loads(report.read_text())
 
 
@@ -169,7 +172,7 @@ def test_a_run_whose_serving_weights_change_on_disk_is_void(
         config.write_bytes(original)
     assert run.void == ("serving.weights: " + run.policy["serving.weights"]
                         + " -> v:hot-update",), run.void
-    assert len(run.turns) == 3  # stopped after the first transcript
+    assert len(run.turns) == 1  # stopped at the turn that saw the change
 
 
 def test_a_replica_restarted_on_other_weights_loses_its_hits_and_another_tokenizer_stops(
@@ -212,9 +215,26 @@ def test_a_replica_restarted_on_other_weights_loses_its_hits_and_another_tokeniz
         async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as http:
             await until(lambda: rt.core.versions.version(ReplicaId("r0")) == old_version,
                         "the base identity read", 30)
+            # vLLM's PUB drops what it publishes before the router's subscription reaches
+            # it: send one-block probes straight to the engine until a batch arrived.
+            sub = rt.subscribers[ReplicaId("r0")]
+            for n in range(40):
+                if sub.stats.batches > 0:
+                    break
+                probe = f"probe {realvllm.nonce()} " + realvllm.filler_text(n, 7)
+                await asyncio.to_thread(realvllm.chat, base, [{"role": "user", "content": probe}],
+                                        max_tokens=1)
+                await asyncio.sleep(0.25)
+            assert sub.stats.batches > 0, "no KV event reached the router"
             await ask(http, rt, " first")
             await until(lambda: entries(rt) > 0, "the first answer's KV events", 30)
-            assert await ask(http, rt, " second") > 0  # predicted hit on the old weights
+            hit = 0
+            for _ in range(20):  # until the first answer's blocks are in the index
+                hit = await ask(http, rt, " second")
+                if hit:
+                    break
+                await asyncio.sleep(0.5)
+            assert hit > 0  # predicted hit on the old weights
             errors: list[BaseException] = []
 
             def restart(index: int, model_dir: Path) -> None:

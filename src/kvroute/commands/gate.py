@@ -8,7 +8,7 @@ closed. ``replay`` evaluates a pair of running engines: tokenizer identity first
 mismatch ends it before any request), then the shadow replay of transcripts through the
 native and candidate paths (``shell/shadow_replay.py``), scored per workload class against
 the thresholds of ``--config`` (``core/shadow_replay.py``), with the engines' cache settings
-audited before and after every transcript (a change voids the run: exit code 3, nothing
+audited before the run and after every turn (a change voids the run: exit code 3, nothing
 recorded). ``allows`` asks what a router asks before it uses a path: is there a current,
 passing verdict for the pair as the engines run now, measured under the cache settings in
 force now (exit code 0), or must it recompute (1)? ``show`` lists the store's verdicts, and with ``--serving`` and ``--source`` says

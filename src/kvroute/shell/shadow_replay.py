@@ -19,8 +19,8 @@ does not spill into the next: every turn is scored on the same prompt.
 The cache-policy audit reads each engine's cache settings (``vllm:cache_config_info`` on
 ``/metrics``: block size, hash algorithm, KV dtype, prefix caching on or off) and its
 ``/v1/models`` card (model root, window) with its weights fingerprint
-(``shell/model_files.py``) before the run and after every transcript; any change voids the
-run (no verdict). A verdict keeps the settings it was measured under, and
+(``shell/model_files.py``) before the run and after every turn; any change voids the run
+at once (no verdict). A verdict keeps the settings it was measured under, and
 ``VerdictStore.allows`` compares them with :func:`read_policy` now.
 """
 
@@ -200,10 +200,10 @@ async def run_replay(http: aiohttp.ClientSession, serving: Endpoint, source: End
             turns.append(turn)
             if on_turn is not None:
                 on_turn(turn)
+            changes = policy_changes(before, await read_policy(http, sides))
+            if changes:
+                return ReplayRun(tuple(turns), before, tuple(changes))
             messages.append({"role": "assistant", "content": text})
-        changes = policy_changes(before, await read_policy(http, sides))
-        if changes:
-            return ReplayRun(tuple(turns), before, tuple(changes))
     return ReplayRun(tuple(turns), before)
 
 
