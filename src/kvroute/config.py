@@ -49,6 +49,7 @@ from kvroute.core.scenarios import (
 )
 from kvroute.core.tokens import IMAGE_FAMILIES, IMAGE_PRESETS, ImageCost
 from kvroute.core.types import PoolName, ReplicaId, TenantName
+from kvroute.wire.dp_rank import DpRankError, offset_endpoint_port
 from kvroute.wire.reasoning import THINK_SWITCHES, ReasoningSettings
 
 __all__ = [
@@ -118,6 +119,15 @@ class ReplicaConfig:
             endpoints; an engine started with a concrete ``tcp://127.0.0.1:5601`` connects
             to that address, so the router must bind it (one router per engine then).
         prefill_rate_tps: the starting prefill speed of the cost model, learned afterwards.
+        dp_rank: the data-parallel rank of ``engine`` this entry routes to, or None for an
+            engine without ranks. A YAML replica with ``data_parallel_size: N`` becomes N
+            entries named ``<name>.dp<r>``, one per rank, each its own routing target (its
+            own index, load and cost), sharing ``url``; each reads its rank's event stream
+            (``kv_events``/``kv_replay`` at vLLM's per-rank offset,
+            ``wire/dp_rank.offset_endpoint_port``) and every request sent to it carries
+            ``X-data-parallel-rank: r`` (docs/data-parallel.md).
+        engine: the YAML replica's own name (the engine behind the API server) when
+            ``dp_rank`` is set; its ranks share it.
     """
 
     name: ReplicaId
@@ -127,6 +137,8 @@ class ReplicaConfig:
     kv_topic: str = ""
     kv_events_bind: bool = False
     prefill_rate_tps: float = 10_000.0
+    dp_rank: int | None = None
+    engine: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -706,10 +718,11 @@ def _tokenizer(key: str, value: Any) -> TokenizerConfig:
     )
 
 
-def _replica(key: str, data: Any) -> ReplicaConfig:
+def _replica(key: str, data: Any) -> tuple[ReplicaConfig, ...]:
+    """One YAML replica: one entry, or one per data-parallel rank (``data_parallel_size``)."""
     d = _mapping(key, data, '{name: s0, url: "http://127.0.0.1:8101"}')
     _check_keys(key, d, ("name", "url", "kv_events", "kv_replay", "kv_topic", "kv_events_bind",
-                         "prefill_rate_tps"))
+                         "prefill_rate_tps", "data_parallel_size"))
     if "name" not in d:
         raise _fail(f"{key}.name", None, "is required", "Give every replica a unique name, e.g. name: s0.")
     if "url" not in d:
@@ -728,7 +741,7 @@ def _replica(key: str, data: Any) -> ReplicaConfig:
     if bind and events is None:
         raise _fail(f"{key}.kv_events_bind", bind, "is set without kv_events",
                     "Set kv_events to the address the engine publishes to.")
-    return ReplicaConfig(
+    one = ReplicaConfig(
         name=ReplicaId(_name(f"{key}.name", d["name"])),
         url=_http_url(f"{key}.url", d["url"]),
         kv_events=events,
@@ -737,6 +750,26 @@ def _replica(key: str, data: Any) -> ReplicaConfig:
         kv_events_bind=bind,
         prefill_rate_tps=_num(f"{key}.prefill_rate_tps", d.get("prefill_rate_tps", 10_000.0)),
     )
+    size = _int(f"{key}.data_parallel_size", d.get("data_parallel_size", 1), minimum=1)
+    if size == 1:
+        return (one,)
+    return tuple(_dp_rank_entry(key, one, rank) for rank in range(size))
+
+
+def _dp_rank_entry(key: str, engine: ReplicaConfig, rank: int) -> ReplicaConfig:
+    """Rank ``rank`` of a data-parallel engine: its own name and its own event endpoints."""
+    try:
+        events = (None if engine.kv_events is None
+                  else offset_endpoint_port(engine.kv_events, rank))
+        replay = (None if engine.kv_replay is None
+                  else offset_endpoint_port(engine.kv_replay, rank))
+    except DpRankError as exc:
+        raise _fail(f"{key}.kv_events", engine.kv_events, str(exc),
+                    'Give a tcp endpoint with a concrete port, e.g. "tcp://10.0.0.5:5557": '
+                    "rank r publishes on port + r.") from None
+    return dataclasses.replace(engine, name=ReplicaId(f"{engine.name}.dp{rank}"),
+                               kv_events=events, kv_replay=replay, dp_rank=rank,
+                               engine=engine.name)
 
 
 _EXTERNAL_EXAMPLE: Final = (
@@ -819,7 +852,8 @@ def _pool(name: str, data: Any) -> PoolConfig:
             'List the engines, e.g. replicas: [{name: s0, url: "http://127.0.0.1:8101"}], '
             "or read them from the Kubernetes API with kubernetes: {namespace: ..., label_selector: ...}.",
         )
-    replicas = tuple(_replica(f"{key}.replicas[{i}]", r) for i, r in enumerate(reps))
+    replicas = tuple(entry for i, r in enumerate(reps)
+                     for entry in _replica(f"{key}.replicas[{i}]", r))
     block_size = d.get("block_size")
     if block_size is not None:
         block_size = _int(f"{key}.block_size", block_size, minimum=1)

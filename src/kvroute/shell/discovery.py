@@ -587,7 +587,9 @@ class Discovery:
             self._metrics.discovery(name, exc.outcome)
             log.warning("replica %s: %s", name, exc)
             return
-        parsed = parse_vllm_metrics(body.decode("utf-8", errors="replace"), rep.pool.model)
+        rank = rep.config.dp_rank  # a DP rank reads its own engine label's series
+        parsed = parse_vllm_metrics(body.decode("utf-8", errors="replace"), rep.pool.model,
+                                    engine=None if rank is None else str(rank))
         info = rep.info
         if parsed.found:
             info.running = _as_int(parsed.num_requests_running)

@@ -56,6 +56,7 @@ from kvroute.http.server import Answer, Request, Response, StreamResponse
 from kvroute.shell.activity import Activity
 from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
+from kvroute.shell.dp_headers import dp_rank_headers
 from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
@@ -359,9 +360,11 @@ class Forwarder:
                             set_fields=fields)
 
     def _headers(self, decision: RoutingDecision) -> Mapping[str, str]:
-        """``X-Request-Id``, plus the provider's key as ``Authorization: Bearer`` when the
+        """``X-Request-Id``, the DP rank's ``X-data-parallel-rank`` when the replica is one
+        rank of a data-parallel engine, plus the provider's key as ``Authorization: Bearer`` when the
         decision's pool is external and has one (``Secrets.provider_keys``)."""
-        headers: dict[str, str] = {"X-Request-Id": decision.request.request_id}
+        headers: dict[str, str] = {"X-Request-Id": decision.request.request_id,
+                                   **dp_rank_headers(self.config, decision.replica)}
         key = self.secrets.provider_keys.get(decision.request.pool)
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"

@@ -31,6 +31,7 @@ from kvroute.core.errors import NoEligibleReplica
 from kvroute.core.scenarios import HotSession
 from kvroute.core.types import ReplicaId, RequestId
 from kvroute.core.walk import ShadowWarm, Walker
+from kvroute.shell.dp_headers import dp_rank_headers
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.wire.openai import ParsedRequest, warm_request_body
@@ -126,7 +127,9 @@ class ShadowWarmSender:
             url = base + path
             async with asyncio.timeout(self.timeout_s):
                 await self._upstream.open(url, body, stream=False,
-                                          headers={"X-Request-Id": request_id})
+                                          headers={"X-Request-Id": request_id,
+                                                   **dp_rank_headers(self._config,
+                                                                     decision.replica)})
             core.on_first_token(decision.replica, request_id)
             return True
         except (UpstreamError, TimeoutError) as exc:

@@ -80,6 +80,7 @@ from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.types import PoolName, ReplicaId, RequestId
 from kvroute.core.warm import WarmFire, chunk_bounds
 from kvroute.core.warm_slots import Offer, WarmSlots
+from kvroute.shell.dp_headers import dp_rank_headers
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.shell.state import SessionState
@@ -333,7 +334,8 @@ class WarmSender:
                     body = warm_chunk_body(ids[:end], model=job.fire.target_model,
                                            cache_salt=request.cache_salt)
                 await self._upstream.open(url + path, body, stream=False,
-                                          headers={"X-Request-Id": chunk_id})
+                                          headers={"X-Request-Id": chunk_id,
+                                                   **dp_rank_headers(self._config, replica)})
                 if len(ends) > 1:
                     self._metrics.warm("chunk", job.fire.target_pool_name)
             # NOTE: a chunked warm-up's duration includes the waits between its chunks, so

@@ -385,7 +385,8 @@ def _parse_bool(text: str | None) -> bool | None:
     return None
 
 
-def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
+def parse_vllm_metrics(text: str, model_name: str | None = None,
+                       engine: str | None = None) -> VllmMetrics:
     """Read the vLLM series kvroute uses out of a ``/metrics`` body.
 
     Args:
@@ -393,6 +394,9 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         model_name: keep only series whose ``model_name`` label equals this (series without
             a ``model_name`` label, such as ``vllm:cache_config_info``, always match). None
             keeps every model's series and sums them.
+        engine: keep only series whose ``engine`` label (the data-parallel rank) equals this
+            (series without the label always match): one rank's load out of a DP server's
+            exposition. None sums every rank.
 
     Returns:
         The metrics; see ``VllmMetrics`` for how engines are combined. Never raises on odd
@@ -416,9 +420,11 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
             models.add(sample_model)
             if model_name is not None and sample_model != model_name:
                 continue
-        engine = labels.get("engine", "")
+        rank = labels.get("engine", "")
         if "engine" in labels:
-            engines.add(engine)
+            engines.add(rank)
+            if engine is not None and rank != engine:
+                continue
         if name == CACHE_CONFIG_INFO:
             if cache_config is None:
                 cache_config = dict(labels)
@@ -426,9 +432,9 @@ def parse_vllm_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
             if lora is None or sample.value > lora[0]:
                 lora = (sample.value, labels)
         elif name == KV_CACHE_USAGE_PERC:
-            usage[engine] = usage.get(engine, 0.0) + sample.value
+            usage[rank] = usage.get(rank, 0.0) + sample.value
         elif name == GPU_CACHE_USAGE_PERC_LEGACY:
-            legacy_usage[engine] = legacy_usage.get(engine, 0.0) + sample.value
+            legacy_usage[rank] = legacy_usage.get(rank, 0.0) + sample.value
         else:
             key = _SUMMED[name]
             sums[key] = sums.get(key, 0.0) + sample.value
