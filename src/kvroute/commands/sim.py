@@ -90,6 +90,7 @@ def serve(
     kv_plan: Annotated[str | None, typer.Option(help="KV blocks from `kvroute plan`: MODEL@GPU[,tp=N][,util=F][,reserve=GIB] (instead of --num-gpu-blocks).")] = None,
     cpu_offload_blocks: Annotated[int, typer.Option(help="Blocks of a CPU tier (vLLM native offloading: BlockStored with medium CPU); 0: none.")] = 0,
     cpu_load_s_per_block: Annotated[float, typer.Option(help="Seconds to load one block back from the CPU tier.")] = 0.0,
+    data_parallel_size: Annotated[int, typer.Option(help="Engine ranks behind this one server (vLLM --data-parallel-size): rank r publishes on the --kv-events port + r and serves requests with X-data-parallel-rank: r.")] = 1,
 ) -> None:
     """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -112,6 +113,7 @@ def serve(
             lora_modules=_parse_lora_modules(lora_modules or []), max_loras=max_loras,
             reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
             cpu_offload_blocks=cpu_offload_blocks, cpu_load_s_per_block=cpu_load_s_per_block,
+            data_parallel_size=data_parallel_size,
         )
 
         def ready(server: SimServer) -> None:

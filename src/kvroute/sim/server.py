@@ -23,7 +23,7 @@ Routes (what a router or gateway can observe of vLLM 0.32):
 ``GET /v1/models``                      one card per served name, with ``max_model_len``
 ``GET /health`` ``/version`` ``/load``  200 empty / ``{"version": "0.32.0"}`` / in-flight count
 ``GET /metrics``                        vLLM's Prometheus names and labels
-``GET /kv_event_sources``               ``{"0": KVEventsConfig}`` with the bound endpoints
+``GET /kv_event_sources``               ``{"<rank>": KVEventsConfig}`` with the bound endpoints
 ``POST /reset_prefix_cache``            vLLM dev-mode route, always on here; 200 and an
                                         ``AllBlocksCleared`` batch, or 500 while requests hold
                                         blocks (the engine refuses, as vLLM's does)
@@ -50,6 +50,15 @@ the rendered chat template) when a ``max_chars_per_token`` is known: the Hugging
 tokenizer's longest vocabulary string, as vLLM computes it, or
 ``SimServerConfig.max_chars_per_token``. The built-in tokenizer has no such bound (any word is
 one token), so without the option it skips the pre-check.
+
+Data parallel (``data_parallel_size`` N > 1, vLLM's ``--data-parallel-size``): one HTTP server
+in front of N engine ranks, each its own ``EngineModel`` (own batch, own KV cache), stepped by
+its own driver, publishing on its own endpoints (the configured ones at vLLM's per-rank
+offset, ``wire.dp_rank.offset_endpoint_port``: port + r, or a free port each for port 0) with
+``data_parallel_rank`` = r in every batch. A request with ``X-data-parallel-rank: r`` runs on
+rank r (a rank outside ``[0, N)`` is a 400, as vLLM answers); without it the server picks the
+rank as vLLM's ``DPLBAsyncMPClient`` does: the lowest ``4 × waiting + running``, first rank on
+ties. ``/metrics`` has one ``engine`` label per rank and ``/kv_event_sources`` one entry each.
 
 Completions accept one prompt per request (a string, token ids, or a one-element list of
 either); a batch of several prompts is refused with a 400 that says so.
@@ -104,6 +113,7 @@ from kvroute.tokenize.sim_vocab import (
     load_tokenizer,
 )
 from kvroute.wire import openai as oa
+from kvroute.wire.dp_rank import DP_RANK_HEADER, DpRankError, offset_endpoint_port, parse_dp_rank
 from kvroute.wire.overflow_styles import (
     OverflowCase,
     check_overflow,
@@ -215,6 +225,10 @@ class SimServerConfig:
             Without one, a budget is refused with vLLM's 400.
         cpu_offload_blocks / cpu_load_s_per_block: the engine's CPU tier, as vLLM's native
             offloading (``engine/offload.py``: ``BlockStored`` with ``medium="CPU"``); 0: none.
+        data_parallel_size: engine ranks behind the one HTTP server (module docstring, "Data
+            parallel"); 1: one engine, whose batches carry ``data_parallel_rank``.
+        data_parallel_rank: with one rank, the rank its batches and ``/kv_event_sources``
+            name (an engine of an externally balanced DP deployment); 0 with several.
     """
 
     model: str = "sim-model"
@@ -248,6 +262,7 @@ class SimServerConfig:
     sleep_scale: float = 1.0
     timing: StepTiming | None = None
     data_parallel_rank: int = 0
+    data_parallel_size: int = 1
     extra_cache_labels: Mapping[str, str] = field(default_factory=dict)
     max_chars_per_token: int | None = None
     fault_injection: bool = False
@@ -280,6 +295,21 @@ class SimServerConfig:
                 )
         if self.max_loras < 1:
             raise ConfigError(f"max_loras={self.max_loras} must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size={self.data_parallel_size} must be >= 1")
+        if self.data_parallel_size > 1 and self.data_parallel_rank != 0:
+            raise ConfigError(
+                f"data_parallel_rank={self.data_parallel_rank} with data_parallel_size="
+                f"{self.data_parallel_size}: the ranks of one server are 0..size-1; leave "
+                "data_parallel_rank at 0"
+            )
+        if self.data_parallel_size > 1:
+            for endpoint in (self.kv_events, self.kv_replay):
+                if endpoint is not None:
+                    try:
+                        offset_endpoint_port(endpoint, self.data_parallel_size - 1)
+                    except DpRankError as exc:
+                        raise ConfigError(str(exc)) from None
         if self.kv_events_socket not in ("bind", "vllm"):
             raise ConfigError(
                 f"kv_events_socket={self.kv_events_socket!r} must be 'bind' (always bind the "
@@ -594,12 +624,20 @@ class SimServer:
         # prompt would otherwise re-hash it every time, the largest CPU cost of a zero-time
         # engine, which benchmarks of router overhead run eight of on two cores.
         self._hash_memo = BlockHashMemo(self.hasher)
-        self.engine = EngineModel(self.engine_config, hasher=self.hasher)
+        self.engines: list[EngineModel] = [
+            EngineModel(self.engine_config, hasher=self.hasher)
+            for _ in range(config.data_parallel_size)
+        ]
+        """One engine per data-parallel rank, in rank order."""
+        self.engine = self.engines[0]
         self.error_style = resolve_style(config.error_style)
         self.created = int(time.time())
         self._perm_id = "modelperm-" + uuid.uuid4().hex[:16]
         self._publisher: KVEventPublisher | None = None
+        self._publishers: list[KVEventPublisher] = []
         self.driver: EngineDriver | None = None
+        """Rank 0's driver (the only one without data parallelism)."""
+        self.drivers: list[EngineDriver] = []
         self._http: HttpServer | None = None
         self._ids = itertools.count()
         self._in_flight = 0
@@ -641,6 +679,16 @@ class SimServer:
     def kv_replay_endpoint(self) -> str | None:
         return self._publisher.replay_endpoint if self._publisher is not None else None
 
+    @property
+    def kv_events_endpoints(self) -> list[str]:
+        """Every rank's bound PUB endpoint, in rank order (empty without events)."""
+        return [pub.endpoint for pub in self._publishers]
+
+    @property
+    def kv_replay_endpoints(self) -> list[str | None]:
+        """Every rank's replay endpoint, in rank order (empty without events)."""
+        return [pub.replay_endpoint for pub in self._publishers]
+
     def ready_info(self) -> dict[str, Any]:
         """What ``kvroute sim serve`` prints once it is listening (one JSON line)."""
         return {
@@ -654,6 +702,8 @@ class SimServer:
             "kv_events_connect": self.kv_events_connect,
             "kv_replay": self.kv_replay_endpoint,
             "kv_topic": self.config.kv_topic,
+            "data_parallel_size": self.config.data_parallel_size,
+            "kv_events_by_rank": self.kv_events_endpoints,
         }
 
     async def start(self) -> None:
@@ -663,26 +713,28 @@ class SimServer:
             OSError: a port is taken. ``zmq.ZMQError``: a ZMQ endpoint cannot be bound.
         """
         cfg = self.config
-        publish: Callable[[Sequence[Any]], object] | None = None
-        if cfg.kv_events is not None:
-            pub = KVEventPublisher(
-                cfg.kv_events,
-                replay_endpoint=cfg.kv_replay,
-                topic=cfg.kv_topic,
-                buffer_steps=cfg.kv_buffer_steps,
-                data_parallel_rank=cfg.data_parallel_rank,
-                socket_mode=cfg.kv_events_socket,
-            )
-            pub.start()
-            self._publisher = pub
-            faults = self.faults
-
-            def publish_batch(events: Sequence[Any]) -> int:
-                return pub.publish(events, skip_send=faults.take_drop())
-
-            publish = publish_batch
-        self.driver = EngineDriver(self.engine, publish=publish, sleep_scale=cfg.sleep_scale)
-        self.driver.start()
+        single = cfg.data_parallel_size == 1
+        for rank, engine in enumerate(self.engines):
+            publish: Callable[[Sequence[Any]], object] | None = None
+            if cfg.kv_events is not None:
+                pub = KVEventPublisher(
+                    offset_endpoint_port(cfg.kv_events, rank),
+                    replay_endpoint=(None if cfg.kv_replay is None
+                                     else offset_endpoint_port(cfg.kv_replay, rank)),
+                    topic=cfg.kv_topic,
+                    buffer_steps=cfg.kv_buffer_steps,
+                    data_parallel_rank=cfg.data_parallel_rank if single else rank,
+                    socket_mode=cfg.kv_events_socket,
+                )
+                pub.start()
+                self._publishers.append(pub)
+                publish = self._publish_for(pub)
+            driver = EngineDriver(engine, publish=publish, sleep_scale=cfg.sleep_scale)
+            driver.stats.engine = cfg.data_parallel_rank if single else rank
+            driver.start()
+            self.drivers.append(driver)
+        self._publisher = self._publishers[0] if self._publishers else None
+        self.driver = self.drivers[0]
         http = self._http = self.build_http()
         try:
             self.port = await http.start(cfg.host, cfg.port, backlog=2048)
@@ -690,16 +742,24 @@ class SimServer:
             await self.stop()
             raise
 
+    def _publish_for(self, pub: KVEventPublisher) -> Callable[[Sequence[Any]], int]:
+        faults = self.faults
+
+        def publish_batch(events: Sequence[Any]) -> int:
+            return pub.publish(events, skip_send=faults.take_drop())
+
+        return publish_batch
+
     async def stop(self) -> None:
-        """Stop HTTP, the engine loop and the publisher. Idempotent."""
+        """Stop HTTP, the engine loops and the publishers. Idempotent."""
         http, self._http = self._http, None
         if http is not None:
             await http.close(grace_s=_SHUTDOWN_GRACE_S)
-        if self.driver is not None:
-            await self.driver.stop()
-            self.driver = None
-        pub, self._publisher = self._publisher, None
-        if pub is not None:
+        drivers, self.drivers, self.driver = self.drivers, [], None
+        for driver in drivers:
+            await driver.stop()
+        pubs, self._publishers, self._publisher = self._publishers, [], None
+        for pub in pubs:
             pub.close()
 
     async def __aenter__(self) -> Self:
@@ -917,9 +977,27 @@ class SimServer:
     async def _completions(self, request: Request) -> Response | StreamResponse:
         return await self._generate(request, "completions")
 
-    def _submit(self, prep: _Prepared, rid: str) -> Submitted:
-        driver = self.driver
-        assert driver is not None, "the server is not started"
+    def _rank_for(self, request: Request) -> int:
+        """The rank that serves ``request``: its ``X-data-parallel-rank``, else vLLM's
+        load balancer's pick (module docstring, "Data parallel")."""
+        size = self.config.data_parallel_size
+        header = request.headers.get(DP_RANK_HEADER.lower())
+        if header is not None:
+            try:
+                return parse_dp_rank(header, size)
+            except DpRankError as exc:
+                raise _error(str(exc)) from None
+        if size == 1:
+            return 0
+        scores = []
+        for engine in self.engines:
+            m = engine.metrics()
+            scores.append(4 * m.num_requests_waiting + m.num_requests_running)
+        return scores.index(min(scores))
+
+    def _submit(self, prep: _Prepared, rid: str, rank: int = 0) -> Submitted:
+        assert self.drivers, "the server is not started"
+        driver = self.drivers[rank]
         parsed = prep.parsed
         seed = parsed.body.get("seed")
         seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
@@ -982,11 +1060,11 @@ class SimServer:
         try:
             prep = self._prepare(raw, endpoint)
             rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
-            submitted = self._submit(prep, rid)
+            rank = self._rank_for(request)
+            submitted = self._submit(prep, rid, rank)
         except _BadRequest as exc:
             return self._answer(exc)
-        driver = self.driver
-        assert driver is not None
+        driver = self.drivers[rank]
         stream = submitted.stream
         self._in_flight += 1
         kill = fault.kill_after_tokens
@@ -1276,13 +1354,17 @@ class SimServer:
         return labels
 
     async def _metrics(self, request: Request) -> Response:
-        driver = self.driver
-        assert driver is not None
-        text = render_vllm_metrics([driver.snapshot()], model_name=self.config.model,
+        assert self.drivers, "the server is not started"
+        text = render_vllm_metrics([d.snapshot() for d in self.drivers],
+                                   model_name=self.config.model,
                                    cache_config=self.cache_config_labels(),
                                    created_s=float(self.created))
         if self.engine_config.max_loras is not None:
             running, waiting = self.engine.lora_adapters()
+            for other in self.engines[1:]:  # one series for the server, as rank 0's plus
+                more_running, more_waiting = other.lora_adapters()
+                running = [*running, *(a for a in more_running if a not in running)]
+                waiting = [*waiting, *(a for a in more_waiting if a not in waiting)]
             text += (
                 "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
                 "# TYPE vllm:lora_requests_info gauge\n"
@@ -1295,18 +1377,29 @@ class SimServer:
 
     async def _kv_event_sources(self, request: Request) -> Response:
         cfg = self.config
-        enabled = self._publisher is not None
-        source = {
-            "enable_kv_cache_events": enabled,
-            "publisher": "zmq" if enabled else "null",
-            "endpoint": self.kv_events_endpoint if enabled else "tcp://*:5557",
-            "replay_endpoint": self.kv_replay_endpoint,
+        if not self._publishers:
+            ranks = ([cfg.data_parallel_rank] if cfg.data_parallel_size == 1
+                     else list(range(cfg.data_parallel_size)))
+            return self._json({str(rank): self._event_source(None, rank) for rank in ranks})
+        if cfg.data_parallel_size == 1:
+            return self._json({str(cfg.data_parallel_rank):
+                               self._event_source(self._publishers[0], 0)})
+        return self._json({str(rank): self._event_source(pub, rank)
+                           for rank, pub in enumerate(self._publishers)})
+
+    def _event_source(self, pub: KVEventPublisher | None, rank: int) -> dict[str, Any]:
+        """One rank's ``KVEventsConfig`` as ``/kv_event_sources`` shows it."""
+        cfg = self.config
+        return {
+            "enable_kv_cache_events": pub is not None,
+            "publisher": "zmq" if pub is not None else "null",
+            "endpoint": pub.endpoint if pub is not None else "tcp://*:5557",
+            "replay_endpoint": pub.replay_endpoint if pub is not None else None,
             "buffer_steps": cfg.kv_buffer_steps,
             "hwm": 100_000,
             "max_queue_size": 100_000,
             "topic": cfg.kv_topic,
         }
-        return self._json({str(cfg.data_parallel_rank): source})
 
     async def _faults_get(self, request: Request) -> Response:
         return self._json(self.faults.state())
@@ -1327,9 +1420,9 @@ class SimServer:
         return self._json(self.faults.state())
 
     async def _reset_prefix_cache(self, request: Request) -> Response:
-        driver = self.driver
-        assert driver is not None
-        if driver.reset_prefix_cache():
+        assert self.drivers, "the server is not started"
+        reset = [driver.reset_prefix_cache() for driver in self.drivers]  # every rank tries
+        if all(reset):
             return Response(status=200)
         return self._json({"error": "Failed to reset prefix cache: requests are running"}, 500)
 
