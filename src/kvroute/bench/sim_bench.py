@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kvroute.bench.bounds import BoundsReport, compute_bounds
 from kvroute.bench.policy_params import PolicyParams
@@ -79,6 +79,11 @@ class SimBenchSpec:
         jitter_s: trace replays only: seeded uniform jitter in ``[0, jitter_s)`` added to
             each arrival (the conversation trace quantises arrivals to 3-second buckets), so
             that seeds give different but equally plausible arrival orders.
+        data_parallel_size: engine ranks per replica (``FleetConfig.data_parallel_size``);
+            the fleet has ``replicas`` x this many engines.
+        dp_routing: with ranks, who picks the rank, one run per mode and policy: ``aware``
+            (the router, each rank its own target) and/or ``blind`` (the engine's API server,
+            as vLLM's load balancer; the row is labelled ``<policy>/rank-blind``).
     """
 
     workload: str = "trace"
@@ -102,6 +107,8 @@ class SimBenchSpec:
     shared_store: float = 0.0
     shared_gbps: float = 10.0
     kv_bytes_per_token: int = 131_072
+    data_parallel_size: int = 1
+    dp_routing: tuple[str, ...] = ("aware",)
 
     def engine_profile(self) -> TimingProfile:
         """The profile every engine runs: ``profile`` with the KV capacity and CPU tier of
@@ -119,9 +126,10 @@ class SimBenchSpec:
         return self.kv_bytes_per_token * profile.block_size
 
     def shared_store_blocks(self) -> int:
-        """The shared store: ``shared_store`` x the fleet's usable device blocks."""
+        """The shared store: ``shared_store`` x the fleet's usable device blocks (every rank's)."""
         profile = self.engine_profile()
-        return int(self.shared_store * self.replicas * (profile.num_gpu_blocks - 1))
+        return int(self.shared_store * self.replicas * self.data_parallel_size
+                   * (profile.num_gpu_blocks - 1))
 
     def run_policy_params(self, policy: str) -> dict[str, float]:
         """A policy's parameters for a run: kvroute learns each tier's load time per token
@@ -172,9 +180,22 @@ class SimBenchSpec:
                 raise ConfigError(f"{name} must be > 0, got {value}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ConfigError(f"KV blocks per engine must be >= 2, got {self.num_gpu_blocks}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        bad = [m for m in self.dp_routing if m not in DP_ROUTING_MODES]
+        if bad or not self.dp_routing:
+            raise ConfigError(f"--dp-routing takes {' and/or '.join(DP_ROUTING_MODES)}, "
+                              f"comma-separated; got {list(self.dp_routing)}")
+        if "blind" in self.dp_routing and self.data_parallel_size == 1:
+            raise ConfigError("--dp-routing blind needs --data-parallel-size 2 or more: "
+                              "with one rank there is no rank to pick")
         for policy in self.policies:
             make_policy(policy, random.Random(0), **self.run_policy_params(policy))
         self.engine_profile().engine_config()
+
+
+DP_ROUTING_MODES: Final = ("aware", "blind")
+"""Who picks a data-parallel rank: the router (``aware``) or the engine's API server."""
 
 
 def build_workload(spec: SimBenchSpec, *, rate_scale: float, seed: int) -> list[WorkloadRequest]:
@@ -216,22 +237,25 @@ def run_sim_bench(
         for seed in spec.seeds:
             workload = build_workload(spec, rate_scale=rate, seed=seed)
             digests = DigestCache(BlockHasher("sha256", profile.block_size))
-            for policy in spec.policies:
+            for policy, mode in ((p, m) for p in spec.policies for m in spec.dp_routing):
+                label = policy if mode == "aware" else f"{policy}/rank-blind"
                 if on_run_start is not None:
-                    on_run_start(policy, rate, seed, len(workload))
+                    on_run_start(label, rate, seed, len(workload))
                 config = FleetConfig(num_replicas=spec.replicas, profile=profile, policy=policy,
                                      policy_params=spec.run_policy_params(policy),
                                      seed=seed, ttft_slo_s=spec.ttft_slo_s,
                                      itl_slo_s=spec.itl_slo_s,
                                      shared_store_blocks=shared_blocks,
-                                     shared_load_s_per_block=shared_load)
+                                     shared_load_s_per_block=shared_load,
+                                     data_parallel_size=spec.data_parallel_size,
+                                     rank_blind=mode == "blind")
                 started = time.perf_counter()
                 result = FleetSimulation(config, workload, digests=digests,
                                          progress=on_progress).run()
                 wall = time.perf_counter() - started
-                results[(policy, rate, seed)] = result
+                results[(label, rate, seed)] = result
                 summary = result.summary()
-                runs.append({"policy": policy, "rate_scale": rate, "seed": seed,
+                runs.append({"policy": label, "rate_scale": rate, "seed": seed,
                              "wall_s": round(wall, 3), **summary})
     report = {
         "policies": _aggregate(runs, spec.rate_scales),
@@ -255,7 +279,8 @@ def run_bounds(spec: SimBenchSpec) -> dict[int, BoundsReport]:
         seeds = seeds[:1]
     return {
         seed: compute_bounds(build_workload(spec, rate_scale=spec.rate_scales[0], seed=seed),
-                             profile, spec.replicas, shared_blocks=spec.shared_store_blocks())
+                             profile, spec.replicas * spec.data_parallel_size,  # engines
+                             shared_blocks=spec.shared_store_blocks())
         for seed in seeds
     }
 
@@ -292,6 +317,7 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
         "block_tokens": (spec.block_tokens or trace_block_tokens(spec.trace)) if trace else None,
         "trace_sessions": spec.trace_sessions if trace else None,
         "replicas": spec.replicas, "profile": spec.profile,
+        "data_parallel_size": spec.data_parallel_size, "dp_routing": list(spec.dp_routing),
         "profile_source": profile_source, "rate_scales": list(spec.rate_scales),
         "policies": list(spec.policies), "seeds": list(spec.seeds), "limit": spec.limit,
         "ttft_slo_s": spec.ttft_slo_s, "itl_slo_s": spec.itl_slo_s,
@@ -351,7 +377,10 @@ def table_title(report: dict[str, Any]) -> str:
     """The printed table's title: the workload, the fleet, the rate and the SLO."""
     c = report["config"]
     name = c["trace"] if c["workload"] == "trace" else c["workload"]
-    return (f"{name}: {c['replicas']} replicas, {c['profile']}, rate x{c['rate_scales'][0]:g}, "
+    dp = c.get("data_parallel_size", 1)
+    ranks = f" x {dp} DP ranks" if dp > 1 else ""
+    return (f"{name}: {c['replicas']} replicas{ranks}, {c['profile']}, "
+            f"rate x{c['rate_scales'][0]:g}, "
             f"SLO TTFT <= {c['ttft_slo_s']:g} s and ITL/req <= {c['itl_slo_s'] * 1e3:g} ms")
 
 

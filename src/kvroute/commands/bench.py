@@ -98,6 +98,13 @@ def bench_sim(
     shared_store: Annotated[float, typer.Option(help="A store shared by the fleet, as a multiple "
                                                 "of the fleet's GPU KV (LMCache-like; 0: none).")] = 0.0,
     shared_gbps: Annotated[float, typer.Option(help="Shared store load bandwidth, GB/s.")] = 10.0,
+    data_parallel_size: Annotated[int, typer.Option(help="Engine ranks per replica (vLLM "
+                                                    "--data-parallel-size): the fleet has "
+                                                    "--replicas x this many engines.")] = 1,
+    dp_routing: Annotated[str, typer.Option(help="Who picks the rank, comma-separated: "
+                                            "'aware' (the router, X-data-parallel-rank), "
+                                            "'blind' (the engine's load balancer; rows "
+                                            "labelled POLICY/rank-blind).")] = "aware",
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
     params: dict[str, Any] = {}
@@ -117,7 +124,8 @@ def bench_sim(
             policy_params=parse_policy_params(policy_param or [], chosen),
             trace_sessions=trace_sessions, workload_params=params, jitter_s=jitter,
             cpu_tier=cpu_tier, cpu_gbps=cpu_gbps, shared_store=shared_store,
-            shared_gbps=shared_gbps, **kv,
+            shared_gbps=shared_gbps, data_parallel_size=data_parallel_size,
+            dp_routing=tuple(m.strip() for m in dp_routing.split(",") if m.strip()), **kv,
         )
         spec.validate()
     if bounds:

@@ -330,6 +330,16 @@ class FleetConfig:
             A/B arm, a failover backup).
         restarts: replicas restarted on other weights (:class:`Restart`). With restarts or
             scenarios every replica starts with version ``v1`` (``FIRST_VERSION``).
+        data_parallel_size: engine ranks per replica (vLLM ``--data-parallel-size``): every
+            replica is that many engines ``<name>.dp<r>``, each with the pool's full KV and
+            batch, behind one API server. The fleet then has ``num_replicas`` x this many
+            engines.
+        rank_blind: with ``data_parallel_size`` > 1, the router sees one target per replica
+            (its ranks' capacity and prefill rate summed, every rank's events under the
+            replica's name) and the API server picks the rank as vLLM's ``DPLBAsyncMPClient``
+            does (lowest ``4 x waiting + running``, first rank on ties; read at once, where
+            vLLM reads counts up to 100 ms old), not the router. False: the router routes
+            to each rank as its own target and names it (``X-data-parallel-rank``).
     """
 
     num_replicas: int
@@ -362,8 +372,15 @@ class FleetConfig:
     shared_load_s_per_block: float = 0.0
     scenarios: RouteScenarios | None = None
     restarts: tuple[Restart, ...] = ()
+    data_parallel_size: int = 1
+    rank_blind: bool = False
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.rank_blind and (self.restarts or self.outages or self.scenarios is not None):
+            raise ConfigError("rank_blind fleets take no restarts, outages or scenarios: "
+                              "those name engines, and a rank-blind router sees replicas")
         if self.shared_store_blocks < 0 or not self.shared_load_s_per_block >= 0:
             raise ConfigError(
                 f"FleetConfig.shared_store_blocks={self.shared_store_blocks} and "
@@ -628,7 +645,14 @@ class FleetSimulation:
         self.pool_names = tuple(PoolName(p.name) for p in self.pools)
         specs: list[PoolSpec] = []
         self.engines: dict[ReplicaId, EngineModel] = {}
+        """Every engine (one per DP rank), by name; ``pool_of`` and the records use these."""
         self.pool_of: dict[ReplicaId, PoolName] = {}
+        self._router_name: dict[ReplicaId, ReplicaId] = {}
+        """Engine -> the target the router knows it as (itself, or its replica when blind)."""
+        self._ranks: dict[ReplicaId, tuple[ReplicaId, ...]] = {}
+        """Router target -> the engines behind it, in rank order."""
+        dp = config.data_parallel_size
+        blind = config.rank_blind and dp > 1
         self.shared_tier = (
             OffloadTier(config.shared_store_blocks, profile.block_size, medium=MEDIUM_STORAGE,
                         load_s_per_block=config.shared_load_s_per_block)
@@ -636,22 +660,35 @@ class FleetSimulation:
         for pool in self.pools:
             engine_config = pool.engine_config()
             prefix = "r" if not config.pools else f"{pool.name}-r"
-            names = tuple(ReplicaId(f"{prefix}{i}") for i in range(pool.num_replicas))
-            for name in names:
-                self.engines[name] = EngineModel(engine_config, hasher=self.hasher,
-                                                 shared_tier=self.shared_tier)
-                self.pool_of[name] = PoolName(pool.name)
-            rate = _profile_prefill_rate(pool.profile)
+            replicas = tuple(ReplicaId(f"{prefix}{i}") for i in range(pool.num_replicas))
+            names: list[ReplicaId] = []  # the router's targets
+            for replica in replicas:
+                ranks = (replica,) if dp == 1 else tuple(
+                    ReplicaId(f"{replica}.dp{r}") for r in range(dp))
+                for name in ranks:
+                    self.engines[name] = EngineModel(engine_config, hasher=self.hasher,
+                                                     shared_tier=self.shared_tier)
+                    self.pool_of[name] = PoolName(pool.name)
+                    self._router_name[name] = replica if blind else name
+                if blind:
+                    self._ranks[replica] = ranks
+                    names.append(replica)
+                else:
+                    self._ranks.update({name: (name,) for name in ranks})
+                    names.extend(ranks)
+            per_target = dp if blind else 1  # a blind router's target is all its ranks
+            rate = _profile_prefill_rate(pool.profile) * per_target
             timing = pool.profile.timing
             # The engine's KV capacity, as its vllm:cache_config_info would report it (less
             # the null block).
-            capacity = (engine_config.num_gpu_blocks - 1) * engine_config.block_size
+            capacity = (engine_config.num_gpu_blocks - 1) * engine_config.block_size * per_target
             specs.append(PoolSpec(PoolName(pool.name),
                                   tuple(ReplicaSpec(n, rate, capacity) for n in names),
                                   block_size=engine_config.block_size, hash_algo=config.hash_algo,
                                   decode_timing=DecodeTiming(timing.fixed_s, timing.decode_seq_s,
                                                              timing.context_token_s)))
         self.names = tuple(self.engines)
+        self.router_names = tuple(self._ranks)
         rng = random.Random(config.seed)
         self.router = RouterCore(
             specs,
@@ -660,7 +697,7 @@ class FleetSimulation:
             track_recency=config.track_recency,
         )
         if config.report_hits:
-            for name in self.engines:
+            for name in self.router_names:
                 self.router.set_hit_reports(name, True)
         needs_text = self.router._pools[self.pool_names[0]].policy.needs_text
         self.workload = list(workload)
@@ -772,7 +809,7 @@ class FleetSimulation:
                 self.router.apply_events(replica, batch)
                 self._event_counts["event_apply_ns"] += time.thread_time_ns() - started
             elif kind == _RESET:
-                for name in self.names:
+                for name in self.router_names:
                     self.router.reset_replica_index(name)
             elif kind == _SAMPLE:
                 self._sample()
@@ -896,7 +933,8 @@ class FleetSimulation:
         if decision.request.cache_salt != salt:  # a version salt (core/scenarios.py)
             salt = decision.request.cache_salt
             digests = self.digests.get(request, salt)[0]
-        admission = self.engines[replica].add_request(EngineRequest(
+        engine = self._engine_for(replica)
+        admission = self.engines[engine].add_request(EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=send.max_tokens if send.max_tokens is not None else request.output_tokens,
@@ -922,7 +960,7 @@ class FleetSimulation:
                 self._act(flight, nxt)
             return
         pool_index = send.pool_index
-        record.replica = replica
+        record.replica = engine
         record.expected_cached_tokens = decision.expected_cached_tokens
         record.pool = decision.request.pool
         record.pool_index = pool_index
@@ -934,8 +972,8 @@ class FleetSimulation:
                 self._landed.add(session)
             record.first_on_larger = True
             record.cold_ttft_s = self._cold_ttft(pool_index, request, flight.digests)
-        if replica not in self._busy:
-            self._start_step(replica)
+        if engine not in self._busy:
+            self._start_step(engine)
 
     def _drain(self, flight: _Flight) -> None:
         """The walk's notes into the run's counters and the request's record."""
@@ -988,7 +1026,8 @@ class FleetSimulation:
             salt = decision.request.cache_salt
             digests = self.digests.get(request, salt)[0]
             replica = decision.replica
-            admission = self.engines[replica].add_request(EngineRequest(
+            engine = self._engine_for(replica)
+            admission = self.engines[engine].add_request(EngineRequest(
                 request_id=wid, prompt_token_ids=request.prompt_token_ids, max_tokens=1,
                 output_length=1, cache_salt=salt, prompt_block_hashes=digests, arrival_s=now))
             if isinstance(admission, Rejection):
@@ -1000,10 +1039,10 @@ class FleetSimulation:
             self._counters[f"shadow_warm_tokens_{warm.scenario}"] += item.tokens
             self._shadow[wid] = warm
             self._warm[wid] = RequestRecord(
-                wid, now, replica=replica, num_prompt_tokens=item.tokens,
+                wid, now, replica=engine, num_prompt_tokens=item.tokens,
                 session_id=request.session_id, pool=warm.pool, requested_max_tokens=1)
-            if replica not in self._busy:
-                self._start_step(replica)
+            if engine not in self._busy:
+                self._start_step(engine)
 
     def _restart(self, restart: Restart, phase: int) -> None:
         """A replica's restart on other weights (:class:`Restart`): out of routing, drained,
@@ -1061,7 +1100,8 @@ class FleetSimulation:
             flight.wire, expected_output_tokens=1)
         decision = self.router.route(route_request)
         replica = decision.replica
-        admission = self.engines[replica].add_request(EngineRequest(
+        engine = self._engine_for(replica)
+        admission = self.engines[engine].add_request(EngineRequest(
             request_id=wid, prompt_token_ids=request.prompt_token_ids, max_tokens=1,
             output_length=1, cache_salt=flight.salt, prompt_block_hashes=flight.digests,
             arrival_s=now,
@@ -1072,12 +1112,12 @@ class FleetSimulation:
             return
         self._counters["warms_fired"] += 1
         self._warm[wid] = RequestRecord(
-            wid, now, replica=replica, num_prompt_tokens=len(request.prompt_token_ids),
+            wid, now, replica=engine, num_prompt_tokens=len(request.prompt_token_ids),
             session_id=request.session_id, pool=fire.target_pool_name,
             pool_index=fire.target_pool_index, requested_max_tokens=1,
         )
-        if replica not in self._busy:
-            self._start_step(replica)
+        if engine not in self._busy:
+            self._start_step(engine)
 
     def _cold_ttft(self, pool_index: int, request: WorkloadRequest,
                    digests: Sequence[BlockHash]) -> float:  # fmt: skip
@@ -1117,8 +1157,21 @@ class FleetSimulation:
         result = engine.step()
         self._push(self.clock.now() + result.duration_s, _STEP_DONE, (replica, result))
 
-    def _step_done(self, replica: ReplicaId, result: StepResult) -> int:
+    def _engine_for(self, replica: ReplicaId) -> ReplicaId:
+        """The engine that runs a request the router sent to ``replica``: the target itself,
+        or, for a rank-blind router, the rank vLLM's API server picks (``FleetConfig``)."""
+        ranks = self._ranks[replica]
+        if len(ranks) == 1:
+            return ranks[0]
+        scores = []
+        for name in ranks:
+            m = self.engines[name].metrics()
+            scores.append(4 * m.num_requests_waiting + m.num_requests_running)
+        return ranks[scores.index(min(scores))]
+
+    def _step_done(self, engine: ReplicaId, result: StepResult) -> int:
         now = self.clock.now()
+        replica = self._router_name[engine]
         finished = 0
         records = self._records
         for out in result.outputs:
@@ -1159,16 +1212,18 @@ class FleetSimulation:
         if self.shared_tier is not None:
             shared = self.shared_tier.take_events()
             if shared:  # the store's events, under every replica that can load from it
-                for name in self.names:
+                for name in self.router_names:
                     self._publish(name, shared, now)
         if now - self._scraped_at.get(replica, -1e18) >= self.config.metrics_interval_s:
             self._scraped_at[replica] = now
-            metrics = self.engines[replica].metrics()
+            # one rank's series, or (rank-blind) the server's: summed, usage the mean
+            ranks = [self.engines[name].metrics() for name in self._ranks[replica]]
             self.router.on_engine_metrics(
-                replica, running=metrics.num_requests_running,
-                waiting=metrics.num_requests_waiting, kv_usage=metrics.kv_cache_usage_perc,
+                replica, running=sum(m.num_requests_running for m in ranks),
+                waiting=sum(m.num_requests_waiting for m in ranks),
+                kv_usage=sum(m.kv_cache_usage_perc for m in ranks) / len(ranks),
             )
-        self._start_step(replica)
+        self._start_step(engine)
         return finished
 
     def _publish(self, replica: ReplicaId, events: Sequence[KVEvent], now: float) -> None:
