@@ -223,3 +223,24 @@ def test_the_dp_engines_api_server_behaves_as_vllms(base_port: int) -> None:
             assert sources["1"]["replay_endpoint"] == f"tcp://127.0.0.1:{base_port + 5}"
 
     asyncio.run(asyncio.wait_for(body(), 60.0))
+
+
+def test_a_subscription_that_reads_another_ranks_stream_drops_it(base_port: int) -> None:
+    """The router is given rank 1's port as the engine's base: its rank-0 subscription then
+    reads batches that say rank 1; they are dropped (and counted), not indexed as rank 0's."""
+    rng = random.Random(9)
+    prompt = [{"role": "user", "content": _words(rng, 200)}]
+
+    async def body() -> None:
+        async with _engine(base_port) as engine:
+            config = _router_config(engine, base_port + 1)  # off by one rank
+            async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+                deadline = time.monotonic() + 20.0
+                while not rt.wrong_rank_batches.get(RANK0):
+                    await _chat(session, engine.url, MODEL, prompt, {"X-data-parallel-rank": "1"})
+                    assert time.monotonic() < deadline, "rank 1's batches never reached dp0"
+                    await asyncio.sleep(0.1)
+                hashes = await _hashes(session, engine.url, prompt)
+                assert rt.core.index.match(hashes, SCOPE) == {}
+
+    asyncio.run(asyncio.wait_for(body(), 60.0))

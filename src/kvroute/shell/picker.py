@@ -43,6 +43,7 @@ from kvroute.core.walk import Fail, NeedTokens, Refuse, Send, WalkAction, WalkRe
 from kvroute.http.server import Request
 from kvroute.shell.admission import Admission, AdmissionRejected
 from kvroute.shell.app import RouterApp, request_ids
+from kvroute.shell.dp_headers import dp_rank_headers
 from kvroute.shell.forward import (
     HDR_APPROX,
     HDR_CACHED,
@@ -279,15 +280,23 @@ class Picker(Forwarder):
         self._warm(ex, send)
         body = self._body(ex, send)
         endpoints = [self._endpoints[decision.replica]]
+        # One set of request headers goes to every endpoint of the list: a DP rank's
+        # X-data-parallel-rank too. So a fallback is a replica the same header fits (the
+        # same rank of another DP engine; no rank when the chosen one has none), at another
+        # address (the chosen engine's other ranks share its address).
+        rank = dp_rank_headers(self.config, decision.replica)
         for replica in decision.ranking:
             if len(endpoints) > self.fallbacks:
                 break
             if (replica != decision.replica and replica not in decision.request.exclude
+                    and self._endpoints[replica] not in endpoints
+                    and dp_rank_headers(self.config, replica) == rank
                     and self.walker.core.is_healthy(replica)):
                 endpoints.append(self._endpoints[replica])
         picked.sent_ns = time.perf_counter_ns()
-        return Picked(tuple(endpoints), body, body is not ex.raw, picked,
-                      {"x-request-id": decision.request.request_id})
+        headers = {"x-request-id": decision.request.request_id,
+                   **{k.lower(): v for k, v in rank.items()}}  # gRPC/HTTP/2: lower-case names
+        return Picked(tuple(endpoints), body, body is not ex.raw, picked, headers)
 
     def joined(self, pool: PoolName, replica: ReplicaConfig) -> None:
         """A replica joined ``pool`` (``shell/k8s_members.py``): answer with its ``ip:port``.
@@ -305,7 +314,8 @@ class Picker(Forwarder):
             del self._replicas[address]
 
     def served_replica(self, endpoint: str) -> ReplicaId | None:
-        """The replica at ``endpoint``, if it is one of ours."""
+        """The replica at ``endpoint``, if it is one of ours (for the ranks of a
+        data-parallel engine, which share one address: the last rank)."""
         return self._replicas.get(endpoint)
 
 
@@ -364,7 +374,8 @@ class PickedWalk:
         walk, picker = self.ex.walk, self._picker
         replica = picker.served_replica(served)
         decision = walk.decision
-        if decision is None or replica == decision.replica:
+        if decision is None or replica == decision.replica \
+                or picker._endpoints.get(decision.replica) == served:  # a DP rank's address
             return True
         if replica is None or replica not in decision.ranking:
             log.warning("the gateway served request %s at %s, which is not among the "

@@ -148,6 +148,10 @@ class RouterRuntime:
         self.feedback = CacheFeedback(self.core, config.cache_drift, self.metrics.registry)
         self.subscribers: dict[ReplicaId, EventSubscriber] = {}
         self._seen: dict[ReplicaId, SubscriberStats] = {}
+        self._dp_rank: dict[ReplicaId, int] = {}
+        """The rank each DP rank's subscription must carry (``data_parallel_rank``)."""
+        self.wrong_rank_batches: dict[ReplicaId, int] = {}
+        """Batches dropped because they named another rank than the subscription's."""
         self.session: aiohttp.ClientSession | None = None
         self.engine_client: EngineClient | None = None
         self.discovery: Discovery | None = None
@@ -391,6 +395,8 @@ class RouterRuntime:
         )
         self.subscribers[rep.name] = sub
         self._seen[rep.name] = SubscriberStats()
+        if rep.dp_rank is not None:
+            self._dp_rank[rep.name] = rep.dp_rank
         sub.start().add_done_callback(self._subscriber_ended)
 
     def joined(self, pool: PoolName, replica: ReplicaConfig) -> None:
@@ -404,6 +410,7 @@ class RouterRuntime:
         self._seen.pop(replica, None)
         if self._standby is not None:
             self._standby.pop(replica, None)
+        self._dp_rank.pop(replica, None)
         if sub is not None:
             task = asyncio.create_task(sub.stop(), name=f"kvroute-unsubscribe-{replica}")
             self._stopping.add(task)
@@ -412,6 +419,18 @@ class RouterRuntime:
     # -- event callbacks (run on the subscribers' tasks, on this loop) ------------------------
 
     def _on_batch(self, replica: ReplicaId, batch: EventBatch) -> None:
+        expected = self._dp_rank.get(replica)
+        if (expected is not None and batch.data_parallel_rank is not None
+                and batch.data_parallel_rank != expected):
+            # another rank's stream on this rank's port: its blocks are not this rank's
+            dropped = self.wrong_rank_batches.get(replica, 0) + 1
+            self.wrong_rank_batches[replica] = dropped
+            if dropped == 1:
+                log.error("replica %s (data-parallel rank %d) receives batches of rank %d on "
+                          "%s; they are dropped. Set kv_events to the engine's rank-0 "
+                          "endpoint: rank r publishes on its port + r.", replica, expected,
+                          batch.data_parallel_rank, self.subscribers[replica].endpoint)
+            return
         if self.core.has_replica(replica):  # not one that left while its batch was read
             self.core.apply_events(replica, batch)
             if self.relay is not None:
