@@ -753,7 +753,15 @@ def _replica(key: str, data: Any) -> tuple[ReplicaConfig, ...]:
     size = _int(f"{key}.data_parallel_size", d.get("data_parallel_size", 1), minimum=1)
     if size == 1:
         return (one,)
-    return tuple(_dp_rank_entry(key, one, rank) for rank in range(size))
+    ranks = tuple(_dp_rank_entry(key, one, rank) for rank in range(size))
+    endpoints = [e for rank in ranks for e in (rank.kv_events, rank.kv_replay) if e is not None]
+    clash = sorted({e for e in endpoints if endpoints.count(e) > 1})
+    if clash:
+        raise _fail(f"{key}.kv_replay", one.kv_replay,
+                    f"puts a rank's events and another rank's replay on {clash[0]}",
+                    f"Rank r uses kv_events' port + r and kv_replay's port + r: leave "
+                    f"{size} ports after each, e.g. kv_replay on kv_events' port + {size}.")
+    return ranks
 
 
 def _dp_rank_entry(key: str, engine: ReplicaConfig, rank: int) -> ReplicaConfig:

@@ -67,6 +67,9 @@ def test_bad_data_parallel_settings_say_what_to_write() -> None:
     with pytest.raises(ConfigError, match="port \\+ r"):
         config([{"name": "e0", "url": "http://h:1", "data_parallel_size": 2,
                  "kv_events": "ipc:///tmp/kv"}])
+    with pytest.raises(ConfigError, match="port \\+ 2"):  # rank 1's events on rank 0's replay
+        config([{"name": "e0", "url": "http://h:1", "data_parallel_size": 2,
+                 "kv_events": "tcp://h:5557", "kv_replay": "tcp://h:5558"}])
     with pytest.raises(ConfigError, match="e0.dp1"):  # a name the ranks already take
         config([{"name": "e0", "url": "http://h:1", "data_parallel_size": 2},
                 {"name": "e0.dp1", "url": "http://h:2"}])
