@@ -240,16 +240,16 @@ class BlockHashMemo:
         hasher = self.hasher
         ints = tokens if isinstance(tokens, tuple) else token_ids
         if start == 0:
-            new = hasher.hash_blocks(ints, cache_salt=cache_salt)
+            new, new_wires = hasher.hash_blocks_and_wires(ints, cache_salt=cache_salt)
         else:
-            new = hasher.hash_blocks(ints, start_block=start, parent=digests[-1])
+            new, new_wires = hasher.hash_blocks_and_wires(ints, start_block=start,
+                                                          parent=digests[-1])
         self.hits += start
         self.misses += len(new)
         put = self._memo.put
         prev: object = ("salt", cache_salt) if start == 0 else digests[-1]
-        for offset, digest in enumerate(new):
+        for offset, (digest, wire) in enumerate(zip(new, new_wires, strict=True)):
             at = (start + offset) * step
-            wire = to_wire_hash(digest)
             put((prev, tokens[at : at + step]), ((digest,), (wire,)))
             digests.append(digest)
             wires.append(wire)

@@ -25,10 +25,12 @@ operator's to fix. Errors in the arguments of one call (negative or non-integer 
 salt vLLM would reject, unsorted multimodal items, ``start_block > 0`` without ``parent``...)
 raise :class:`ValueError`: they are the caller's (usually the client request's) to fix.
 
-Performance. ``pickle.dumps`` is used directly, and the token ids are validated in C
-(``array('Q')`` plus conversion to exact ``int``, see :func:`_validated_tokens`). A hand-built
-pickle byte string was *slower* (joining per-token opcodes in Python costs more than the C
-pickler), so there is no second serialiser to keep in sync. Figures:
+Performance. Plain blocks under ``sha256`` (vLLM's default: no extra keys, no lookahead) go
+to ``core/native_hashing.py``, whose C extension writes CPython's pickle bytes itself and
+digests them (~0.5 µs a block against ~4 µs here; the Python loop there is the fallback and
+the tests' reference). Every other case uses ``pickle.dumps`` directly, the token ids validated
+in C (``array('Q')`` plus conversion to exact ``int``, see :func:`_validated_tokens`); a
+hand-built pickle byte string *in Python* was slower than the C pickler. Figures:
 ``benchmarks/micro/bench_hashing.py``,
 ``docs/benchmarks.md#micro-benchmarks-hashing-index-handler``.
 
@@ -54,6 +56,7 @@ import cbor2
 import xxhash
 
 from kvroute.core.errors import HashConfigError
+from kvroute.core.native_hashing import sha256_chain
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash
 
 __all__ = [
@@ -359,6 +362,21 @@ def _validated_tokens(token_ids: Sequence[int]) -> tuple[int, ...]:
                     "non-negative integers (vocabulary indices)"
                 ) from exc
         raise ValueError(f"token ids are not a sequence of integers: {exc}") from exc
+
+
+def _token_array(token_ids: Sequence[int]) -> array[int]:
+    """``token_ids`` as an array of unsigned ids for ``native_hashing.sha256_chain``: an
+    ``array('I')`` as it is (the local tokenizer's output), anything else through
+    ``array('Q')`` (the same C check as :func:`_validated_tokens`, whose error it raises)."""
+    if isinstance(token_ids, array) and token_ids.typecode in "ILQ":
+        return token_ids
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+        _validated_tokens(token_ids)  # raises its ValueError
+    try:
+        return array("Q", token_ids)
+    except (TypeError, OverflowError):
+        _validated_tokens(token_ids)  # raises the ValueError that names the bad id
+        raise
 
 
 class _MultiModalScan:
@@ -684,6 +702,35 @@ class BlockHasher:
         Raises:
             ValueError: invalid token ids or request inputs, or a missing/unexpected parent.
         """
+        return self._hash(token_ids, cache_salt, lora, mm_items, prompt_embeds, start_block,
+                          parent)[0]
+
+    def hash_blocks_and_wires(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora: LoraKey | None = None,
+        start_block: int = 0,
+        parent: BlockHash | None = None,
+    ) -> tuple[list[BlockHash], list[WireHash]]:
+        """:meth:`hash_blocks` and :meth:`wire_hashes` of the same blocks in one pass (what a
+        session's chain and the memo keep)."""
+        digests, wires = self._hash(token_ids, cache_salt, lora, (), None, start_block, parent)
+        return digests, [to_wire_hash(d) for d in digests] if wires is None else wires
+
+    def _hash(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        lora: LoraKey | None,
+        mm_items: Sequence[MultiModalItem],
+        prompt_embeds: Sequence[bytes] | None,
+        start_block: int,
+        parent: BlockHash | None,
+    ) -> tuple[list[BlockHash], list[WireHash] | None]:
+        """The digests of ``hash_blocks``, and their wire hashes when the C chain computed them
+        on the way (None: the caller converts)."""
         if type(start_block) is not int or start_block < 0:
             raise ValueError(f"start_block must be an int >= 0, got {start_block!r}")
         if start_block > 0:
@@ -707,25 +754,22 @@ class BlockHasher:
         num_blocks = self.num_hashable_blocks(len(token_ids))
         plan = _KeyPlan(cache_salt, lora, mm_items, prompt_embeds)
         if start_block >= num_blocks:
-            return []
+            return [], []
         base = start_block * bs
+        if plan.empty and lookahead == 0 and self.algo == "sha256":
+            # The default: C when built (core/native_hashing.py), ~8x the Python loop.
+            return sha256_chain(parent or self.root,
+                                _token_array(token_ids[base : num_blocks * bs]), bs)
         # Only the tokens actually hashed (including lookahead tokens) are read and validated.
         tokens = _validated_tokens(token_ids[base : num_blocks * bs + lookahead])
         prev = parent or self.root
         out: list[BlockHash] = []
         if plan.empty and lookahead == 0:
-            if self.algo == "sha256":  # the default: inlined, about a third faster
-                dumps = pickle.dumps
-                sha256 = hashlib.sha256
-                for s in range(0, (num_blocks - start_block) * bs, bs):
-                    prev = BlockHash(sha256(dumps((prev, tokens[s : s + bs], None), 5)).digest())
-                    out.append(prev)
-            else:
-                fn = self._hash_fn
-                for s in range(0, (num_blocks - start_block) * bs, bs):
-                    prev = BlockHash(fn((prev, tokens[s : s + bs], None)))
-                    out.append(prev)
-            return out
+            fn = self._hash_fn
+            for s in range(0, (num_blocks - start_block) * bs, bs):
+                prev = BlockHash(fn((prev, tokens[s : s + bs], None)))
+                out.append(prev)
+            return out, None
         fn = self._hash_fn
         for index in range(start_block):  # advance the multimodal cursor only
             plan.skip(index * bs, (index + 1) * bs + lookahead)
@@ -738,7 +782,7 @@ class BlockHasher:
                 extra = (extra, *tokens[s + bs : s + bs + lookahead])
             prev = BlockHash(fn((prev, tokens[s : s + bs], extra)))
             out.append(prev)
-        return out
+        return out, None
 
     def wire_hashes(
         self,
@@ -752,15 +796,6 @@ class BlockHasher:
         parent: BlockHash | None = None,
     ) -> list[WireHash]:
         """:meth:`hash_blocks`, in the 64-bit form vLLM's KV events carry (last 8 bytes, BE)."""
-        return [
-            to_wire_hash(digest)
-            for digest in self.hash_blocks(
-                token_ids,
-                cache_salt=cache_salt,
-                lora=lora,
-                mm_items=mm_items,
-                prompt_embeds=prompt_embeds,
-                start_block=start_block,
-                parent=parent,
-            )
-        ]
+        digests, wires = self._hash(token_ids, cache_salt, lora, mm_items, prompt_embeds,
+                                    start_block, parent)
+        return [to_wire_hash(d) for d in digests] if wires is None else wires

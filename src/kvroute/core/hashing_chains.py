@@ -39,7 +39,7 @@ from typing import Final
 
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import LoraKey
-from kvroute.core.types import BlockHash, WireHash, to_wire_hash
+from kvroute.core.types import BlockHash, WireHash
 
 __all__ = ["BYTES_PER_TOKEN", "DEFAULT_CHAIN_TOKENS", "ChainStats", "SessionChains"]
 
@@ -138,11 +138,14 @@ class SessionChains:
         if chain is not None and chain.basis == basis and hashed.startswith(chain.tokens):
             start = len(chain.wires)
             if start:
-                new = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora,
-                                         start_block=start, parent=chain.last)
+                new, new_wires = hasher.hash_blocks_and_wires(
+                    token_ids, cache_salt=cache_salt, lora=lora, start_block=start,
+                    parent=chain.last)
             else:
-                new = hasher.hash_blocks(token_ids, cache_salt=cache_salt, lora=lora)
-            wires = chain.wires + [to_wire_hash(d) for d in new]
+                new, new_wires = hasher.hash_blocks_and_wires(token_ids, cache_salt=cache_salt,
+                                                              lora=lora)
+            wires = chain.wires  # the entry is replaced below: extend its list in place
+            wires += new_wires
             last = new[-1] if new else chain.last
             self.stats.extended += 1
             self.stats.blocks_reused += start
