@@ -336,3 +336,39 @@ def test_predictions_in_some_chunks_only_against_model() -> None:
         for scope in SCOPES:
             expected = model.match(request, _owner(scope), isinstance(scope, FleetScope), 0.0)
             assert index.match(request, scope) == expected, f"trial {trial}, {scope!r}"
+
+
+def test_growing_sessions_predicted_where_they_are_held_against_model() -> None:
+    """Growing sessions: each turn predicts its blocks on the replica it went to, which then
+    stores them (uniform chunks whose predictions the holder covers), with removals, other
+    media and other replicas' predictions mixed in."""
+    rng = random.Random(23)
+    for trial in range(25):
+        clock = ManualClock()
+        index = PrefixIndex(clock=clock, predicted_ttl_s=TTL_S)
+        model = Model(10**9)
+        request = [WireHash(rng.getrandbits(64)) for _ in range(rng.randint(600, 2000))]
+        replicas = [ReplicaId(f"r{r}") for r in range(rng.randint(1, 4))]
+        done = 0
+        while done < len(request):
+            end = min(len(request), done + rng.randint(50, 500))
+            replica = rng.choice(replicas)
+            scope = rng.choice(SCOPES)
+            index.add_predicted(replica, request[done:end], scope)
+            model.predict(_owner(scope), replica, request[done:end], clock.now())
+            if rng.random() < 0.8:
+                medium = rng.choice(MEDIUM_SPELLINGS)
+                chunk = tuple(request[rng.randint(0, done) if rng.random() < 0.2 else done:end])
+                index.apply_event(replica, BlockStored(chunk, None, (), 16, medium=medium))
+                model.store(replica, Medium.from_wire(medium), chunk)
+            if rng.random() < 0.2:
+                lo = rng.randint(0, end - 1)
+                gone = tuple(request[lo : rng.randint(lo, end)])
+                medium = rng.choice(MEDIUM_SPELLINGS)
+                index.apply_event(replica, BlockRemoved(gone, medium=medium))
+                model.remove(replica, Medium.from_wire(medium), gone)
+            done = end
+            for scope in SCOPES:
+                expected = model.match(request, _owner(scope), isinstance(scope, FleetScope),
+                                       0.0)
+                assert index.match(request, scope) == expected, f"trial {trial}, {scope!r}"

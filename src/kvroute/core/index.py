@@ -675,6 +675,9 @@ class PrefixIndex:
         get = self._held.get
         pred_tables = self._predicted_tables(owner)
         pred_get = self._predicted_lookup(pred_tables)
+        # A tenant's predictions by replica position (hash -> expiry): the same entries as
+        # its mask table (add_predicted, _drop_prediction and a replica's removal keep both).
+        by_pos = self._pred_expiry.get(owner) if owner is not None and pred_get else None
         # ``state`` packs the four category masks side by side, ``width`` bits each:
         # GPU | CPU << width | storage << 2*width | predicted << 3*width. A set bit at
         # ``k`` means "replica at position k % width is in category k // width since block
@@ -693,14 +696,26 @@ class PrefixIndex:
             # holders differ from the block before, and chunks let a dead run stop early.
             keys: list[Any] = list(map(get, chunk, repeat(0)))
             paired = False
-            if pred_get is not None and not all(
-                    table.keys().isdisjoint(chunk) for table in pred_tables):
-                # Predictions cover a request's newest blocks, seldom a long prompt's older
-                # ones: a chunk none of whose blocks is predicted (found by a C-level
-                # ``isdisjoint``) keeps the int keys (a key's form changing at a chunk's
-                # edge only adds a change point, which leaves the state as it was).
-                keys = list(zip(keys, map(pred_get, chunk, repeat(0)), strict=True))
-                paired = True
+            if pred_get is not None:
+                # A chunk keeps its int keys (a key's form changing at a chunk's edge only
+                # adds a change point, which leaves the state as it was) when no block in it
+                # carries a prediction that can count. A predicted bit counts only for a
+                # replica still in the run (``alive``: it never grows back) that holds the
+                # block on no medium (``alive`` and the predicted category below). So when
+                # every block of the chunk has the same holders, only those replicas' own
+                # prediction tables are probed (a growing session's chunks: the replica its
+                # turns went to holds what they predicted, and nothing is probed at all);
+                # otherwise any prediction in the chunk pairs it (C-level ``isdisjoint``).
+                m0 = keys[0]
+                if by_pos is not None and keys.count(m0) == len(keys):
+                    uncovered = alive & ~(m0 | (m0 >> 1) | (m0 >> 2))
+                    paired = uncovered != 0 and not all(
+                        table.keys().isdisjoint(chunk) for pos, table in by_pos.items()
+                        if uncovered >> pos & 1)
+                else:
+                    paired = not all(table.keys().isdisjoint(chunk) for table in pred_tables)
+                if paired:
+                    keys = list(zip(keys, map(pred_get, chunk, repeat(0)), strict=True))
             if keys.count(prev_key) == len(keys):
                 continue  # the same holders as the block before, all the chunk (one C pass)
             changed = compress(range(len(keys)), map(ne, keys, chain((prev_key,), keys)))

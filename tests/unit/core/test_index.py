@@ -427,3 +427,25 @@ def test_stats_report_sizes_and_counters(index: PrefixIndex, clock: ManualClock)
     assert stats.num_predicted == 4
     clock.advance(10)
     assert index.stats().num_predicted == 0
+
+
+def test_predictions_the_holder_already_has_leave_a_long_match_as_it_was(
+        index: PrefixIndex) -> None:
+    """A growing session's chunks: the replica its turns went to holds and predicts the same
+    blocks (the chunk keeps its int keys), against predictions for a replica that holds them
+    nowhere or only in part, or holds them on another medium (counted as before)."""
+    chain = list(range(1000, 1000 + 1200))
+    index.apply_event(A, stored(*chain[:900]))
+    index.apply_event(A, stored(*chain[600:700], medium="CPU"))
+    index.add_predicted(A, hs(*chain), T1)  # held to 900, predicted to 1200
+    assert match(index, chain) == {A: PrefixMatch(900, 0, 0, 300)}
+    index.add_predicted(B, hs(*chain[:520]), T1)  # B holds nothing: predicted only
+    index.apply_event(B, stored(*chain[:10], medium="STORAGE"))
+    assert match(index, chain) == {A: PrefixMatch(900, 0, 0, 300),
+                                   B: PrefixMatch(0, 0, 10, 510)}
+    index.apply_event(A, removed(*chain[300:310]))  # a gap: predicted fills it for A
+    assert match(index, chain) == {A: PrefixMatch(890, 0, 0, 310),
+                                   B: PrefixMatch(0, 0, 10, 510)}
+    index.apply_event(A, removed(*chain[600:700]))  # CPU copies remain there
+    assert match(index, chain) == {A: PrefixMatch(790, 100, 0, 310),
+                                   B: PrefixMatch(0, 0, 10, 510)}
