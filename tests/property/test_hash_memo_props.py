@@ -31,12 +31,13 @@ def _as(form: str, tokens: list[int]) -> Sequence[int]:
     block_size=st.sampled_from([1, 4, 16]),
     algo=st.sampled_from(sorted(HASH_ALGOS)),
     max_entries=st.sampled_from([0, 3, 1000]),
+    per_block=st.booleans(),
 )
 def test_memo_equals_hasher_on_shared_prefixes(
         prefix: list[int], suffixes: list[tuple[list[int], str | None, str]], block_size: int,
-        algo: str, max_entries: int) -> None:
+        algo: str, max_entries: int, per_block: bool) -> None:
     hasher = BlockHasher(algo, block_size, seed="0" if algo.startswith("xxhash") else None)
-    memo = BlockHashMemo(hasher, max_entries=max_entries)
+    memo = BlockHashMemo(hasher, max_entries=max_entries, per_block=per_block)
     for suffix, salt, form in suffixes * 2:  # the second round runs on a warm memo
         tokens = prefix + suffix
         ids = _as(form, tokens)
@@ -49,7 +50,7 @@ def test_memo_equals_hasher_on_shared_prefixes(
 
 def test_array_and_list_of_one_prompt_are_memoised_apart_and_both_hit() -> None:
     hasher = BlockHasher("sha256", 16)
-    memo = BlockHashMemo(hasher)
+    memo = BlockHashMemo(hasher, per_block=True)
     tokens = list(range(16 * 20 + 5))  # 20 blocks (2 spans, 4 blocks) and a partial block
     expected = hasher.wire_hashes(tokens, cache_salt="acme")
     assert memo.wire_hashes(array("I", tokens), cache_salt="acme") == expected
@@ -65,7 +66,7 @@ def test_array_and_list_of_one_prompt_are_memoised_apart_and_both_hit() -> None:
 
 def test_memo_hits_the_shared_prefix_and_stays_bounded() -> None:
     hasher = BlockHasher("sha256", 16)
-    memo = BlockHashMemo(hasher, max_entries=100)
+    memo = BlockHashMemo(hasher, max_entries=100, per_block=True)
     system = list(range(320))  # 20 blocks shared by every request
     for question in range(5):
         memo.wire_hashes(system + [1000 + question] * 32)
@@ -74,6 +75,19 @@ def test_memo_hits_the_shared_prefix_and_stays_bounded() -> None:
     for question in range(200):
         memo.wire_hashes([5000 + question] * 64)
     assert len(memo) == 100
+
+
+def test_spans_only_hashes_from_the_first_span_that_misses() -> None:
+    """With the C hasher the memo keeps spans only: the blocks after the last full span hit
+    are hashed again, the same hashes."""
+    hasher = BlockHasher("sha256", 16)
+    memo = BlockHashMemo(hasher, max_entries=100, per_block=False)
+    system = list(range(320))  # 20 blocks: 2 spans of 8, then 4 blocks
+    for question in range(5):
+        tokens = system + [1000 + question] * 32
+        assert memo.wire_hashes(array("I", tokens)) == hasher.wire_hashes(tokens)
+    assert memo.misses == 22 + 4 * 6 and memo.hits == 4 * 16
+    assert len(memo) == 2  # the two shared spans; no block entries
 
 
 def test_salt_separates_and_lora_bypasses() -> None:

@@ -14,6 +14,12 @@ span is memoised once all its blocks are known. A long shared prefix (a system p
 blocks) then costs about a dozen dict probes instead of ninety, the per-block Python loop
 being most of what a memo hit costs.
 
+Spans only, when the C hasher serves (``core/native_hashing.py``: ``sha256`` built with the
+extension): hashing a block there (~0.5 µs) costs less than memoising it (a key, two tuples
+and a dict write) and about what a lookup costs, so the walk then keeps and probes spans only
+and hashes everything from the first span that misses (at most ``SPAN_BLOCKS - 1`` blocks of
+a diverging span are hashed again). ``per_block`` chooses; the results are the same.
+
 Why: hashing is the router's largest per-token cost (sha256 of a pickled block), and most of a
 prompt's blocks (system prompt, earlier turns) were hashed for an earlier request, while a memo
 lookup costs a slice and a dict probe (figures:
@@ -55,6 +61,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from kvroute.core.hashing import BlockHasher, LoraKey
+from kvroute.core.native_hashing import NATIVE
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash
 
 __all__ = ["DEFAULT_MEMO_BLOCKS", "BlockHashMemo"]
@@ -139,14 +146,19 @@ class BlockHashMemo:
         hasher: the engine configuration's hasher (its result is the truth).
         max_entries: bound on memoised entries (blocks and spans), evicted a segment at a
             time, oldest first, hits refreshed (module doc; 0: no memo).
+        per_block: memoise single blocks as well as spans (None: unless the C hasher serves
+            this hasher, module doc).
     """
 
-    __slots__ = ("_memo", "hasher", "hits", "max_entries", "misses")
+    __slots__ = ("_memo", "hasher", "hits", "max_entries", "misses", "per_block")
 
-    def __init__(self, hasher: BlockHasher, max_entries: int = DEFAULT_MEMO_BLOCKS) -> None:
+    def __init__(self, hasher: BlockHasher, max_entries: int = DEFAULT_MEMO_BLOCKS, *,
+                 per_block: bool | None = None) -> None:
         if max_entries < 0:
             raise ValueError(f"max_entries={max_entries} must be >= 0 (0 turns the memo off)")
         self.hasher = hasher
+        self.per_block = (not (NATIVE and hasher.algo == "sha256") if per_block is None
+                          else per_block)
         self.max_entries = max_entries
         self._memo = _Segments(max_entries)
         self.hits = 0
@@ -207,7 +219,7 @@ class BlockHashMemo:
         first_missed_span = block
         while block < num_blocks:
             start = block * step
-            found = get((parent, tokens[start : start + step]))
+            found = get((parent, tokens[start : start + step])) if self.per_block else None
             if found is None:
                 self._fill(token_ids, tokens, step, block, cache_salt, digests, wires)
                 break
@@ -232,7 +244,7 @@ class BlockHashMemo:
     def _fill(self, token_ids: Sequence[int], tokens: _Tokens, step: int, start: int,
               cache_salt: str | None, digests: list[BlockHash], wires: list[WireHash]) -> None:
         """Hash blocks ``start..`` with the hasher, append them to ``digests``/``wires`` and
-        memoise them under slices of ``tokens`` (``step`` a block).
+        (``per_block``) memoise them under slices of ``tokens`` (``step`` a block).
 
         The hasher reads ints: the tuple of the hashable prefix when keys are tuples (already
         built; a lazy sequence is not materialised twice), else the ``array('I')`` itself (it
@@ -246,6 +258,10 @@ class BlockHashMemo:
                                                           parent=digests[-1])
         self.hits += start
         self.misses += len(new)
+        if not self.per_block:
+            digests += new
+            wires += new_wires
+            return
         put = self._memo.put
         prev: object = ("salt", cache_salt) if start == 0 else digests[-1]
         for offset, (digest, wire) in enumerate(zip(new, new_wires, strict=True)):
