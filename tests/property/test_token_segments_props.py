@@ -200,3 +200,62 @@ def test_deferred_checks_leave_the_caller_and_report_through_check(
     whole_calls.clear()
     seg2.encode(text)
     assert text in whole_calls and seg2.checks == 1
+
+
+def _overlapping_markers() -> tuple[Callable[[str], Sequence[int]], dict[str, int]]:
+    """The byte-level BPE with markers that overlap one another (one is another's prefix, one
+    ends where another starts): where a split falls depends on the characters that follow."""
+    tok = Tokenizer.from_file(str(bundled_tokenizer_dir() / "tokenizer.json"))
+    extra = ["<|u|>", "<|u|>>", "|><|"]
+    tok.add_special_tokens(extra)
+    ids = {**_BUNDLED_TOK.split_tokens(), **{t: tok.token_to_id(t) for t in extra}}
+    return (lambda t: tok.encode(t, add_special_tokens=False).ids), ids
+
+
+_GROWING = {**_TOKENIZERS, "overlapping": _overlapping_markers()}
+_pieces = st.sampled_from(_WORDS + _MARKERS + ["<|u|>", "<|u|>>", "|><|", ">", "<|", "|"])
+_edits = st.lists(st.tuples(st.sampled_from(["grow", "edit", "cut", "other"]),
+                            st.lists(_pieces, max_size=12).map("".join),
+                            st.integers(0, 10_000)), min_size=1, max_size=12)
+
+
+@pytest.mark.parametrize("name", sorted(_GROWING))
+@settings(max_examples=150, deadline=None)
+@given(start=st.lists(_pieces, max_size=30).map("".join), edits=_edits,
+       max_checkpoints=st.sampled_from([1, 2, 64]))
+def test_checkpoints_give_the_whole_ids_of_grown_edited_and_cut_prompts(
+        name: str, start: str, edits: list[tuple[str, str, int]], max_checkpoints: int) -> None:
+    """A conversation that grows (the checkpoint's case), is edited anywhere (an earlier turn
+    changed), cut, or replaced: every prompt's ids equal its whole encoding."""
+    encode, split = _GROWING[name]
+    seg = SegmentEncoder(encode, split, verify_every=0, max_checkpoints=max_checkpoints)
+    assert seg.enabled
+    text, seen = start, []
+    for kind, piece, at in edits:
+        if kind == "grow":
+            text += piece
+        elif kind == "edit":
+            at %= len(text) + 1
+            text = text[:at] + piece + text[at + 1 :]
+        elif kind == "cut":
+            text = text[: at % (len(text) + 1)]
+        else:
+            text = piece
+        seen.append(text)
+        assert seg.encode(text).tolist() == list(encode(text)), (kind, text)
+    for again in seen:  # older prompts again, against newer checkpoints
+        assert seg.encode(again).tolist() == list(encode(again))
+
+
+def test_a_growing_conversation_is_served_from_its_checkpoint() -> None:
+    """Each turn of a growing chat starts with the one before: after the first, the encoder
+    resumes from a checkpoint, and only the new turn's text is split and looked up."""
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    seg = SegmentEncoder(encode, split, verify_every=0)
+    text = "<s><|system|>\nYou are terse.<|end|>\n<|user|>\nquestion<|end|>\n<|assistant|>\n"
+    for turn in range(30):  # the answer follows the last prompt's generation prompt
+        text += f"answer {turn}<|end|>\n<|user|>\nquestion {turn}<|end|>\n<|assistant|>\n"
+        assert seg.encode(text).tolist() == list(encode(text))
+    assert seg.checkpoint_hits == 29
+    edited = text.replace("question 3", "question three")
+    assert seg.encode(edited).tolist() == list(encode(edited))  # an earlier turn changed

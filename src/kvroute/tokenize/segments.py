@@ -34,6 +34,23 @@ argument above already allows: one routing decision at most.
 Memory: pieces are kept in an LRU bounded by their total tokens (``max_tokens``), as
 ``array('I')`` (4 bytes a token).
 
+Checkpoints: a growing conversation resends its earlier text, which would still be split at
+every marker and looked up piece by piece (~1 µs a piece: ~1,100 pieces at 128K tokens of
+1K-character turns, docs/long-contexts.md). So after each prompt the encoder keeps a
+*checkpoint*: the ids up to the end ``e`` of its last marker whose start ``s`` lies at least
+``M`` characters (the longest marker) before the text's end, and the text up to ``s + M``.
+A later text that starts with that text takes those ids as they are and splits and encodes
+only ``text[e:]``, its first piece behind that marker. Exact: ``re.split`` scans left to right
+and, at a position ``j``, reads at most ``text[j:j + M]`` (the pattern is an alternation of
+literal markers, no anchors, no look-around); every scanning decision up to and including the
+marker at ``s`` reads only text before ``s + M``, which the two texts share, so they split
+alike up to ``e``, and each piece's ids are a function of the piece and the marker before it.
+Scanning ``text[e:]`` alone is scanning ``text`` from ``e``. Checkpoints are found by content
+(``startswith`` against each, newest first; no session id is needed, and a wrong one cannot
+be taken), at most ``max_checkpoints`` of them within ``max_tokens`` ids in total; the serving
+checks compare their results like any other. The property tests compare prompts grown,
+edited and cut against whole encodings.
+
 Output: ``encode`` returns an ``array('I')`` too, the cached pieces concatenated (an array
 ``+=`` an array of the same type code is one memcpy) with the special tokens' ids in between.
 A list would cost an int object per token (~1,500 for a typical chat prompt) that nothing
@@ -51,7 +68,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
 
-__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "DEFAULT_VERIFY_EVERY", "CheckSubmit", "SegmentEncoder"]
+__all__ = [
+    "DEFAULT_MAX_CACHED_TOKENS",
+    "DEFAULT_MAX_CHECKPOINTS",
+    "DEFAULT_VERIFY_EVERY",
+    "CheckSubmit",
+    "SegmentEncoder",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +83,11 @@ DEFAULT_MAX_CACHED_TOKENS: Final = 4_000_000
 the ordered dict (the size at this bound: ``docs/benchmarks.md#long-run-memory-and-p99``)."""
 
 DEFAULT_VERIFY_EVERY: Final = 1024
+"""One call in this many is also encoded whole and compared (0: never)."""
+
+DEFAULT_MAX_CHECKPOINTS: Final = 64
+"""Growing prompts remembered at once (module docstring, "Checkpoints"): each is probed with
+one ``startswith`` per prompt, which stops at the first differing character."""
 """One call in this many is also encoded whole and compared (0: never)."""
 
 _PROBES: Final = (
@@ -88,6 +116,7 @@ class SegmentEncoder:
         max_tokens: bound on the ids kept in the cache.
         verify_every: compare one call in this many against ``encode_whole`` (0: never).
         name: for log lines.
+        max_checkpoints: growing prompts remembered at once (0: none; module docstring).
     """
 
     def __init__(
@@ -98,6 +127,7 @@ class SegmentEncoder:
         max_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
         verify_every: int = DEFAULT_VERIFY_EVERY,
         name: str = "tokenizer",
+        max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
     ) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0 turns the cache off)")
@@ -116,6 +146,14 @@ class SegmentEncoder:
         self.misses = 0
         self.mismatches = 0
         self.checks = 0
+        if max_checkpoints < 0:
+            raise ValueError(f"max_checkpoints={max_checkpoints} must be >= 0 (0: none)")
+        self._max_checkpoints = max_checkpoints
+        self._checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()
+        self._checkpoint_tokens = 0
+        self._next_checkpoint = 0
+        self.checkpoint_hits = 0
+        self._marker_len = max((len(t) for t in self._ids), default=0)
         self._pattern: re.Pattern[str] | None = None
         if self._ids:
             alternatives = sorted(self._ids, key=len, reverse=True)  # leftmost-longest
@@ -170,15 +208,61 @@ class SegmentEncoder:
 
     def _encode_pieces(self, text: str) -> array[int]:
         assert self._pattern is not None
-        out = array("I")
+        found = self._find_checkpoint(text)
         previous: str | None = None
-        for i, piece in enumerate(self._pattern.split(text)):
+        pos = 0
+        if found is not None:
+            out = found.ids[:]  # a copy: the caller owns what it is given
+            previous, pos = found.marker, found.end
+        else:
+            out = array("I")
+        last: tuple[int, int, str, int] | None = None
+        limit = len(text) - self._marker_len
+        for i, piece in enumerate(self._pattern.split(text[pos:] if pos else text)):
             if i % 2:  # a special token (split() puts the captured separators at odd indices)
                 out.append(self._ids[piece])
                 previous = piece
+                if pos <= limit:
+                    last = (pos, pos + len(piece), piece, len(out))
             elif piece:
                 out += self._piece(previous, piece)  # same type code: a memcpy
+            pos += len(piece)
+        if last is not None and self._max_checkpoints:
+            self._remember(text, last, out, replaces=found)
         return out
+
+    def _find_checkpoint(self, text: str) -> _Checkpoint | None:
+        """The newest checkpoint whose text ``text`` starts with, or None."""
+        for key in reversed(self._checkpoints):
+            found = self._checkpoints[key]
+            if text.startswith(found.prefix):
+                self._checkpoints.move_to_end(key)
+                self.checkpoint_hits += 1
+                return found
+        return None
+
+    def _remember(self, text: str, last: tuple[int, int, str, int], out: array[int],
+                  replaces: _Checkpoint | None) -> None:
+        start, end, marker, count = last
+        if replaces is not None and replaces.end >= end:
+            return  # nothing new past the checkpoint used
+        if count > self._max_tokens:
+            return
+        if replaces is not None:
+            self._forget_checkpoint(replaces.key)
+        key = self._next_checkpoint
+        self._next_checkpoint += 1
+        self._checkpoints[key] = _Checkpoint(key, text[: start + self._marker_len], end, marker,
+                                             out[:count])
+        self._checkpoint_tokens += count
+        while (len(self._checkpoints) > self._max_checkpoints
+               or self._checkpoint_tokens > self._max_tokens):
+            self._forget_checkpoint(next(iter(self._checkpoints)))
+
+    def _forget_checkpoint(self, key: int) -> None:
+        dropped = self._checkpoints.pop(key, None)
+        if dropped is not None:
+            self._checkpoint_tokens -= len(dropped.ids)
 
     def _piece(self, previous: str | None, piece: str) -> array[int]:
         key = (previous, piece)
@@ -224,6 +308,9 @@ class SegmentEncoder:
             self._cache.clear()
             self._cached_tokens = 0
             self.hits = self.misses = 0
+            self._checkpoints.clear()
+            self._checkpoint_tokens = 0
+            self.checkpoint_hits = 0
         return True
 
     def _disable(self, text: str, whole: Sequence[int], pieces: Sequence[int],
@@ -232,6 +319,8 @@ class SegmentEncoder:
         self.enabled = False
         self._cache.clear()
         self._cached_tokens = 0
+        self._checkpoints.clear()
+        self._checkpoint_tokens = 0
         if reason is None:
             at = next((i for i, (a, b) in enumerate(zip(whole, pieces, strict=False)) if a != b),
                       min(len(whole), len(pieces)))
@@ -240,6 +329,20 @@ class SegmentEncoder:
         log.error("%s: %s; the token cache is now off for this tokenizer (every prompt is "
                   "encoded whole). Please report this with the tokenizer's name.", self._name,
                   reason)
+
+
+class _Checkpoint:
+    """What a later prompt that starts with ``prefix`` reuses: the ids of its text up to
+    ``end`` (the end of ``marker``), its next piece to be encoded behind ``marker``."""
+
+    __slots__ = ("end", "ids", "key", "marker", "prefix")
+
+    def __init__(self, key: int, prefix: str, end: int, marker: str, ids: array[int]) -> None:
+        self.key = key
+        self.prefix = prefix
+        self.end = end
+        self.marker = marker
+        self.ids = ids
 
 
 class _Unsplittable(ValueError):
