@@ -367,7 +367,7 @@ class KvrouteCostPolicy:
         return_weight: float = 1.0,
         lifetime_stall: bool = False,
         kv_wait_weight: float = 0.0,
-        residual_weight: float = 1.0,
+        residual_weight: float = 0.75,
     ) -> None:
         if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
             raise ValueError(
