@@ -38,10 +38,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 import xxhash
 
 from kvroute.core.clock import Clock
+from kvroute.core.disagg import DisaggSpec, Role, choose_split
 from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.events import EventBatch
 from kvroute.core.hash_memo import BlockHashMemo
@@ -63,11 +65,13 @@ APPROX_CHUNK_CHARS = 64
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:
     """A replica as the router core needs it: its name, its configured prefill speed and,
-    when known before the engine reports it, its KV capacity in tokens."""
+    when known before the engine reports it, its KV capacity in tokens, and its role in a
+    disaggregated pool (``core/disagg.py``: ``both``, ``prefill`` or ``decode``)."""
 
     name: ReplicaId
     prefill_rate_tps: float = 10_000.0
     kv_capacity_tokens: int | None = None
+    role: Role = "both"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,8 @@ class PoolSpec:
         approximate: no exact tokenization is available for this pool; route on text
             chunks and predicted entries (declared, visible, never silent).
         decode_timing: the engines' decode step model (``core/load.DecodeTiming``).
+        disagg: prefill/decode disaggregation (``core/disagg.py``): None, every request is
+            colocated and every replica must have role ``both``.
     """
 
     name: PoolName
@@ -92,6 +98,7 @@ class PoolSpec:
     hash_seed: str | None = None
     approximate: bool = False
     decode_timing: DecodeTiming = DEFAULT_DECODE_TIMING
+    disagg: DisaggSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +153,10 @@ class RoutingDecision:
         approximate: the decision used text chunks, not exact block hashes.
         reason: the policy's reason word.
         scores: per-replica scores, for logs.
+        prefill_replica: a split's prefill replica (``core/disagg.py``): the driver sends the
+            prompt there first with ``max_tokens: 1`` and the KV is pulled by ``replica``;
+            None: colocated.
+        prefill_cached_tokens: prefix tokens the prefill replica is expected to hold.
     """
 
     request: RouteRequest
@@ -158,6 +169,16 @@ class RoutingDecision:
     policy: str
     scores: dict[ReplicaId, float] = field(default_factory=dict)
     cached_by_replica: dict[ReplicaId, int] = field(default_factory=dict)
+    prefill_replica: ReplicaId | None = None
+    prefill_cached_tokens: int = 0
+
+    @property
+    def prefill_request_id(self) -> RequestId:
+        """The id the prefill half's load is counted under on ``prefill_replica``."""
+        return RequestId(f"{self.request.request_id}{PREFILL_SUFFIX}")
+
+
+PREFILL_SUFFIX: Final = "#prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +272,11 @@ class RouterCore:
                         f"replica {rep.name!r} appears in pools {self._pool_of[rep.name]!r} and "
                         f"{spec.name!r}; replica names must be unique across pools"
                     )
+                if rep.role != "both" and spec.disagg is None:
+                    raise ConfigError(
+                        f"replica {rep.name!r} of pool {spec.name!r} has role {rep.role!r} but "
+                        "the pool is not disaggregated; give the pool a 'disaggregation:' "
+                        "section or make the replica's role 'both'")
                 self._pool_of[rep.name] = spec.name
                 self.load.add_replica(rep.name, prefill_rate_tps=rep.prefill_rate_tps,
                                       decode_timing=spec.decode_timing,
@@ -597,7 +623,22 @@ class RouterCore:
             routing_text=request.routing_text if entry.policy.needs_text else "",
             preferred_replica=request.preferred_replica,
         )
-        selection = entry.policy.select(policy_input, candidates)
+        disagg = entry.spec.disagg
+        prefill: ReplicaId | None = None
+        prefill_cached = 0
+        if disagg is None:
+            selection = entry.policy.select(policy_input, candidates)
+        else:
+            roles = {rep.name: rep.role for rep in entry.spec.replicas}
+            try:
+                split = choose_split(entry.policy, policy_input, candidates, roles, disagg)
+            except ValueError as exc:
+                raise NoEligibleReplica(
+                    f"pool {request.pool!r}: {exc} for request {request.request_id} "
+                    f"(excluded: {sorted(request.exclude)}); check the decode engines' "
+                    "/health") from exc
+            selection, prefill, prefill_cached = (split.selection, split.prefill,
+                                                  split.prefill_cached_tokens)
         decision = RoutingDecision(
             request=request,
             replica=selection.replica,
@@ -609,9 +650,29 @@ class RouterCore:
             policy=entry.policy.name,
             scores=selection.scores,
             cached_by_replica=selection.expected_cached_tokens,
+            prefill_replica=prefill,
+            prefill_cached_tokens=prefill_cached,
         )
         self._commit(decision, entry, matches.get(selection.replica, NO_MATCH))
+        if prefill is not None:
+            self._commit_prefill(decision, entry, matches.get(prefill, NO_MATCH))
         return decision
+
+    def colocate(self, decision: RoutingDecision) -> RoutingDecision:
+        """A split whose prefill failed, colocated on its decode replica: the prefill's load
+        released there, the decode replica charged with the whole prefill."""
+        assert decision.prefill_replica is not None, "colocate() is for a split decision"
+        self.prefill_done(decision)
+        self.on_complete(decision.replica, decision.request.request_id)
+        moved = replace(decision, prefill_replica=None, prefill_cached_tokens=0,
+                        reason="colocated")
+        self._commit(moved, self._pool(decision.request.pool))
+        return moved
+
+    def prefill_done(self, decision: RoutingDecision) -> None:
+        """The prefill half of a split ended (answered or failed): release its load."""
+        if decision.prefill_replica is not None:
+            self.on_complete(decision.prefill_replica, decision.prefill_request_id)
 
     def reroute(self, decision: RoutingDecision, failed: ReplicaId) -> RoutingDecision | None:
         """Move a request that failed on ``failed`` before its first byte to the next replica.
@@ -664,6 +725,33 @@ class RouterCore:
 
     # -- internals ------------------------------------------------------------------------
 
+    def _commit_prefill(self, decision: RoutingDecision, entry: _Pool,
+                        held: PrefixMatch) -> None:
+        """Record a split's prefill half on its prefill replica: its prefill as load (one
+        output token), and the blocks it will store as predicted entries there."""
+        request = decision.request
+        prefill = decision.prefill_replica
+        assert prefill is not None
+        prefill_tokens = max(1, request.num_prompt_tokens - decision.prefill_cached_tokens)
+        self.load.on_dispatch(
+            prefill, decision.prefill_request_id, prefill_tokens=prefill_tokens,
+            prompt_tokens=request.num_prompt_tokens, expected_output_tokens=1,
+            now_s=self._clock.now(), predicted_output_tokens=1)
+        written: tuple[WireHash, ...] = ()
+        if (prefill not in self._no_prefix_caching and decision.block_hashes
+                and (entry.policy.uses_predicted or decision.approximate)):
+            index = self.approx_index if decision.approximate else self.index
+            other = held.num_cpu_blocks + held.num_storage_blocks + held.num_predicted_blocks
+            confirmed = 0 if other else held.num_gpu_blocks
+            written = decision.block_hashes[confirmed:]
+            index.add_predicted(prefill, written, request.scope)
+        if self.announce is not None:  # sibling routers count the prefill half too
+            tenant = request.scope.tenant if type(request.scope) is TenantScope else None
+            self.announce(Placed(
+                decision.prefill_request_id, prefill, prefill_tokens,
+                request.num_prompt_tokens, 1, 1, None, tenant,
+                written if tenant is not None else (), decision.approximate))
+
     def _commit(self, decision: RoutingDecision, entry: _Pool,
                 held: PrefixMatch = NO_MATCH) -> None:
         """Record the dispatch: load, and predicted entries for the blocks the replica will
@@ -679,7 +767,9 @@ class RouterCore:
         recomputes it, and says so.
         """
         request = decision.request
-        prefill_tokens = max(1, request.num_prompt_tokens - decision.expected_cached_tokens)
+        prefill_tokens = (1 if decision.prefill_replica is not None  # a split: one token
+                          else max(1, request.num_prompt_tokens
+                                   - decision.expected_cached_tokens))
         session = self._session_key(request)
         self.load.on_dispatch(
             decision.replica,

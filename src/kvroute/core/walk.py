@@ -459,8 +459,9 @@ def describe(step: WalkAction | str) -> str:
     if isinstance(step, Send):
         d = step.decision
         warm = "" if step.warm is None else f" warm={step.warm.target_pool_name}"
+        split = "" if d.prefill_replica is None else f" prefill={d.prefill_replica}"
         return (f"send {d.request.pool} {d.replica} max_tokens={step.max_tokens} "
-                f"attempt={step.attempt}{warm}")
+                f"attempt={step.attempt}{warm}{split}")
     if isinstance(step, Refuse):
         return f"refuse {step.status} {step.outcome}"
     return f"fail {step.reason.value}"
@@ -767,6 +768,7 @@ class RequestWalk:
         self._warm_checked = False
         self._warm_hit = False
         self._load_open: ReplicaId | None = None
+        self._prefill_open = False
         self._notes: list[Note] = []
         self._closed = False
         self._alternates = alternates or {}
@@ -879,6 +881,9 @@ class RequestWalk:
         """
         decision = self._sent("failed")
         self._record(f"failed {decision.replica} {kind}")
+        if self._prefill_open:  # a split's decode half failed before its prefill ended
+            self._walker.core.prefill_done(decision)
+            self._prefill_open = False
         if unreachable:
             self._notes.append(ReplicaUnreachable(decision.replica, detail))
         limit = self._walker.settings.max_retries
@@ -902,6 +907,36 @@ class RequestWalk:
             return self._record(self._finish_failed(decision, FailReason.NO_REPLICA_LEFT, kind))
         self._notes.append(UpstreamFailed(decision.replica, kind, retried=True))
         self.retries += 1
+        return self._record(self._send(moved))
+
+    def prefill_answered(self) -> None:
+        """The prefill half of a split (``decision.prefill_replica``) answered with the KV's
+        ``kv_transfer_params``: its load is released there (its first token teaches the
+        prefill replica's rate); the driver now sends the decode half to ``replica``."""
+        decision = self._sent("prefill_answered")
+        prefill = decision.prefill_replica
+        if prefill is None or not self._prefill_open:
+            raise RuntimeError("prefill_answered() without an open prefill half")
+        core = self._walker.core
+        core.on_first_token(prefill, decision.prefill_request_id)
+        core.prefill_done(decision)
+        self._prefill_open = False
+        self._record(f"prefilled {prefill}")
+
+    def prefill_failed(self, kind: str, *, unreachable: bool = False,
+                       detail: str = "") -> WalkAction:
+        """The prefill half of a split failed: the request is colocated on its decode replica
+        (which prefills it itself); the failure does not count against ``max_retries``."""
+        decision = self._sent("prefill_failed")
+        prefill = decision.prefill_replica
+        if prefill is None or not self._prefill_open:
+            raise RuntimeError("prefill_failed() without an open prefill half")
+        self._record(f"prefill failed {prefill} {kind}")
+        if unreachable:
+            self._notes.append(ReplicaUnreachable(prefill, detail))
+        self._notes.append(UpstreamFailed(prefill, kind, retried=True))
+        self._prefill_open = False
+        moved = self._walker.core.colocate(decision)
         return self._record(self._send(moved))
 
     def answered(self) -> None:
@@ -1114,6 +1149,7 @@ class RequestWalk:
     def _send(self, decision: RoutingDecision, warm: WarmFire | None = None) -> Send:
         self.decision = decision
         self._load_open = decision.replica
+        self._prefill_open = decision.prefill_replica is not None
         self._phase = _Phase.SENT
         return Send(decision, self.state.pool_index, self.max_tokens,
                     self.pools[self.state.pool_index].external, self.retries + 1, warm)
@@ -1462,6 +1498,9 @@ class RequestWalk:
         return step
 
     def _release(self, output_tokens: int | None = None) -> None:
+        if self._prefill_open and self.decision is not None:
+            self._walker.core.prefill_done(self.decision)
+            self._prefill_open = False
         if self._load_open is not None:
             self._walker.core.on_complete(self._load_open, self.request.request_id,
                                           output_tokens=output_tokens)
