@@ -26,6 +26,7 @@ import dataclasses
 import math
 import platform
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from kvroute.bench.policy_params import PolicyParams
 from kvroute.bench.provenance import git_sha
 from kvroute.bench.traces import trace_block_tokens
 from kvroute.bench.workloads import WORKLOADS, mooncake
+from kvroute.core.disagg import DisaggSpec, Role
 from kvroute.core.errors import ConfigError
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.peer_policies import POLICY_NAMES, make_policy
@@ -51,7 +53,7 @@ HEADLINE_METRICS = (
     "e2e_p99_s", "token_hit_rate", "tier_hit_rate", "router_expected_hit_rate", "goodput_rps",
     "slo_goodput_rps", "slo_goodput_fraction", "throughput_rps", "output_tokens_per_s",
     "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
-    "idle_while_overloaded",
+    "idle_while_overloaded", "split_fraction",
 )
 
 
@@ -84,6 +86,11 @@ class SimBenchSpec:
         dp_routing: with ranks, who picks the rank, one run per mode and policy: ``aware``
             (the router, each rank its own target) and/or ``blind`` (the engine's API server,
             as vLLM's load balancer; the row is labelled ``<policy>/rank-blind``).
+        pd: the fleet's prefill/decode layout (``2P6D``: two prefill-only replicas, then
+            six decode replicas; ``8B``: eight of role ``both``; counts of ``P``, ``D``, ``B``
+            summing to ``replicas``); empty: an ordinary colocated fleet.
+        split: the split mode of a ``pd`` fleet (``auto``, ``always``, ``never``).
+        link_gbps: the P→D KV link's bandwidth, GB/s (with ``kv_bytes_per_token``).
     """
 
     workload: str = "trace"
@@ -109,6 +116,38 @@ class SimBenchSpec:
     kv_bytes_per_token: int = 131_072
     data_parallel_size: int = 1
     dp_routing: tuple[str, ...] = ("aware",)
+    pd: str = ""
+    split: str = "auto"
+    link_gbps: float = 12.5
+
+    def roles(self) -> tuple[Role, ...]:
+        """Each replica's role from ``pd`` (empty without one)."""
+        if not self.pd:
+            return ()
+        parts = re.fullmatch(r"((\d+)[PDB])+", self.pd.upper())
+        if parts is None:
+            raise ConfigError(f"--pd {self.pd!r}: give counts of P (prefill), D (decode) and "
+                              "B (both) in order, e.g. 2P6D or 8B")
+        names: dict[str, Role] = {"P": "prefill", "D": "decode", "B": "both"}
+        roles: list[Role] = []
+        for count, letter in re.findall(r"(\d+)([PDB])", self.pd.upper()):
+            roles += [names[letter]] * int(count)
+        if len(roles) != self.replicas:
+            raise ConfigError(f"--pd {self.pd!r} lays out {len(roles)} replicas; --replicas "
+                              f"is {self.replicas}")
+        if all(role == "prefill" for role in roles):
+            raise ConfigError(f"--pd {self.pd!r} has no replica that can decode; add D or B")
+        return tuple(roles)
+
+    def disagg(self) -> DisaggSpec | None:
+        """The fleet's ``DisaggSpec`` (None without ``pd``)."""
+        if not self.pd:
+            return None
+        try:
+            return DisaggSpec(self.split,  # type: ignore[arg-type]
+                              self.kv_bytes_per_token / (self.link_gbps * 1e9))
+        except ValueError as exc:
+            raise ConfigError(f"--split/--link-gbps: {exc}") from exc
 
     def engine_profile(self) -> TimingProfile:
         """The profile every engine runs: ``profile`` with the KV capacity and CPU tier of
@@ -192,6 +231,10 @@ class SimBenchSpec:
         for policy in self.policies:
             make_policy(policy, random.Random(0), **self.run_policy_params(policy))
         self.engine_profile().engine_config()
+        if not (math.isfinite(self.link_gbps) and self.link_gbps > 0):
+            raise ConfigError(f"--link-gbps must be > 0, got {self.link_gbps}")
+        self.roles()
+        self.disagg()
 
 
 DP_ROUTING_MODES: Final = ("aware", "blind")
@@ -248,7 +291,8 @@ def run_sim_bench(
                                      shared_store_blocks=shared_blocks,
                                      shared_load_s_per_block=shared_load,
                                      data_parallel_size=spec.data_parallel_size,
-                                     rank_blind=mode == "blind")
+                                     rank_blind=mode == "blind",
+                                     roles=spec.roles(), disagg=spec.disagg())
                 started = time.perf_counter()
                 result = FleetSimulation(config, workload, digests=digests,
                                          progress=on_progress).run()
@@ -330,6 +374,8 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
                "shared_store_blocks": spec.shared_store_blocks(),
                "shared_gbps": spec.shared_gbps if spec.shared_store else None,
                "kv_bytes_per_token": spec.kv_bytes_per_token},
+        "pd": ({"layout": spec.pd.upper(), "split": spec.split, "link_gbps": spec.link_gbps}
+               if spec.pd else None),
         "git_sha": git_sha(), "python": sys.version.split()[0], "machine": platform.machine(),
     }
 
@@ -367,6 +413,10 @@ def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[
         rows[0].insert(2, "tier hits")
         for row, m in zip(rows[1:], report["policies"].values()):
             row.insert(2, f"{m['tier_hit_rate']:.3f}")
+    if any(m.get("split_fraction", 0.0) for m in report["policies"].values()):
+        rows[0].insert(-2, "split")  # prefill/decode: the share of requests split
+        for row, m in zip(rows[1:], report["policies"].values()):
+            row.insert(-2, f"{m['split_fraction']:.1%}")
     if compact:
         keep = [i for i, head in enumerate(rows[0]) if head in COMPACT_COLUMNS]
         rows = [[row[i] for i in keep] for row in rows]

@@ -105,6 +105,12 @@ def bench_sim(
                                             "'aware' (the router, X-data-parallel-rank), "
                                             "'blind' (the engine's load balancer; rows "
                                             "labelled POLICY/rank-blind).")] = "aware",
+    pd: Annotated[str, typer.Option(help="Disaggregated prefill/decode layout: counts of P "
+                                    "(prefill), D (decode), B (both), e.g. 2P6D or 8B; empty: "
+                                    "colocated.")] = "",
+    split: Annotated[str, typer.Option(help="With --pd: split each request by the cost "
+                                       "model (auto), always, or never.")] = "auto",
+    link_gbps: Annotated[float, typer.Option(help="With --pd: the P->D KV link, GB/s.")] = 12.5,
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
     params: dict[str, Any] = {}
@@ -125,7 +131,8 @@ def bench_sim(
             trace_sessions=trace_sessions, workload_params=params, jitter_s=jitter,
             cpu_tier=cpu_tier, cpu_gbps=cpu_gbps, shared_store=shared_store,
             shared_gbps=shared_gbps, data_parallel_size=data_parallel_size,
-            dp_routing=tuple(m.strip() for m in dp_routing.split(",") if m.strip()), **kv,
+            dp_routing=tuple(m.strip() for m in dp_routing.split(",") if m.strip()),
+            pd=pd, split=split, link_gbps=link_gbps, **kv,
         )
         spec.validate()
     if bounds:

@@ -268,6 +268,11 @@ class EngineRequest:
             are trusted: they must have been made with this engine's hasher settings.
         seed: seed of the output tokens; ``None`` derives one from ``request_id``.
         arrival_s: caller's timestamp, kept for the caller's bookkeeping.
+        kv_transfer_s_per_token: the prompt's KV comes from a remote prefill (vLLM's
+            ``kv_transfer_params`` with ``do_remote_prefill``), at this many seconds a token:
+            the blocks this engine does not hold already are pulled while the request waits
+            (vLLM's ``WAITING_FOR_REMOTE_KVS``: other requests keep running), then it is
+            admitted with every prompt token but the last computed. None: prefill here.
     """
 
     request_id: str
@@ -282,6 +287,7 @@ class EngineRequest:
     arrival_s: float = 0.0
     lora_id: int | None = None
     report_full: bool = False
+    kv_transfer_s_per_token: float | None = None
 
 
 class RejectionKind(enum.StrEnum):
@@ -426,6 +432,8 @@ class _Req:
         "num_cached_tokens",
         "num_computed",
         "num_prompt",
+        "remote",
+        "remote_left_s",
         "report_full",
         "request_id",
         "seed",
@@ -466,6 +474,8 @@ class _Req:
         self.lora_id: int | None = None
         self.report_full = False
         self.seed = seed
+        self.remote = False  # its prompt's KV comes from a remote prefill
+        self.remote_left_s = 0.0  # the transfer still to wait for
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -606,6 +616,14 @@ class EngineModel:
         r = _Req(rid, tokens, effective, stop_at, hashes, req.cache_salt, req.lora, seed)
         r.lora_id = req.lora_id
         r.report_full = req.report_full
+        if req.kv_transfer_s_per_token is not None:
+            if not req.kv_transfer_s_per_token >= 0:
+                raise EngineInputError(
+                    f"request {rid!r} has kv_transfer_s_per_token="
+                    f"{req.kv_transfer_s_per_token!r}; it must be >= 0 (None: no transfer)")
+            r.remote = True
+            pulled = (n - 1) // cfg.block_size - len(self._computed_blocks(r))
+            r.remote_left_s = pulled * cfg.block_size * req.kv_transfer_s_per_token
         self._live[rid] = r
         self._waiting.append(r)
         return Accepted(rid, effective, asked, effective < wanted)
@@ -682,6 +700,9 @@ class EngineModel:
             skipped: list[_Req] = []
             while waiting and budget > 0 and len(running) < max_seqs:
                 r = waiting[0]
+                if r.remote_left_s > 0.0:  # its KV is still on the way
+                    skipped.append(waiting.popleft())
+                    continue
                 if max_loras is not None and r.lora_name is not None:
                     active = {x.lora_name for x in running if x.lora_name is not None}
                     if r.lora_name not in active and len(active) >= max_loras:
@@ -691,6 +712,11 @@ class EngineModel:
                 loads = self._tier_hits(r, len(hit_blocks)) if self._tiers else ()
                 num_loaded = sum(len(hashes) for _, hashes in loads)
                 num_hit = (len(hit_blocks) + num_loaded) * cfg.block_size
+                num_pulled = 0
+                if r.remote and r.num_cached_tokens < 0:  # the remote prefill's blocks
+                    num_pulled = max(0, (len(r.tokens) - 1) // cfg.block_size * cfg.block_size
+                                     - num_hit)
+                    num_hit += num_pulled
                 if hit_blocks and r.report_full:
                     self.pool.emit_cached(
                         [r.wire_hashes[i] for i in range(len(hit_blocks))], r.tokens,
@@ -709,7 +735,7 @@ class EngineModel:
                     if cfg.enable_prefix_caching:
                         self._queries += len(r.tokens)
                         self._hits += num_hit - num_loaded * cfg.block_size
-                        self._external_hits += num_loaded * cfg.block_size
+                        self._external_hits += num_loaded * cfg.block_size + num_pulled
                 r.num_computed = num_hit
                 scheduled.append((r, n))
                 budget -= n
@@ -719,7 +745,11 @@ class EngineModel:
         if self.cpu_tier is not None:
             events += self.cpu_tier.take_events()
         if not scheduled:
-            return StepResult(0.0, [], events, 0, 0, 0, 0)
+            # Nothing to run: the step lasts until the first transfer in flight arrives.
+            wait = min((r.remote_left_s for r in waiting if r.remote_left_s > 0.0),
+                       default=0.0)
+            self._transfer(wait)
+            return StepResult(wait, [], events, 0, 0, 0, 0)
 
         prefill_tokens = 0
         decode_seqs = 0
@@ -773,8 +803,16 @@ class EngineModel:
                 r.blocks = []
                 del live[r.request_id]
         duration = cfg.timing.step_time_s(prefill_tokens, decode_seqs, context_tokens) + load_s
+        self._transfer(duration)
         return StepResult(duration, outputs, events, prefill_tokens, decode_seqs,
                           context_tokens, len(scheduled))
+
+    def _transfer(self, elapsed_s: float) -> None:
+        """``elapsed_s`` of the remote transfers in flight have passed."""
+        if elapsed_s > 0.0:
+            for r in self._waiting:
+                if r.remote_left_s > 0.0:
+                    r.remote_left_s = max(0.0, r.remote_left_s - elapsed_s)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (``AllBlocksCleared``, delivered with the next step's

@@ -72,11 +72,12 @@ import time
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, cast
 
 from kvroute.core.clock import ManualClock
+from kvroute.core.disagg import DisaggSpec, Role
 from kvroute.core.errors import ConfigError, NoEligibleReplica
 from kvroute.core.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.hashing import BlockHasher
@@ -340,6 +341,13 @@ class FleetConfig:
             does (lowest ``4 x waiting + running``, first rank on ties; read at once, where
             vLLM reads counts up to 100 ms old), not the router. False: the router routes
             to each rank as its own target and names it (``X-data-parallel-rank``).
+        roles: each replica's role in a disaggregated pool (``core/disagg.py``: ``both``,
+            ``prefill``, ``decode``), in order (single-pool fleets only); empty: all
+            ``both``. Needs ``disagg``.
+        disagg: prefill/decode disaggregation of the pool: the split mode and the link's
+            seconds per token of KV; a split sends the prompt to the prefill replica with
+            ``max_tokens: 1``, then the decode replica pulls the blocks it lacks at that
+            rate (``EngineRequest.kv_transfer_s_per_token``) while its batch runs on.
     """
 
     num_replicas: int
@@ -374,6 +382,8 @@ class FleetConfig:
     restarts: tuple[Restart, ...] = ()
     data_parallel_size: int = 1
     rank_blind: bool = False
+    roles: tuple[Role, ...] = ()
+    disagg: DisaggSpec | None = None
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -381,6 +391,15 @@ class FleetConfig:
         if self.rank_blind and (self.restarts or self.outages or self.scenarios is not None):
             raise ConfigError("rank_blind fleets take no restarts, outages or scenarios: "
                               "those name engines, and a rank-blind router sees replicas")
+        if self.roles and self.data_parallel_size > 1:
+            raise ConfigError("FleetConfig.roles with data_parallel_size > 1 is not modelled; "
+                              "lay out prefill/decode roles on replicas without ranks")
+        if self.roles and (len(self.roles) != self.num_replicas or self.pools):
+            raise ConfigError(
+                f"FleetConfig.roles lists {len(self.roles)} roles for {self.num_replicas} "
+                "replicas; give one role per replica of a single-pool fleet")
+        if any(role != "both" for role in self.roles) and self.disagg is None:
+            raise ConfigError("FleetConfig.roles other than 'both' need FleetConfig.disagg")
         if self.shared_store_blocks < 0 or not self.shared_load_s_per_block >= 0:
             raise ConfigError(
                 f"FleetConfig.shared_store_blocks={self.shared_store_blocks} and "
@@ -474,6 +493,8 @@ class RequestRecord:
     num_itl_tokens: int = 0
     arm: str | None = None
     version: str | None = None
+    prefill_replica: str | None = None
+    """A split request's prefill replica (``replica`` decoded it)."""
     recompute_tokens: int = 0
 
     @property
@@ -603,6 +624,8 @@ class FleetResult:
             "load_imbalance_mean": mean(ratios, 1.0),
             "idle_while_overloaded": idle_overloaded / max(1, len(self.load_samples)),
             "requests_per_replica": per_replica,
+            "split_fraction": (sum(1 for r in done if r.prefill_replica is not None)
+                               / len(done) if done else 0.0),
             "makespan_s": span,
         }
 
@@ -682,8 +705,11 @@ class FleetSimulation:
             # The engine's KV capacity, as its vllm:cache_config_info would report it (less
             # the null block).
             capacity = (engine_config.num_gpu_blocks - 1) * engine_config.block_size * per_target
+            roles: tuple[Role, ...] = config.roles or ("both",) * len(names)
             specs.append(PoolSpec(PoolName(pool.name),
-                                  tuple(ReplicaSpec(n, rate, capacity) for n in names),
+                                  tuple(ReplicaSpec(n, rate, capacity, role)
+                                        for n, role in zip(names, roles, strict=True)),
+                                  disagg=config.disagg,
                                   block_size=engine_config.block_size, hash_algo=config.hash_algo,
                                   decode_timing=DecodeTiming(timing.fixed_s, timing.decode_seq_s,
                                                              timing.context_token_s)))
@@ -751,6 +777,8 @@ class FleetSimulation:
         self._warm: dict[str, RequestRecord] = {}
         self._landed: set[str] = set()
         self._probes: dict[int, EngineModel] = {}
+        self._prefills: dict[str, tuple[_Flight, Send]] = {}
+        """Split requests whose prefill half runs, by the prefill's engine request id."""
 
     # -- driving ----------------------------------------------------------------------
 
@@ -917,11 +945,56 @@ class FleetSimulation:
             return
         self._send(flight, action)
 
-    def _send(self, flight: _Flight, send: Send) -> None:
+    def _send_prefill(self, flight: _Flight, send: Send) -> None:
+        """A split's first step: the prompt to the prefill replica with ``max_tokens: 1``
+        (vLLM's ``do_remote_decode``); the decode half follows its answer."""
+        now = self.clock.now()
+        request, walk = flight.request, flight.walk
+        decision = send.decision
+        prefill = decision.prefill_replica
+        assert prefill is not None
+        if send.warm is not None:
+            self._fire_warm(flight, send.warm)
+        if any(outage.covers(prefill, now) for outage in self.config.outages):
+            self._counters["prefill_failures"] += 1
+            self._act(flight, walk.prefill_failed("connect", unreachable=True,
+                                                  detail="simulated outage"))
+            return
+        pid = decision.prefill_request_id
+        admission = self.engines[prefill].add_request(EngineRequest(
+            request_id=pid, prompt_token_ids=request.prompt_token_ids, max_tokens=1,
+            output_length=1, cache_salt=decision.request.cache_salt,
+            prompt_block_hashes=flight.digests if decision.request.cache_salt == flight.salt
+            else self.digests.get(request, decision.request.cache_salt)[0],
+            arrival_s=now, report_full=self.config.report_hits))
+        if isinstance(admission, Rejection):
+            self._counters["prefill_failures"] += 1
+            self._act(flight, walk.prefill_failed("status"))
+            return
+        self._counters["splits"] += 1
+        flight.record.prefill_replica = prefill
+        self._prefills[pid] = (flight, send)
+        if prefill not in self._busy:
+            self._start_step(prefill)
+
+    def _prefilled(self, pid: str) -> None:
+        """The prefill half answered: the decode half goes to its replica, which pulls the
+        KV it lacks over the link."""
+        flight, send = self._prefills.pop(pid)
+        if flight.walk.ended:
+            return
+        flight.walk.prefill_answered()
+        self._drain(flight)
+        self._send(flight, replace(send, warm=None), remote=True)
+
+    def _send(self, flight: _Flight, send: Send, *, remote: bool = False) -> None:
         """One attempt: the chosen engine admits the request or rejects it."""
         now = self.clock.now()
         request, record, walk = flight.request, flight.record, flight.walk
         decision = send.decision
+        if decision.prefill_replica is not None and not remote:
+            self._send_prefill(flight, send)
+            return
         replica = decision.replica
         if send.warm is not None:
             self._fire_warm(flight, send.warm)
@@ -943,6 +1016,8 @@ class FleetSimulation:
             prompt_block_hashes=digests,
             arrival_s=now,
             report_full=self.config.report_hits,
+            kv_transfer_s_per_token=(self.config.disagg.link_s_per_token
+                                     if remote and self.config.disagg is not None else None),
         ))
         if isinstance(admission, Rejection):
             numbers = _overflow_numbers(admission, prompt_is_text=request.messages is not None)
@@ -1174,7 +1249,12 @@ class FleetSimulation:
         replica = self._router_name[engine]
         finished = 0
         records = self._records
+        prefills = self._prefills
         for out in result.outputs:
+            if out.request_id in prefills:
+                if out.finished:  # max_tokens 1: its first token ends it
+                    self._prefilled(out.request_id)
+                continue
             found = records.get(out.request_id)
             warm = found is None
             record = self._warm[out.request_id] if found is None else found
