@@ -705,7 +705,8 @@ class FleetSimulation:
             # The engine's KV capacity, as its vllm:cache_config_info would report it (less
             # the null block).
             capacity = (engine_config.num_gpu_blocks - 1) * engine_config.block_size * per_target
-            roles: tuple[Role, ...] = config.roles or ("both",) * len(names)
+            both: tuple[Role, ...] = ("both",)
+            roles = config.roles or both * len(names)
             specs.append(PoolSpec(PoolName(pool.name),
                                   tuple(ReplicaSpec(n, rate, capacity, role)
                                         for n, role in zip(names, roles, strict=True)),
