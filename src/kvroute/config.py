@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 import yaml  # type: ignore[import-untyped]  # types-PyYAML is not a dependency
 
 from kvroute.core.cache_drift import CacheDriftSettings
+from kvroute.core.disagg import ROLES, SPLIT_MODES, DisaggSpec, Role, check_role
 from kvroute.core.errors import ConfigError
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES, policy_parameters
@@ -128,6 +129,8 @@ class ReplicaConfig:
             ``X-data-parallel-rank: r`` (docs/data-parallel.md).
         engine: the YAML replica's own name (the engine behind the API server) when
             ``dp_rank`` is set; its ranks share it.
+        role: ``both``, ``prefill`` or ``decode`` in a pool with ``disaggregation``
+            (``core/disagg.py``, docs/disaggregation.md).
     """
 
     name: ReplicaId
@@ -139,6 +142,7 @@ class ReplicaConfig:
     prefill_rate_tps: float = 10_000.0
     dp_rank: int | None = None
     engine: str | None = None
+    role: Role = "both"
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +243,9 @@ class PoolConfig:
             ``policy.params`` (e.g. ``{decode_weight: 1.5, harm_weight: 1}`` for a pool that
             serves coding agents, whose turns are long decodes over long contexts); checked
             against the policy's parameters when the config loads.
+        disaggregation: prefill/decode disaggregation (``core/disagg.DisaggSpec``: the split
+            mode and the link's seconds per token of KV); None: every request colocated
+            (docs/disaggregation.md).
     """
 
     name: PoolName
@@ -255,6 +262,7 @@ class PoolConfig:
     kubernetes: KubernetesSource | None = None
     policy_params: Mapping[str, float | int | bool] = field(
         default_factory=lambda: MappingProxyType({}))
+    disaggregation: DisaggSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -722,7 +730,7 @@ def _replica(key: str, data: Any) -> tuple[ReplicaConfig, ...]:
     """One YAML replica: one entry, or one per data-parallel rank (``data_parallel_size``)."""
     d = _mapping(key, data, '{name: s0, url: "http://127.0.0.1:8101"}')
     _check_keys(key, d, ("name", "url", "kv_events", "kv_replay", "kv_topic", "kv_events_bind",
-                         "prefill_rate_tps", "data_parallel_size"))
+                         "prefill_rate_tps", "data_parallel_size", "role"))
     if "name" not in d:
         raise _fail(f"{key}.name", None, "is required", "Give every replica a unique name, e.g. name: s0.")
     if "url" not in d:
@@ -749,6 +757,7 @@ def _replica(key: str, data: Any) -> tuple[ReplicaConfig, ...]:
         kv_topic=topic,
         kv_events_bind=bind,
         prefill_rate_tps=_num(f"{key}.prefill_rate_tps", d.get("prefill_rate_tps", 10_000.0)),
+        role=_role(f"{key}.role", d.get("role", "both")),
     )
     size = _int(f"{key}.data_parallel_size", d.get("data_parallel_size", 1), minimum=1)
     if size == 1:
@@ -778,6 +787,31 @@ def _dp_rank_entry(key: str, engine: ReplicaConfig, rank: int) -> ReplicaConfig:
     return dataclasses.replace(engine, name=ReplicaId(f"{engine.name}.dp{rank}"),
                                kv_events=events, kv_replay=replay, dp_rank=rank,
                                engine=engine.name)
+
+
+def _role(key: str, value: Any) -> Role:
+    try:
+        return check_role(value, key)
+    except ValueError:
+        raise _fail(key, value, f"must be one of {', '.join(ROLES)}",
+                    "Write role: prefill or role: decode for a disaggregated pool's replicas "
+                    "(both: an ordinary engine).") from None
+
+
+_DISAGG_EXAMPLE: Final = "{mode: auto, link_gbps: 12.5, kv_bytes_per_token: 131072}"
+
+
+def _disaggregation(key: str, data: Any) -> DisaggSpec:
+    """``pools.<name>.disaggregation``: the split mode and the P→D link."""
+    d = _mapping(key, data, _DISAGG_EXAMPLE)
+    _check_keys(key, d, ("mode", "link_gbps", "kv_bytes_per_token"))
+    mode = d.get("mode", "auto")
+    if mode not in SPLIT_MODES:
+        raise _fail(f"{key}.mode", mode, f"must be one of {', '.join(SPLIT_MODES)}",
+                    "Write mode: auto (split when the cost model says it pays), always or never.")
+    gbps = _num(f"{key}.link_gbps", d.get("link_gbps", 12.5))
+    per_token = _num(f"{key}.kv_bytes_per_token", d.get("kv_bytes_per_token", 131_072))
+    return DisaggSpec(mode, per_token / (gbps * 1e9))
 
 
 _EXTERNAL_EXAMPLE: Final = (
@@ -844,7 +878,7 @@ def _pool(name: str, data: Any) -> PoolConfig:
         return _external(_name("pools", name), d["external"])
     _check_keys(key, d, ("model", "replicas", "tokenizer", "block_size", "hash_algo", "hash_seed",
                          "external", "decode_timing", "report_hits", "lora_adapters",
-                         "kubernetes", "policy_params"))
+                         "kubernetes", "policy_params", "disaggregation"))
     model = _str(f"{key}.model", d.get("model"), example="qwen3-8b")
     reps = d.get("replicas")
     kubernetes = None if d.get("kubernetes") is None else _kubernetes(f"{key}.kubernetes",
@@ -865,6 +899,12 @@ def _pool(name: str, data: Any) -> PoolConfig:
     block_size = d.get("block_size")
     if block_size is not None:
         block_size = _int(f"{key}.block_size", block_size, minimum=1)
+    roled = [r for r in replicas if r.role != "both"]
+    if roled and d.get("disaggregation") is None:
+        raise _fail(f"{key}.disaggregation", None,
+                    f"is needed: replica {roled[0].name!r} has role {roled[0].role!r}",
+                    f"Add disaggregation: {_DISAGG_EXAMPLE} to the pool, or make every "
+                    "replica's role both.")
     return PoolConfig(
         name=PoolName(_name("pools", name)),
         model=model,
@@ -878,6 +918,8 @@ def _pool(name: str, data: Any) -> PoolConfig:
         lora_adapters=_lora_adapters(f"{key}.lora_adapters", d.get("lora_adapters"), model),
         kubernetes=kubernetes,
         policy_params=_policy_params(f"{key}.policy_params", d.get("policy_params")),
+        disaggregation=None if d.get("disaggregation") is None else _disaggregation(
+            f"{key}.disaggregation", d["disaggregation"]),
     )
 
 

@@ -91,6 +91,7 @@ def serve(
     cpu_offload_blocks: Annotated[int, typer.Option(help="Blocks of a CPU tier (vLLM native offloading: BlockStored with medium CPU); 0: none.")] = 0,
     cpu_load_s_per_block: Annotated[float, typer.Option(help="Seconds to load one block back from the CPU tier.")] = 0.0,
     data_parallel_size: Annotated[int, typer.Option(help="Engine ranks behind this one server (vLLM --data-parallel-size): rank r publishes on the --kv-events port + r and serves requests with X-data-parallel-rank: r.")] = 1,
+    kv_transfer_s_per_token: Annotated[float, typer.Option(help="Disaggregated prefill/decode: seconds a token of KV takes to reach this engine from a prefill engine (bytes per token / link bandwidth).")] = 0.0,
 ) -> None:
     """Serve one simulated vLLM engine until SIGINT/SIGTERM."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -114,6 +115,7 @@ def serve(
             reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
             cpu_offload_blocks=cpu_offload_blocks, cpu_load_s_per_block=cpu_load_s_per_block,
             data_parallel_size=data_parallel_size,
+            kv_transfer_s_per_token=kv_transfer_s_per_token,
         )
 
         def ready(server: SimServer) -> None:

@@ -66,6 +66,7 @@ from kvroute.shell.tenancy import routing_header_tenants
 from kvroute.shell.tier_pools import TierPools
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
+from kvroute.wire.disagg import TransferParamsError, prefill_body, transfer_params
 from kvroute.wire.openai import (
     ParsedRequest,
     encode_request,
@@ -78,7 +79,7 @@ from kvroute.wire.reasoning import expected_thinking, reasoning_fields, reasonin
 from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
 from kvroute.wire.relay import routing_text as render_routing_text
 
-__all__ = ["HDR_APPROX", "HDR_CACHED", "HDR_POOL", "HDR_REPLICA", "Forwarder", "error_answer"]
+__all__ = ["HDR_APPROX", "HDR_CACHED", "HDR_POOL", "HDR_PREFILL", "HDR_REPLICA", "Forwarder", "error_answer"]
 
 log = logging.getLogger("kvroute.app")
 tier_log = logging.getLogger("kvroute.tiers")
@@ -88,6 +89,8 @@ HDR_REPLICA: Final = "x-kvroute-replica"
 HDR_POOL: Final = "x-kvroute-pool"
 HDR_CACHED: Final = "x-kvroute-cached-tokens"
 HDR_APPROX: Final = "x-kvroute-approximate"
+HDR_PREFILL: Final = "x-kvroute-prefill-replica"
+"""A split request's prefill replica (``x-kvroute-replica`` decoded it)."""
 _JSON: Final = "application/json"
 REPORT_HITS: Final = {"kv_cache_report_mode": "full"}
 """vLLM's sampling ``extra_args`` that makes a prefix hit publish ``BlockStored`` too."""
@@ -136,6 +139,8 @@ def routed(response: _R, decision: RoutingDecision, show: bool = True) -> _R:
     response.headers[HDR_POOL] = decision.request.pool
     response.headers[HDR_CACHED] = str(decision.expected_cached_tokens)
     response.headers[HDR_APPROX] = "true" if decision.approximate else "false"
+    if decision.prefill_replica is not None:
+        response.headers[HDR_PREFILL] = decision.prefill_replica
     return response
 
 
@@ -320,8 +325,15 @@ class Forwarder:
             return walk.failed("connect", retryable=True, unreachable=False,
                                detail=f"replica {decision.replica} left the pool")
         url = base + path
+        transfer: Mapping[str, Any] | None = None
+        if decision.prefill_replica is not None:  # a split: the prefill half first
+            prefilled = await self._prefill(ex, send, path)
+            if not isinstance(prefilled, Mapping):
+                return prefilled  # the walk's next action: colocated on the decode replica
+            transfer = prefilled
         try:
-            reply = await self.upstream.open(url, self._body(ex, send), stream=ex.parsed.stream,
+            reply = await self.upstream.open(url, self._body(ex, send, transfer),
+                                             stream=ex.parsed.stream,
                                              headers=self._headers(decision))
         except UpstreamError as exc:
             overflow = None
@@ -339,7 +351,41 @@ class Forwarder:
         self.metrics.upstream_error(decision.replica, "overflow")
         return walk.overflowed(overflow_numbers(overflow), detail=f"style {overflow.style}")
 
-    def _body(self, ex: _Exchange, send: Send) -> bytes:
+    async def _prefill(self, ex: _Exchange, send: Send,
+                       path: str) -> Mapping[str, Any] | WalkAction:
+        """A split's prefill half (``wire/disagg.py``): the prompt with ``max_tokens: 1`` and
+        ``do_remote_decode`` to the prefill replica; its answer's ``kv_transfer_params``, or
+        the walk's next action when it failed (the request is then colocated)."""
+        walk, decision = ex.walk, send.decision
+        prefill = decision.prefill_replica
+        assert prefill is not None
+        base = (self.replica_url(prefill) if self.replica_url is not None
+                else self.config.replica(prefill).url)
+        if base is None:
+            return walk.prefill_failed("connect", detail=f"replica {prefill} left the pool")
+        pool = decision.request.pool
+        adapter = walk.request.adapter
+        body = prefill_body(ex.parsed.body,
+                            model=adapter if adapter is not None else self.config.pools[pool].model,
+                            cache_salt=decision.request.cache_salt)
+        headers = {"X-Request-Id": decision.prefill_request_id,
+                   **dp_rank_headers(self.config, prefill)}  # the prefill replica's rank
+        try:
+            reply = await self.upstream.open(base + path, body, stream=False, headers=headers)
+        except UpstreamError as exc:
+            self.metrics.upstream_error(prefill, exc.kind)
+            return walk.prefill_failed(exc.kind, unreachable=_is_connect_failure(exc),
+                                       detail=str(exc))
+        try:
+            params = transfer_params(reply.body)
+        except TransferParamsError as exc:
+            self.metrics.upstream_error(prefill, "protocol")
+            return walk.prefill_failed("protocol", detail=str(exc))
+        walk.prefill_answered()
+        return params
+
+    def _body(self, ex: _Exchange, send: Send,
+              transfer: Mapping[str, Any] | None = None) -> bytes:
         """The client's body for a local pool (its own bytes when nothing changes); for an
         external provider, its model name for the route (the catalog) and no
         ``cache_salt`` (a vLLM field other providers reject; no index of ours there)."""
@@ -353,6 +399,8 @@ class Forwarder:
         reasoning = ex.route.reasoning
         fields = (reasoning_fields(ex.parsed.body, reasoning)
                   if reasoning is not None and ex.parsed.endpoint == "chat" else None)
+        if transfer is not None:  # a split's decode half: where to pull the KV from
+            fields = {**(fields or {}), "kv_transfer_params": dict(transfer)}
         return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
                             model=adapter if adapter is not None else config.model,
                             cache_salt=send.decision.request.cache_salt,  # a version's salt

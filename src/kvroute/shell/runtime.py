@@ -109,12 +109,14 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
         fixed = pool.block_size is not None and pool.hash_algo is not None
         pools.append(PoolSpec(
             name=pool.name,
-            replicas=tuple(ReplicaSpec(rep.name, rep.prefill_rate_tps) for rep in pool.replicas),
+            replicas=tuple(ReplicaSpec(rep.name, rep.prefill_rate_tps, role=rep.role)
+                           for rep in pool.replicas),
             block_size=pool.block_size or 16,
             hash_algo=pool.hash_algo or "sha256",
             hash_seed=pool.hash_seed,
             approximate=pool.tokenizer.mode == "none" or not fixed,
             decode_timing=pool.decode_timing,
+            disagg=pool.disaggregation,
         ))
     core = RouterCore(pools, policy_factory, clock=clock, pool_policy_factory=pool_policy_factory,
                       predicted_ttl_s=config.predicted_ttl_s,

@@ -229,6 +229,12 @@ class SimServerConfig:
             parallel"); 1: one engine, whose batches carry ``data_parallel_rank``.
         data_parallel_rank: with one rank, the rank its batches and ``/kv_event_sources``
             name (an engine of an externally balanced DP deployment); 0 with several.
+        kv_transfer_s_per_token: the engine plays both roles of vLLM's disaggregated
+            prefill/decode (a NixlConnector engine with ``kv_role: kv_both``,
+            ``wire/disagg.py``): a request with ``kv_transfer_params.do_remote_decode``
+            answers with the ``kv_transfer_params`` a decode engine pulls from; one with
+            ``do_remote_prefill`` pulls the prompt's blocks it lacks at this many seconds a
+            token, then computes only the last token (docs/disaggregation.md).
     """
 
     model: str = "sim-model"
@@ -240,6 +246,7 @@ class SimServerConfig:
     num_gpu_blocks: int | None = None
     cpu_offload_blocks: int = 0
     cpu_load_s_per_block: float = 0.0
+    kv_transfer_s_per_token: float = 0.0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     host: str = "127.0.0.1"
@@ -547,6 +554,10 @@ class _Prepared:
     prompt_ids: Sequence[int]
     """A list, or the ``array('I')`` of an HF tokenizer's piece cache: ``list()`` it for JSON."""
     max_tokens: int | None
+    remote_decode: bool = False
+    """A P/D prefill (``do_remote_decode``): the answer carries ``kv_transfer_params``."""
+    remote_prefill: bool = False
+    """A P/D decode (``do_remote_prefill``): the prompt's KV is pulled, not computed."""
 
 
 class _TextDecoder:
@@ -633,6 +644,7 @@ class SimServer:
         self.error_style = resolve_style(config.error_style)
         self.created = int(time.time())
         self._perm_id = "modelperm-" + uuid.uuid4().hex[:16]
+        self._engine_id = str(uuid.uuid4())  # the KV connector's engine id (P/D)
         self._publisher: KVEventPublisher | None = None
         self._publishers: list[KVEventPublisher] = []
         self.driver: EngineDriver | None = None
@@ -895,7 +907,45 @@ class SimServer:
             raise _BadRequest(rejected.status, rejected.body, rejected.content_type)
         if asked is not None and self.error_style != "vllm-0.32":
             asked = min(asked, window)  # the style accepted it: the engine clamps
-        return _Prepared(parsed, ids, asked)
+        decode, prefill = self._kv_transfer(body.get("kv_transfer_params"), len(ids))
+        return _Prepared(parsed, ids, asked, decode, prefill)
+
+    def _kv_transfer(self, params: Any, num_tokens: int) -> tuple[bool, bool]:
+        """``(remote_decode, remote_prefill)`` from a request's ``kv_transfer_params``; a
+        decode's parameters must locate a prefill of this prompt (its blocks)."""
+        if params is None:
+            return False, False
+        if not isinstance(params, Mapping):
+            raise _error("kv_transfer_params must be an object", param="kv_transfer_params")
+        if params.get("do_remote_decode") is True:
+            return True, False
+        if params.get("do_remote_prefill") is not True:
+            return False, False
+        blocks = params.get("remote_block_ids")
+        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port")
+                   if params.get(k) is None]
+        if missing or not isinstance(blocks, list):
+            raise _error(
+                "kv_transfer_params with do_remote_prefill needs remote_engine_id, "
+                "remote_block_ids, remote_host and remote_port: pass on the ones the prefill "
+                f"engine's answer carried (missing: {missing or ['remote_block_ids']})",
+                param="kv_transfer_params")
+        needed = (num_tokens - 1) // self.engine_config.block_size
+        if len(blocks) < needed:
+            raise _error(
+                f"kv_transfer_params.remote_block_ids lists {len(blocks)} blocks but this "
+                f"{num_tokens}-token prompt needs {needed}: the parameters belong to another "
+                "prompt's prefill", param="kv_transfer_params")
+        return False, True
+
+    def _transfer_answer(self, prep: _Prepared, rid: str) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a prefill's answer carries (NixlConnector's names)."""
+        bs = self.engine_config.block_size
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self._engine_id,
+                "remote_block_ids": list(range(-(-len(prep.prompt_ids) // bs))),
+                "remote_host": self.config.host, "remote_port": self.port,
+                "remote_request_id": rid, "tp_size": 1}
 
     def _thinking_limit(self, prep: _Prepared) -> int | None:
         """How many of a choice's first tokens are thinking: None without a reasoning parser
@@ -1024,6 +1074,8 @@ class SimServer:
                 lora=lora,
                 lora_id=self._lora_ids.get(lora.name) if lora is not None else None,
                 report_full=report_full,
+                kv_transfer_s_per_token=(self.config.kv_transfer_s_per_token
+                                         if prep.remote_prefill else None),
             )
             for i in range(n)
         ]
@@ -1134,6 +1186,8 @@ class SimServer:
             choice["index"] = i
             choices.append(choice)
         one["choices"] = choices
+        if prep.remote_decode:
+            one["kv_transfer_params"] = self._transfer_answer(prep, rid)
         return self._json(one)
 
     async def _stream(
