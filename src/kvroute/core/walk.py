@@ -21,7 +21,10 @@ the route's pools as discovery sees them now (``core/tiers.TierPool``) and the s
     action = walk.begin()
     while True:
         NeedTokens(pool)  -> get the prompt's token ids for that pool; action = walk.tokens(...)
-        Send(decision)    -> forward to decision.replica; then exactly one of:
+        Send(decision)    -> a split (decision.prefill_replica set): first the prefill half
+                             there, then walk.prefill_answered() or, when it failed,
+                             action = walk.prefill_failed(...) (colocated: a new Send);
+                             forward to decision.replica; then exactly one of:
                                walk.overflowed(numbers)  (the engine rejected it as too long)
                                walk.failed(...)          (no answer before the first byte)
                                walk.answered()           (first byte / first token)
