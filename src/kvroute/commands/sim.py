@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -211,6 +212,8 @@ def fleet(
     kv_plan: Annotated[str | None, typer.Option(help="KV blocks per replica from `kvroute plan`: MODEL@GPU[,tp=N][,util=F][,reserve=GIB].")] = None,
     cpu_offload_blocks: Annotated[int, typer.Option(help="Every replica's CPU tier, blocks (medium CPU events); 0: none.")] = 0,
     cpu_load_s_per_block: Annotated[float, typer.Option(help="Seconds to load one block from the CPU tier.")] = 0.0,
+    pd: Annotated[str, typer.Option(help="A disaggregated prefill/decode fleet of the single pool: counts of P (prefill), D (decode), B (both), e.g. 1P2D; the YAML gets the roles and a disaggregation section.")] = "",
+    kv_transfer_s_per_token: Annotated[float, typer.Option(help="With --pd: seconds a token of KV takes from a prefill to a decode engine.")] = 131_072 / 12.5e9,
 ) -> None:
     """Start a fleet of simulated engines and keep it up until Ctrl-C / SIGTERM."""
     if kv_events_socket not in ("bind", "vllm"):
@@ -226,6 +229,17 @@ def fleet(
     if cpu_offload_blocks:
         tier_args = ("--cpu-offload-blocks", str(cpu_offload_blocks),
                      "--cpu-load-s-per-block", str(cpu_load_s_per_block))
+    roles: list[str] = []
+    if pd:
+        if pool:
+            raise typer.BadParameter("--pd lays out the single pool; leave out --pool")
+        for count, letter in re.findall(r"(\d+)([PDBpdb])", pd):
+            roles += [{"P": "prefill", "D": "decode", "B": "both"}[letter.upper()]] * int(count)
+        if not re.fullmatch(r"((\d+)[PDBpdb])+", pd) or all(r == "prefill" for r in roles):
+            raise typer.BadParameter(f"--pd {pd!r}: give counts of P, D and B with at least one "
+                                     "D or B, e.g. 1P2D")
+        replicas = len(roles)
+        tier_args += ("--kv-transfer-s-per-token", str(kv_transfer_s_per_token))
     specs: list[ReplicaSpec] = []
     common = {"block_size": block_size, "num_gpu_blocks": num_gpu_blocks,
               "extra_args": tier_args,
@@ -256,7 +270,13 @@ def fleet(
             typer.echo(f"{r.name:<16} {r.model:<20} window={r.max_model_len:<7} {r.url}  "
                        f"events={r.kv_events}  replay={r.kv_replay}")
         typer.echo("")
-        typer.echo(running.yaml(), nl=False)
+        if roles:
+            gbps = 131_072 / max(kv_transfer_s_per_token, 1e-15) / 1e9
+            typer.echo(running.yaml(
+                {r.name: role for r, role in zip(running.replicas, roles, strict=True)},
+                f"{{mode: auto, link_gbps: {gbps:.6g}, kv_bytes_per_token: 131072}}"), nl=False)
+        else:
+            typer.echo(running.yaml(), nl=False)
         typer.echo("# Ctrl-C stops the fleet", err=True)
         while not stop.wait(0.5):
             dead = [p for p in running.processes if p.poll() is not None]

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -165,9 +165,12 @@ class ReplicaHandle:
                    pid, bool(info.get("kv_events_connect", False)))
 
 
-def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
+def pools_yaml(replicas: Sequence[ReplicaHandle], roles: Mapping[str, str] | None = None,
+               disaggregation: str | None = None) -> str:
     """A ``pools:`` and ``routes:`` block for ``kvroute serve`` (one route per pool, named
-    after it), in exactly the shape ``kvroute.config`` accepts."""
+    after it), in exactly the shape ``kvroute.config`` accepts. ``roles`` (by replica name)
+    and ``disaggregation`` (the pools' flow mapping) lay out a prefill/decode fleet."""
+    roles = roles or {}
     lines = ["pools:"]
     seen: dict[str, list[ReplicaHandle]] = {}
     for r in replicas:
@@ -177,11 +180,15 @@ def pools_yaml(replicas: Sequence[ReplicaHandle]) -> str:
         lines += [
             f"  {pool}:                 # window {first.max_model_len}, block size {first.block_size}",
             f"    model: {first.model}",
-            "    replicas:",
         ]
+        if disaggregation is not None:
+            lines.append(f"    disaggregation: {disaggregation}")
+        lines.append("    replicas:")
         for r in members:
             lines.append(f"      - name: {r.name}")
             lines.append(f"        url: {r.url}")
+            if r.name in roles:
+                lines.append(f"        role: {roles[r.name]}")
             if r.kv_events:
                 lines.append(f"        kv_events: {r.kv_events}")
                 if r.kv_events_connect:
@@ -215,8 +222,9 @@ class Fleet:
     def by_pool(self, pool: str) -> list[ReplicaHandle]:
         return [r for r in self.replicas if r.pool == pool]
 
-    def yaml(self) -> str:
-        return pools_yaml(self.replicas)
+    def yaml(self, roles: Mapping[str, str] | None = None,
+             disaggregation: str | None = None) -> str:
+        return pools_yaml(self.replicas, roles, disaggregation)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every child, wait up to ``timeout_s`` in total, then SIGKILL the rest."""
