@@ -434,6 +434,7 @@ class _Req:
         "num_prompt",
         "remote",
         "remote_left_s",
+        "remote_pulled",
         "report_full",
         "request_id",
         "seed",
@@ -476,6 +477,7 @@ class _Req:
         self.seed = seed
         self.remote = False  # its prompt's KV comes from a remote prefill
         self.remote_left_s = 0.0  # the transfer still to wait for
+        self.remote_pulled = 0  # tokens that crossed the link
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -621,9 +623,11 @@ class EngineModel:
                 raise EngineInputError(
                     f"request {rid!r} has kv_transfer_s_per_token="
                     f"{req.kv_transfer_s_per_token!r}; it must be >= 0 (None: no transfer)")
-            r.remote = True
+            r.remote = True  # what it lacks now crosses the link (decided on arrival, as
+            # the connector's get_num_new_matched_tokens decides it)
             pulled = (n - 1) // cfg.block_size - len(self._computed_blocks(r))
-            r.remote_left_s = pulled * cfg.block_size * req.kv_transfer_s_per_token
+            r.remote_pulled = pulled * cfg.block_size
+            r.remote_left_s = r.remote_pulled * req.kv_transfer_s_per_token
         self._live[rid] = r
         self._waiting.append(r)
         return Accepted(rid, effective, asked, effective < wanted)
@@ -709,14 +713,16 @@ class EngineModel:
                         skipped.append(waiting.popleft())  # vLLM skips it, keeps scanning
                         continue
                 hit_blocks = self._computed_blocks(r)
-                loads = self._tier_hits(r, len(hit_blocks)) if self._tiers else ()
+                pulling = r.remote and r.num_cached_tokens < 0  # the link brings the rest
+                loads = (self._tier_hits(r, len(hit_blocks)) if self._tiers and not pulling
+                         else ())
                 num_loaded = sum(len(hashes) for _, hashes in loads)
                 num_hit = (len(hit_blocks) + num_loaded) * cfg.block_size
-                num_pulled = 0
-                if r.remote and r.num_cached_tokens < 0:  # the remote prefill's blocks
-                    num_pulled = max(0, (len(r.tokens) - 1) // cfg.block_size * cfg.block_size
-                                     - num_hit)
-                    num_hit += num_pulled
+                pulled = 0
+                if pulling:  # the remote prefill's blocks
+                    pulled = r.remote_pulled
+                    num_hit = max(num_hit, (len(r.tokens) - 1) // cfg.block_size
+                                  * cfg.block_size)
                 if hit_blocks and r.report_full:
                     self.pool.emit_cached(
                         [r.wire_hashes[i] for i in range(len(hit_blocks))], r.tokens,
@@ -734,8 +740,10 @@ class EngineModel:
                     r.num_cached_tokens = num_hit
                     if cfg.enable_prefix_caching:
                         self._queries += len(r.tokens)
-                        self._hits += num_hit - num_loaded * cfg.block_size
-                        self._external_hits += num_loaded * cfg.block_size + num_pulled
+                        local = (len(hit_blocks) * cfg.block_size if r.remote
+                                 else num_hit - num_loaded * cfg.block_size)
+                        self._hits += local
+                        self._external_hits += num_loaded * cfg.block_size + pulled
                 r.num_computed = num_hit
                 scheduled.append((r, n))
                 budget -= n
