@@ -630,6 +630,8 @@ class RouterCore:
             selection = entry.policy.select(policy_input, candidates)
         else:
             roles = {rep.name: rep.role for rep in entry.spec.replicas}
+            if request.expected_output_tokens <= 1:  # a warm-up is a prefill: never split
+                disagg = replace(disagg, mode="never")
             try:
                 split = choose_split(entry.policy, policy_input, candidates, roles, disagg)
             except ValueError as exc:

@@ -158,3 +158,14 @@ def test_roles_need_a_disaggregated_pool_and_a_decode_replica() -> None:
     core.set_healthy(ReplicaId("d1"), False)
     with pytest.raises(NoEligibleReplica, match="prefill-only"):
         core.route(route_request("b"))
+
+
+def test_a_warm_up_is_never_split() -> None:
+    """A ``max_tokens: 1`` copy (warm-ahead, shadow warm-up) is a prefill: it goes to one
+    replica that can decode, and nothing is counted on a prefill replica."""
+    core = pd_core()
+    warm = RouteRequest(RequestId("w"), POOL, SCOPE, num_prompt_tokens=4_000,
+                        prompt_token_ids=list(range(4_000)), expected_output_tokens=1)
+    decision = core.route(warm)
+    assert decision.prefill_replica is None and decision.replica in ("d0", "d1")
+    assert core.load.snapshot(ReplicaId("p0"), 0.0).num_in_flight == 0
