@@ -17,13 +17,16 @@ The split is priced from the same whole-turn terms as the colocated score (``cor
 symbols as there, ``s`` the link's seconds per token of KV = bytes per token ÷ bandwidth):
 
     prefill_part(P) = ttft_P + work_weight·prefill_P/rate_P + inflight_cost_s·in_flight_P
-                      + harm_weight·decoding_P·prefill_P/rate_P     P's streams stall meanwhile
+                      + harm_weight·stalled_P·prefill_P/rate_P     P's streams stall meanwhile
     pulled_D        = n − cached_D                      D pulls what its own cache lacks
     decode_part(D)  = queue_D/rate_D + s·pulled_D       it waits for D's queue and the transfer
                       + decode_weight·m·step_D(in_flight_D + 1, context_D + n + m/2)
                       + harm_weight·left_D·(step with it − step without it)
                       + inflight_cost_s·in_flight_D + pressure_weight·pressure_D
     split           = min over P of prefill_part(P) + min over D ≠ P of decode_part(D)
+
+(``stalled_P``: the policy's ``stalled_streams``; with ``kv_wait_weight`` or ``return_weight``
+on, each half gets its share of those terms too.)
 
 and the request is split when ``split`` is below the best colocated cost. What a split saves is
 the stall of D's decoding streams during a prefill on D (``decoding_D·prefill/rate`` in the
@@ -138,11 +141,18 @@ def split_parts(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate
     load = cand.load
     rate = max(load.prefill_rate_tps, 1e-9)
     ttft, prefill = policy.predicted_ttft_s(request, cand)
+    timing = request.decode_timing
+    kv_wait = policy.kv_wait_weight > 0 and load.kv_capacity_tokens
     prefill_s = None
     if can_prefill(role):
+        step_now = timing.step_s(load.num_in_flight, load.decoding_context_tokens
+                                 + load.waiting_context_tokens) * scale
         prefill_s = (ttft + policy.work_weight * prefill / rate
                      + policy.inflight_cost_s * load.num_in_flight
-                     + policy.harm_weight * load.num_decoding * prefill / rate)
+                     + policy.harm_weight * policy.stalled_streams(load, rate, step_now)
+                     * prefill / rate)
+        if kv_wait:
+            prefill_s += policy.kv_wait_weight * policy.kv_wait_s(load, prefill, scale, timing)
     decode_s = None
     pulled = prefill  # what this replica's own cache lacks (a hit never covers the last token)
     if can_colocate(role):
@@ -152,6 +162,12 @@ def split_parts(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate
                     + policy.decode_weight * own_decode + policy.harm_weight * harm
                     + policy.inflight_cost_s * load.num_in_flight
                     + policy.pressure_weight * evicted / rate)
+        if policy.return_weight > 0 and load.resting_sessions > 0:
+            ret_decode, ret_harm = policy.returning_terms_s(request, cand, scale)
+            decode_s += policy.return_weight * (policy.decode_weight * ret_decode
+                                                + policy.harm_weight * ret_harm)
+        if kv_wait:  # the pulled blocks need room as a prefill's would
+            decode_s += policy.kv_wait_weight * policy.kv_wait_s(load, pulled, scale, timing)
     return SplitParts(prefill_s, decode_s, prefill, pulled)
 
 
