@@ -200,13 +200,16 @@ def choose_split(policy: Policy, request: PolicyInput, candidates: Sequence[Cand
     scale = sum(c.load.itl_scale for c in candidates) / len(candidates)
     parts = {c.replica: split_parts(policy, request, c, roles.get(c.replica, "both"),
                                     spec.link_s_per_token, scale) for c in candidates}
-    by_prefill = sorted((p.prefill_s, str(r)) for r, p in parts.items()
-                        if p.prefill_s is not None)
-    by_decode = sorted((p.decode_s, str(r)) for r, p in parts.items()
-                       if p.decode_s is not None)
+    # Ties go to the fewest requests in flight, then the least recently chosen (never to
+    # the list's order: idle twins would otherwise always send the first one the work).
+    loads = {c.replica: c.load for c in candidates}
+    by_prefill = sorted((p.prefill_s, loads[r].num_in_flight, loads[r].last_chosen_s, str(r))
+                        for r, p in parts.items() if p.prefill_s is not None)
+    by_decode = sorted((p.decode_s, loads[r].num_in_flight, loads[r].last_chosen_s, str(r))
+                       for r, p in parts.items() if p.decode_s is not None)
     best: tuple[float, ReplicaId, ReplicaId] | None = None
-    for p_cost, p_name in by_prefill[:2]:
-        for d_cost, d_name in by_decode[:2]:
+    for p_cost, _, _, p_name in by_prefill[:2]:
+        for d_cost, _, _, d_name in by_decode[:2]:
             if p_name != d_name and (best is None or p_cost + d_cost < best[0]):
                 best = (p_cost + d_cost, ReplicaId(p_name), ReplicaId(d_name))
     if best is None:

@@ -169,3 +169,15 @@ def test_a_warm_up_is_never_split() -> None:
     decision = core.route(warm)
     assert decision.prefill_replica is None and decision.replica in ("d0", "d1")
     assert core.load.snapshot(ReplicaId("p0"), 0.0).num_in_flight == 0
+
+
+def test_idle_twin_prefill_replicas_take_turns() -> None:
+    """Two idle prefill replicas tie: the one chosen less recently gets the prefill, never
+    the first in the list."""
+    roles: dict[ReplicaId, Role] = {ReplicaId("P1"): "prefill", ReplicaId("P2"): "prefill",
+                                    ReplicaId("D"): "decode"}
+    recent = ReplicaLoad(prefill_rate_tps=RATE, last_chosen_s=5.0)
+    cands = [Candidate(ReplicaId("P1"), recent), Candidate(ReplicaId("P2"), idle()),
+             Candidate(ReplicaId("D"), idle())]
+    choice = choose_split(policy(), ask(2_000), cands, roles, DisaggSpec("always"))
+    assert choice.prefill == "P2"
