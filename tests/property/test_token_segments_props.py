@@ -3,6 +3,7 @@ Metaspace tokenizer whose first piece is encoded differently (``prepend_scheme: 
 
 from __future__ import annotations
 
+import gc
 import logging
 from array import array
 from collections.abc import Callable, Sequence
@@ -100,6 +101,20 @@ def test_encode_returns_packed_ids_equal_to_the_whole_prompt_encode() -> None:
     off = SegmentEncoder(encode, split, max_tokens=0)
     assert not off.enabled
     assert off.encode(text).tolist() == whole and off.encode(text).typecode == "I"
+
+
+def test_cached_pieces_are_nothing_the_collector_walks() -> None:
+    """A full cache is thousands of long-lived pieces: held as arrays, each was a tracked
+    object that every full collection walked with the event loop stopped."""
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    seg = SegmentEncoder(encode, split, verify_every=0)
+    texts = [f"<|user|>\nquestion number {i} about the cache<|end|>\n" for i in range(30)]
+    for text in texts * 2:  # the second round is served from the cache
+        assert seg.encode(text).tolist() == list(encode(text))
+    pieces = list(seg._cache.values())
+    assert len(pieces) >= 30 and seg.hits >= 30
+    assert not any(gc.is_tracked(piece) for piece in pieces)
+    assert seg.cached_tokens == sum(len(piece) for piece in pieces) // array("I").itemsize
 
 
 def test_memory_bound_evicts_least_recent() -> None:

@@ -31,8 +31,12 @@ encodes the whole prompt elsewhere (``tokenize/piece_check.py``: a worker thread
 back through ``check``. The checked call then returns the cached ids unverified, which the
 argument above already allows: one routing decision at most.
 
-Memory: pieces are kept in an LRU bounded by their total tokens (``max_tokens``), as
-``array('I')`` (4 bytes a token).
+Memory: pieces are kept in an LRU bounded by their total tokens (``max_tokens``), as the raw
+bytes of an ``array('I')`` (4 bytes a token). Bytes, not the arrays: an ``array`` is tracked
+by the garbage collector although it holds no references, so a full cache was some 15,000
+long-lived tracked objects that every full collection walked while the event loop waited;
+``bytes`` are never tracked, and ``array.frombytes`` copies them into the result in one
+memcpy, as ``+=`` of an array did (``docs/benchmarks.md#long-run-memory-and-p99``).
 
 Checkpoints: a growing conversation resends its earlier text, which would still be split at
 every marker and looked up piece by piece (~1 µs a piece: ~1,100 pieces at 128K tokens of
@@ -81,6 +85,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CACHED_TOKENS: Final = 4_000_000
 """Hundreds of long system prompts and conversations: 4 bytes an id, plus the pieces' text and
 the ordered dict (the size at this bound: ``docs/benchmarks.md#long-run-memory-and-p99``)."""
+
+_ITEM_BYTES: Final = array("I").itemsize
+"""Bytes a cached id takes (an ``array('I')`` item)."""
 
 DEFAULT_VERIFY_EVERY: Final = 1024
 """One call in this many is also encoded whole and compared (0: never)."""
@@ -138,7 +145,8 @@ class SegmentEncoder:
         self._max_tokens = max_tokens
         self._verify_every = verify_every
         self._name = name
-        self._cache: OrderedDict[tuple[str | None, str], array[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str | None, str], bytes] = OrderedDict()
+        """A piece's ids as the raw bytes of an ``array('I')`` (untracked by the collector)."""
         self._cached_tokens = 0
         self._calls = 0
         self._submit: CheckSubmit | None = None
@@ -225,7 +233,7 @@ class SegmentEncoder:
                 if pos <= limit:
                     last = (pos, pos + len(piece), piece, len(out))
             elif piece:
-                out += self._piece(previous, piece)  # same type code: a memcpy
+                out.frombytes(self._piece(previous, piece))  # the same item size: a memcpy
             pos += len(piece)
         if last is not None and self._max_checkpoints:
             self._remember(text, last, out, replaces=found)
@@ -264,7 +272,9 @@ class SegmentEncoder:
         if dropped is not None:
             self._checkpoint_tokens -= len(dropped.ids)
 
-    def _piece(self, previous: str | None, piece: str) -> array[int]:
+    def _piece(self, previous: str | None, piece: str) -> bytes:
+        """The piece's ids as the raw bytes of an ``array('I')``, from the cache or encoded
+        (and cached)."""
         key = (previous, piece)
         cached = self._cache.get(key)
         if cached is not None:
@@ -272,14 +282,15 @@ class SegmentEncoder:
             self.hits += 1
             return cached
         self.misses += 1
-        ids = array("I", self._encode_in_place(previous, piece))
-        if len(ids) <= self._max_tokens:
-            self._cache[key] = ids
-            self._cached_tokens += len(ids)
+        raw = array("I", self._encode_in_place(previous, piece)).tobytes()
+        tokens = len(raw) // _ITEM_BYTES
+        if tokens <= self._max_tokens:
+            self._cache[key] = raw
+            self._cached_tokens += tokens
             while self._cached_tokens > self._max_tokens:
                 _, dropped = self._cache.popitem(last=False)
-                self._cached_tokens -= len(dropped)
-        return ids
+                self._cached_tokens -= len(dropped) // _ITEM_BYTES
+        return raw
 
     def _encode_in_place(self, previous: str | None, piece: str) -> Sequence[int]:
         """``piece``'s ids where it stands: first piece alone, later ones behind their marker."""
