@@ -1,7 +1,8 @@
 """The process heap after start-up: what the long-running servers do with it once ready.
 
 Owns ``freeze_startup_heap``, called by ``kvroute serve`` (the router) and ``kvroute sim
-serve`` (the simulated engine) once they listen, and ``watch_gc_pauses``, which the router's
+serve`` (the simulated engine) once they listen (it also sets the collector's serving
+thresholds, ``SERVING_GC_THRESHOLDS``), and ``watch_gc_pauses``, which the router's
 runtime uses to export how long the collector stops it (``kvroute_gc_pause_seconds``).
 
 It lives in ``shell``, the lowest ring that uses it (the simulated engine's server and the
@@ -13,25 +14,46 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["freeze_startup_heap", "watch_gc_pauses"]
+__all__ = ["SERVING_GC_THRESHOLDS", "freeze_startup_heap", "watch_gc_pauses"]
+
+SERVING_GC_THRESHOLDS: Final = (50_000, 20, 10)
+"""``gc.set_threshold`` once serving: a young collection every 50,000 net allocations of
+tracked objects (Python's default: 700), a middle one every 20 young ones, and a full one at
+most every 10 middle ones (and, as always, only once the objects promoted to the oldest
+generation since the last full collection exceed a quarter of it).
+
+Why: with the defaults, a router at 200 requests a second ran a full collection every few
+seconds, because each young collection promoted whatever the requests in flight held at that
+instant, and a full collection walks every long-lived tracked object (the caches' containers,
+sessions, connections), with the event loop stopped: its cost grew with the caches to
+tens, then over a hundred, of CPU-ms, which is what the soak's p99 spikes were. With a young
+collection this rare, most of a request's objects are gone before one runs, so few are
+promoted and full collections come minutes apart (figures:
+``docs/benchmarks.md#long-run-memory-and-p99``; ``benchmarks/micro/bench_soak_gc.py``). A
+young collection then walks up to 50,000 recent objects, a few ms. Garbage cycles are still
+collected: those that die young by the young collections, the rest by the rarer full ones.
+"""
 
 
 def freeze_startup_heap() -> None:
-    """Collect once, then move everything alive (modules, tokenizers, templates, config) out
-    of the collector's reach (``gc.freeze``).
+    """Collect once, move everything alive (modules, tokenizers, templates, config) out of
+    the collector's reach (``gc.freeze``), and set the serving thresholds
+    (``SERVING_GC_THRESHOLDS``).
 
-    Why: a full collection walks every tracked object and stops the event loop meanwhile;
-    after start-up most tracked objects are the ones loading created and will never be
-    garbage, yet every full collection while serving walks them again, and every request in
-    flight waits meanwhile (the pauses with and without the freeze:
+    Why the freeze: a full collection walks every tracked object and stops the event loop
+    meanwhile; after start-up most tracked objects are the ones loading created and will never
+    be garbage, yet every full collection while serving walks them again, and every request
+    in flight waits meanwhile (the pauses with and without the freeze:
     ``docs/benchmarks.md#garbage-collection-pauses``).
     Frozen objects are still freed normally by reference counting; only cycles among them
-    would stay, and start-up makes none worth collecting.
+    would stay, and start-up makes none worth collecting. Why the thresholds: their constant's
+    docstring.
     """
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
 
 
 def watch_gc_pauses(on_pause: Callable[[int, float], None]) -> Callable[[], None]:
