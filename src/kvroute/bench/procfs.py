@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Final
 
-__all__ = ["descendants", "pin_process_tree", "process_cpu_s", "process_tree_cpu_s",
-           "stat_fields"]
+__all__ = ["descendants", "pin_process_tree", "process_cpu_s", "process_run_delay_s",
+           "process_tree_cpu_s", "stat_fields"]
 
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
@@ -71,6 +71,33 @@ def process_tree_cpu_s(pid: int) -> float:
         if fields is not None:
             total += sum(int(x) for x in fields[11:15])
     return total / _CLK_TCK
+
+
+def process_run_delay_s(pid: int) -> float | None:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a CPU, summed
+    (``/proc/<pid>/task/<tid>/schedstat``, its second field, in ns), or None when the process
+    is gone or the kernel keeps no schedstats.
+
+    Why: on a machine shared with other jobs, a router's tail can be its own work or its
+    wait for a CPU; this is the wait, as the kernel counted it. A thread that ends while the
+    threads are read is skipped (its wait is lost from the sum: read it as a lower bound).
+    """
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total_ns = 0
+    read_any = False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                fields = f.read().split()
+        except OSError:
+            continue
+        if len(fields) >= 2:
+            total_ns += int(fields[1])
+            read_any = True
+    return total_ns / 1e9 if read_any else None
 
 
 def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:

@@ -35,8 +35,13 @@ and the client's sending lag; the router's own p99 over them, its RSS, CPU per r
 entries, piece-cache tokens, KV-event gaps, replays and resets, and garbage collections; the
 engines' cores; ``soak_windows``) and
 ``summary`` (requests, completions and errors; the RSS at the first, middle and last sample
-and its growth over the second half; the p99 of the first and last quarter of the run). Nothing is judged here: the figures are
-recorded in ``docs/benchmarks.md``.
+and its growth over the second half; the p99 of the first and last quarter of the run), and
+``verdict`` (``soak_verdict``: the worst window's p99 over the median window's, against
+issue #26's 3x, the router's own p99 the same way, and the RSS slope over the second half).
+Each window also says what tells the router's own stalls from the machine's: the router's
+CPU (cores), the time its threads waited for a CPU (``router_runq_ms``, from the kernel's
+schedstat), the load average and the client's sending lag. The figures are recorded in
+``docs/benchmarks.md``.
 
 Bounds: ``rate * seconds`` requests, open loop, at most 512 in flight, each at most
 ``request_timeout_s``; the run is cut at ``seconds + request_timeout_s + 30``. Loopback only;
@@ -48,14 +53,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
+import statistics
 import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
@@ -66,7 +73,7 @@ from kvroute.bench.overhead_long import (
     LONG_TARGET_TOKENS,
     long_session_requests,
 )
-from kvroute.bench.procfs import process_tree_cpu_s
+from kvroute.bench.procfs import process_run_delay_s, process_tree_cpu_s
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
 from kvroute.core.stats import percentile
@@ -74,7 +81,8 @@ from kvroute.sim.launcher import ReplicaSpec, start_fleet
 from kvroute.tokenize.hf import bundled_tokenizer_dir
 from kvroute.wire.prom import parse_exposition
 
-__all__ = ["SoakSpec", "read_rss_mb", "run_soak", "soak_requests", "soak_windows"]
+__all__ = ["P99_RATIO_BOUND", "RSS_SLOPE_BOUND_MB_PER_MIN", "SoakSpec", "read_rss_mb", "run_soak",
+           "soak_requests", "soak_verdict", "soak_windows", "verdict_line"]
 
 _SYSTEM_PROMPTS = 64
 _SESSION_TURNS = 4
@@ -281,12 +289,22 @@ async def _soak(targets: Sequence[str], requests: Sequence[LiveRequest], spec: S
     async def sample(http: aiohttp.ClientSession) -> None:
         row: dict[str, Any] = {"t_s": loop.time() - started,
                                "rss_mb": read_rss_mb(pid), "cpu_s": process_tree_cpu_s(pid),
+                               "runq_s": process_run_delay_s(pid),
+                               "load_1m": round(os.getloadavg()[0], 2),
                                "engines_cpu_s": sum(process_tree_cpu_s(p) for p in engine_pids)}
-        gauges, own = await _scrape(http, metrics_url)
-        row.update(gauges)
-        if own_before:  # the router's own p99 over the answers since the sample before
-            row["own_p99_ms"] = _round(quantile_ms(phase_counts(own_before[-1], own), 0.99), 2)
-        own_before[:] = [own]
+        try:
+            gauges, own = await _scrape(http, metrics_url)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # A router too busy to answer /metrics within its timeout is a finding, not the
+            # end of the run: the gauges of this sample are missing, and the next good
+            # scrape's own p99 covers the answers since the last good one.
+            row["scrape_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        else:
+            row.update(gauges)
+            if own_before:  # the router's own p99 over the answers since the last scrape
+                row["own_p99_ms"] = _round(quantile_ms(phase_counts(own_before[-1], own),
+                                                       0.99), 2)
+            own_before[:] = [own]
         samples.append(row)
         if on_sample is not None:
             on_sample(row)
@@ -354,6 +372,9 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
             "errors": errors, "rss_mb": _round(now.get("rss_mb"), 1),
             "cpu_ms_per_decision": (round(1e3 * cpu / decided, 3)
                                     if cpu is not None and decided else None),
+            "router_cores": round(cpu / (hi - lo), 2) if cpu is not None and hi > lo else None,
+            "router_runq_ms": _delta_ms(before, now, "runq_s"),
+            "load_1m": now.get("load_1m"),
             "engines_cores": (round(engines / (hi - lo), 2)
                               if engines is not None and hi > lo else None),
             "gc_full_ms": _delta_ms(before, now, "gc_full_s"),
@@ -363,6 +384,84 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]]) -> list[d
             "piece_cache_tokens": now.get("piece_cache_tokens"),
         })
     return rows
+
+
+P99_RATIO_BOUND: Final = 3.0
+"""Issue #26's bound: no window's p99 more than this times the median window's."""
+RSS_SLOPE_BOUND_MB_PER_MIN: Final = 0.5
+"""Flat memory: the RSS over the second half of the run, fitted by least squares, grows by at
+most this much a minute (30 MB an hour; a map that grows with every request at 200 req/s
+grows faster than that by a wide margin)."""
+
+
+def soak_verdict(windows: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str, Any]],
+                 *, ratio_bound: float = P99_RATIO_BOUND,
+                 rss_slope_bound: float = RSS_SLOPE_BOUND_MB_PER_MIN) -> dict[str, Any]:
+    """Judge a run: the worst window's p99 over the median window's, and the RSS slope.
+
+    ``p99_ratio`` is the worst window's client p99 over the median of the windows' p99s
+    (windows with no answer are left out); ``own_ratio`` the same for the router's own p99
+    (its code, measured in process: what the router causes, apart from the network, the
+    engines and the client). ``over_bound`` lists every window above ``ratio_bound`` times
+    the median with what tells the router's own time from the machine's: its own p99, the
+    time the router's threads waited for a CPU (``router_runq_ms``), the load average, the
+    client's sending lag and the full collections in it. ``rss_slope_mb_per_min`` is the
+    least-squares slope of the RSS samples taken in the second half of the run (at least
+    two; None otherwise). ``ok`` needs both ratios' client part and the slope within their
+    bounds; anything missing is not ok.
+    """
+    def ratio(key: str) -> tuple[float | None, float | None, float | None, float | None]:
+        timed = [(float(w["t_s"]), float(w[key])) for w in windows if w.get(key) is not None]
+        if not timed:
+            return None, None, None, None
+        median = statistics.median(v for _, v in timed)
+        worst_t, worst = max(timed, key=lambda tv: tv[1])
+        return (median, worst, worst_t,
+                round(worst / median, 2) if median > 0 else None)
+
+    median, worst, worst_t, p99_ratio = ratio("p99_ms")
+    own_median, own_worst, own_worst_t, own_ratio = ratio("own_p99_ms")
+    over = [{k: w.get(k) for k in ("t_s", "p99_ms", "own_p99_ms", "router_runq_ms", "load_1m",
+                                   "start_lag_max_ms", "gc_full_ms", "router_cores")}
+            for w in windows
+            if median is not None and w.get("p99_ms") is not None
+            and float(w["p99_ms"]) > ratio_bound * median]
+    rss = [(float(s["t_s"]), float(s["rss_mb"])) for s in samples if s.get("rss_mb") is not None]
+    half = [(t, mb) for t, mb in rss if rss and t >= rss[-1][0] / 2]
+    slope = None
+    if len(half) >= 2 and half[-1][0] > half[0][0]:
+        fit = statistics.linear_regression([t / 60.0 for t, _ in half], [mb for _, mb in half])
+        slope = round(fit.slope, 3)
+    p99_ok = p99_ratio is not None and p99_ratio <= ratio_bound
+    rss_ok = slope is not None and slope <= rss_slope_bound
+    return {
+        "median_window_p99_ms": median, "worst_window_p99_ms": worst,
+        "worst_window_t_s": worst_t, "p99_ratio": p99_ratio,
+        "own_median_window_p99_ms": own_median, "own_worst_window_p99_ms": own_worst,
+        "own_worst_window_t_s": own_worst_t, "own_ratio": own_ratio,
+        "ratio_bound": ratio_bound, "over_bound": over,
+        "rss_slope_mb_per_min": slope, "rss_slope_bound_mb_per_min": rss_slope_bound,
+        "rss_second_half_mb": ([half[0][1], half[-1][1]] if half else None),
+        "p99_ok": p99_ok, "rss_ok": rss_ok, "ok": p99_ok and rss_ok,
+    }
+
+
+def verdict_line(verdict: Mapping[str, Any]) -> str:
+    """``soak_verdict`` in one line, for the terminal."""
+    def word(ok: bool) -> str:
+        return "ok" if ok else "FAIL"
+
+    over = ", ".join(f"{w['t_s']:g} s ({w['p99_ms']} ms, own {w['own_p99_ms']}, "
+                     f"run queue {w['router_runq_ms']} ms, load {w['load_1m']})"
+                     for w in verdict["over_bound"])
+    return (f"verdict: worst window p99 {verdict['worst_window_p99_ms']} ms at "
+            f"{verdict['worst_window_t_s']} s / median window {verdict['median_window_p99_ms']} "
+            f"ms = {verdict['p99_ratio']}x (bound {verdict['ratio_bound']:g}x): "
+            f"{word(verdict['p99_ok'])}; router's own p99 {verdict['own_worst_window_p99_ms']} / "
+            f"{verdict['own_median_window_p99_ms']} ms = {verdict['own_ratio']}x; RSS slope over "
+            f"the second half {verdict['rss_slope_mb_per_min']} MB/min (bound "
+            f"{verdict['rss_slope_bound_mb_per_min']:g}): {word(verdict['rss_ok'])}"
+            + (f"; over the bound: {over}" if over else ""))
 
 
 def _delta(before: Mapping[str, Any], now: Mapping[str, Any], key: str) -> float | None:
@@ -442,8 +541,10 @@ def run_soak(spec: SoakSpec,
                                              engine_pids, router.targets[0] + "/metrics",
                                              on_sample))
             elapsed = time.monotonic() - began
+    windows = soak_windows(run, samples)
     return {
-        "windows": soak_windows(run, samples),
+        "windows": windows,
+        "verdict": soak_verdict(windows, samples),
         "samples": samples,
         "summary": _summary(run, samples, spec),
         "config": {"seconds": spec.seconds, "rate": spec.rate, "engines": spec.engines,

@@ -15,13 +15,16 @@ from kvroute.commands.results import exit_on_router_error, write_json_report
 from kvroute.commands.tables import rows_table, wide_console
 
 HELP = ("A long steady run of kvroute in front of simulated engines, with sessions, shared "
-        "and unique prompts: the router's memory, CPU, index and latency, window by window.")
+        "and unique prompts: the router's memory, CPU, index and latency, window by window, "
+        "and a verdict (worst window p99 over the median window's, RSS slope).")
 
 _HEADS = ["t s", "finished", "req/s", "p50 ms", "p99 ms", "max ms", "own p99 ms", "errors",
-          "RSS MB", "CPU ms/decision", "engines' cores", "index entries", "piece-cache tokens",
+          "RSS MB", "CPU ms/decision", "router cores", "router run-queue ms", "load 1 min",
+          "client lag max ms", "engines' cores", "index entries", "piece-cache tokens",
           "full GC ms", "GCs > 50 ms", "KV gaps", "KV resets"]
 _KEYS = ["t_s", "finished", "rps", "p50_ms", "p99_ms", "max_ms", "own_p99_ms", "errors",
-         "rss_mb", "cpu_ms_per_decision", "engines_cores", "index_entries", "piece_cache_tokens",
+         "rss_mb", "cpu_ms_per_decision", "router_cores", "router_runq_ms", "load_1m",
+         "start_lag_max_ms", "engines_cores", "index_entries", "piece_cache_tokens",
          "gc_full_ms", "gc_over_50ms", "kv_gaps", "kv_resets"]
 
 
@@ -40,6 +43,9 @@ def bench_soak(
     policy: Annotated[str, typer.Option(help="The router's policy (kvroute, round_robin, ...).")] = "kvroute",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="Keep configs and logs here.")] = None,
+    check: Annotated[bool, typer.Option(
+        help="Exit 1 when the verdict fails (a window's p99 over 3x the median window's, or "
+             "RSS still growing over the second half).")] = False,
     long_sessions: Annotated[int, typer.Option(
         help="Growing agentic sessions (to 128K tokens) at once beside the mix; needs "
              "--num-gpu-blocks above 16384.")] = 0,
@@ -47,7 +53,7 @@ def bench_soak(
         help="Turns a second of the long sessions, together.")] = 1.0,
 ) -> None:
     """A long steady run (see ``kvroute.bench.soak``)."""
-    from kvroute.bench.soak import SoakSpec, run_soak
+    from kvroute.bench.soak import SoakSpec, run_soak, verdict_line
 
     console = Console(stderr=True)
 
@@ -66,6 +72,9 @@ def bench_soak(
     wide_console(200).print(rows_table(
         f"soak: {rate:g} req/s for {minutes:g} min, {engines} engines, policy {policy}", [_HEADS, *rows]))
     console.print(json.dumps(report["summary"]))
+    console.print(verdict_line(report["verdict"]), markup=False, highlight=False)
     if json_out is not None:
         write_json_report(json_out, report, console)
     sys.stdout.flush()
+    if check and not report["verdict"]["ok"]:
+        raise typer.Exit(1)

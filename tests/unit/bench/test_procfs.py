@@ -14,6 +14,7 @@ from kvroute.bench.procfs import (
     descendants,
     pin_process_tree,
     process_cpu_s,
+    process_run_delay_s,
     process_tree_cpu_s,
     stat_fields,
 )
@@ -68,3 +69,16 @@ def test_descendants_and_pinning_reach_a_grandchild() -> None:
         child.wait(30)
         if child.stdout is not None:
             child.stdout.close()
+
+
+def test_the_run_queue_wait_is_read_per_thread_and_never_goes_back() -> None:
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat").exists():
+        pytest.skip("this kernel keeps no schedstats")
+    first = process_run_delay_s(os.getpid())
+    _spin(0.02)
+    second = process_run_delay_s(os.getpid())
+    assert first is not None and second is not None
+    assert 0.0 <= first <= second
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    assert process_run_delay_s(proc.pid) is None

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from kvroute.bench.live_client import ClientRun, RequestResult
-from kvroute.bench.soak import SoakSpec, soak_requests, soak_windows
+from kvroute.bench.soak import SoakSpec, soak_requests, soak_verdict, soak_windows, verdict_line
 from kvroute.core.errors import ConfigError
 
 
@@ -50,21 +50,26 @@ def test_windows_count_what_finished_in_each_and_the_cost_per_decision() -> None
     run = ClientRun([done(0.5, 0.01), done(1.2, 0.02), done(1.5, 0.6, "http_503"),
                      done(2.5, 0.04), done(3.99, 0.02)], wall_s=4.0, tcp_nodelay=True)
     samples = [{"t_s": 0.0, "rss_mb": 80.0, "cpu_s": 1.0, "decisions": 0.0,
-                "engines_cpu_s": 5.0},
+                "engines_cpu_s": 5.0, "runq_s": 0.5, "load_1m": 1.0},
                {"t_s": 2.0, "rss_mb": 82.5, "cpu_s": 1.3, "decisions": 3.0,
-                "index_entries": 10.0, "engines_cpu_s": 6.0, "own_p99_ms": 1.5},
-               {"t_s": 4.0, "rss_mb": 83.0, "cpu_s": 1.4, "decisions": 4.0,
-                "engines_cpu_s": 9.0}]
+                "index_entries": 10.0, "engines_cpu_s": 6.0, "own_p99_ms": 1.5,
+                "runq_s": 0.52, "load_1m": 2.5},
+               # A scrape that failed: no gauges, the window still counts what finished.
+               {"t_s": 4.0, "rss_mb": 83.0, "cpu_s": 1.4, "engines_cpu_s": 9.0,
+                "runq_s": 0.9, "load_1m": 3.0, "scrape_error": "TimeoutError: "}]
     first, second = soak_windows(run, samples)
     assert (first["finished"], first["errors"], first["rps"]) == (2, 0, 1.0)
     assert first["p99_ms"] == 20.0 and first["rss_mb"] == 82.5
     assert first["cpu_ms_per_decision"] == 100.0 and first["index_entries"] == 10.0
     assert first["engines_cores"] == 0.5 and first["own_p99_ms"] == 1.5
     assert first["max_ms"] == 20.0
+    # The router's CPU in cores, and the time its threads waited for one (the machine's share).
+    assert first["router_cores"] == 0.15 and first["router_runq_ms"] == 20.0
+    assert first["load_1m"] == 2.5 and second["router_runq_ms"] == 380.0
     # The failed request finished at 2.1 s: counted in the second window, not in its latency.
     assert (second["finished"], second["errors"]) == (3, 1)
     assert second["p50_ms"] == 20.0 and second["max_ms"] == 40.0
-    assert second["cpu_ms_per_decision"] == 100.0
+    assert second["cpu_ms_per_decision"] is None and second["own_p99_ms"] is None
     assert second["engines_cores"] == 1.5
 
 
@@ -93,3 +98,58 @@ def test_long_sessions_join_the_mix_and_need_a_window_for_them() -> None:
     assert len({r.request_id.rsplit("-t", 1)[0] for r in long}) > 2
     with pytest.raises(ConfigError, match="num_gpu_blocks=4096 must be > 16384"):
         soak_requests(SoakSpec(long_sessions=1))
+
+
+def _window(t: float, p99: float | None, own: float | None = 5.0, **more: object) -> dict:
+    return {"t_s": t, "p99_ms": p99, "own_p99_ms": own, "router_runq_ms": 1.0, "load_1m": 1.5,
+            "start_lag_max_ms": 2.0, "gc_full_ms": 0.0, "router_cores": 0.3, **more}
+
+
+def _samples(rss: list[float], every_s: float = 10.0) -> list[dict]:
+    return [{"t_s": i * every_s, "rss_mb": mb} for i, mb in enumerate(rss)]
+
+
+def test_the_verdict_is_the_worst_window_over_the_median_and_the_rss_slope() -> None:
+    # Median of 10, 11, 12, 13, 36 is 12: the worst is 3.0x, on the bound (ok).
+    windows = [_window(10, 11.0), _window(20, 36.0, own=20.0), _window(30, 12.0),
+               _window(40, 10.0), _window(50, 13.0), _window(60, None, own=None)]
+    flat = _samples([80, 200, 250, 260, 260.2, 260.1, 260.3])
+    verdict = soak_verdict(windows, flat)
+    assert verdict["median_window_p99_ms"] == 12.0 and verdict["worst_window_p99_ms"] == 36.0
+    assert verdict["worst_window_t_s"] == 20 and verdict["p99_ratio"] == 3.0
+    assert verdict["p99_ok"] and verdict["over_bound"] == []
+    assert verdict["own_ratio"] == 4.0 and verdict["own_worst_window_t_s"] == 20
+    # The second half (t >= 30 s) is flat although the first grew by 180 MB.
+    assert verdict["rss_slope_mb_per_min"] is not None
+    assert abs(verdict["rss_slope_mb_per_min"]) < 0.5 and verdict["rss_ok"] and verdict["ok"]
+    assert verdict["rss_second_half_mb"] == [260.0, 260.3]
+    assert "3.0x (bound 3x): ok" in verdict_line(verdict)
+
+
+def test_a_window_over_three_times_the_median_fails_and_is_listed_with_its_causes() -> None:
+    windows = [_window(10, 11.0), _window(20, 37.0, own=30.0, router_runq_ms=850.0,
+                                          load_1m=9.5), _window(30, 12.0), _window(40, 12.0)]
+    verdict = soak_verdict(windows, _samples([100, 100, 100, 100, 100]))
+    assert verdict["p99_ratio"] == round(37 / 12, 2) and not verdict["p99_ok"]
+    assert not verdict["ok"] and verdict["rss_ok"]
+    [over] = verdict["over_bound"]
+    assert over["t_s"] == 20 and over["own_p99_ms"] == 30.0
+    assert over["router_runq_ms"] == 850.0 and over["load_1m"] == 9.5
+    line = verdict_line(verdict)
+    assert "FAIL" in line and "run queue 850.0 ms, load 9.5" in line
+
+
+def test_memory_that_keeps_growing_in_the_second_half_fails() -> None:
+    windows = [_window(10, 10.0), _window(20, 10.0)]
+    growing = _samples([100 + 0.2 * i for i in range(61)])  # 0.2 MB / 10 s = 1.2 MB/min
+    verdict = soak_verdict(windows, growing)
+    assert verdict["rss_slope_mb_per_min"] == 1.2
+    assert not verdict["rss_ok"] and not verdict["ok"] and verdict["p99_ok"]
+    assert soak_verdict(windows, growing, rss_slope_bound=1.5)["rss_ok"]
+
+
+def test_without_windows_or_samples_nothing_is_ok() -> None:
+    verdict = soak_verdict([_window(10, None, own=None)], _samples([100]))
+    assert verdict["p99_ratio"] is None and verdict["rss_slope_mb_per_min"] is None
+    assert not verdict["p99_ok"] and not verdict["rss_ok"] and not verdict["ok"]
+    verdict_line(verdict)  # renders without figures
