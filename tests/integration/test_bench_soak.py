@@ -29,3 +29,9 @@ def test_a_short_soak_reports_every_window_with_the_routers_state() -> None:
     assert windows[-1]["piece_cache_tokens"] > 0
     assert summary["rss_last_mb"] >= summary["rss_first_mb"] > 20
     assert report["config"]["max_pins"] == 10
+    # What tells the router's stalls from the machine's, in every window, and the verdict.
+    assert all(w["router_runq_ms"] is not None and w["load_1m"] is not None for w in windows)
+    verdict = report["verdict"]
+    assert verdict["median_window_p99_ms"] > 0 and verdict["p99_ratio"] >= 1.0
+    assert verdict["own_ratio"] is not None and verdict["rss_slope_mb_per_min"] is not None
+    assert verdict["ok"] == (verdict["p99_ok"] and verdict["rss_ok"])

@@ -18,22 +18,28 @@ from typing import Any, Final
 
 __all__ = ["SERVING_GC_THRESHOLDS", "freeze_startup_heap", "watch_gc_pauses"]
 
-SERVING_GC_THRESHOLDS: Final = (50_000, 20, 10)
-"""``gc.set_threshold`` once serving: a young collection every 50,000 net allocations of
-tracked objects (Python's default: 700), a middle one every 20 young ones, and a full one at
-most every 10 middle ones (and, as always, only once the objects promoted to the oldest
-generation since the last full collection exceed a quarter of it).
+SERVING_GC_THRESHOLDS: Final = (10_000, 10, 10)
+"""``gc.set_threshold`` once serving: a young collection once 10,000 more tracked objects
+are alive than at the last one (Python's default: 700), then as Python does, a middle one
+every 10 young ones and a full one at most every 10 middle ones (and only once the objects
+promoted to the oldest generation since the last full collection exceed a quarter of it).
 
-Why: with the defaults, a router at 200 requests a second ran a full collection every few
-seconds, because each young collection promoted whatever the requests in flight held at that
-instant, and a full collection walks every long-lived tracked object (the caches' containers,
-sessions, connections), with the event loop stopped: its cost grew with the caches to
-tens, then over a hundred, of CPU-ms, which is what the soak's p99 spikes were. With a young
-collection this rare, most of a request's objects are gone before one runs, so few are
-promoted and full collections come minutes apart (figures:
-``docs/benchmarks.md#long-run-memory-and-p99``; ``benchmarks/micro/bench_soak_gc.py``). A
-young collection then walks up to 50,000 recent objects, a few ms. Garbage cycles are still
-collected: those that die young by the young collections, the rest by the rarer full ones.
+Why: the young count is allocations minus deallocations, so a young collection runs while a
+request's objects are alive whenever one request's worth (a parsed body, its tokens, its
+routing walk: well over 700 objects) is made faster than freed. With Python's 700, each
+collection promoted what the requests in flight held at that instant, and a router at 200
+requests a second ran a full collection every ~900 requests, walking every long-lived
+tracked object (the caches' containers, sessions, connections) with the event loop stopped:
+its cost grew with the caches from 3 to 53 CPU-ms over 20,000 requests in process, to 150
+CPU-ms live, which is what the soak's p99 spikes were. At 10,000 a request's objects are
+mostly freed before a collection sees them, so little is promoted and, in process, 20,000
+requests ran no full collection at all; a young collection then walks up to 10,000 recent
+objects, and a middle one that and what survived (figures:
+``docs/benchmarks.md#long-run-memory-and-p99``; ``benchmarks/micro/bench_soak_gc.py``).
+Larger values make young collections longer (50,000: 7-16 CPU-ms each on the shared svc
+machine) and let the middle generation fill with what requests held under overload.
+Garbage cycles are still collected: those that die young by the young collections, the rest
+by the rarer full ones.
 """
 
 
