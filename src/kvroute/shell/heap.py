@@ -11,12 +11,14 @@ CLI sit above and import it from here); no pure ring may touch the collector.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["SERVING_GC_THRESHOLDS", "freeze_startup_heap", "watch_gc_pauses"]
+__all__ = ["SERVING_GC_THRESHOLDS", "YOUNG_COLLECTION_EVERY_S", "collect_young_every",
+           "freeze_startup_heap", "watch_gc_pauses"]
 
 SERVING_GC_THRESHOLDS: Final = (10_000, 10, 10)
 """``gc.set_threshold`` once serving: a young collection once 10,000 more tracked objects
@@ -86,5 +88,38 @@ def watch_gc_pauses(on_pause: Callable[[int, float], None]) -> Callable[[], None
     def stop() -> None:
         if callback in gc.callbacks:
             gc.callbacks.remove(callback)
+
+    return stop
+
+
+YOUNG_COLLECTION_EVERY_S: Final = 1.0
+"""How often ``collect_young_every`` collects the young generation while serving."""
+
+
+def collect_young_every(loop: asyncio.AbstractEventLoop,
+                        every_s: float = YOUNG_COLLECTION_EVERY_S) -> Callable[[], None]:
+    """Collect the young generation every ``every_s`` on ``loop``, whatever its count says;
+    returns the function that stops it.
+
+    Why: the young count is allocations minus deallocations, and a cache that evicts one
+    entry for each it adds (the block-hash memo, the piece cache) keeps it near zero while
+    its new entries pile up in the young generation, tracked until a collection untracks
+    them. At the serving thresholds a young collection then came about once a minute and
+    walked a minute of that churn: ~300 CPU-ms with the event loop stopped, nothing
+    collected (``docs/benchmarks.md#long-run-memory-and-p99``). Collected every second, the
+    young generation holds a second's worth, a few ms of work each time.
+    """
+    handle: list[asyncio.TimerHandle | None] = [None]
+
+    def tick() -> None:
+        gc.collect(0)
+        handle[0] = loop.call_later(every_s, tick)
+
+    handle[0] = loop.call_later(every_s, tick)
+
+    def stop() -> None:
+        if handle[0] is not None:
+            handle[0].cancel()
+            handle[0] = None
 
     return stop

@@ -3,10 +3,16 @@ and its runtime reports every collection's pause (``heap.watch_gc_pauses``)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections import deque
 
-from kvroute.shell.heap import SERVING_GC_THRESHOLDS, freeze_startup_heap, watch_gc_pauses
+from kvroute.shell.heap import (
+    SERVING_GC_THRESHOLDS,
+    collect_young_every,
+    freeze_startup_heap,
+    watch_gc_pauses,
+)
 
 
 def test_the_startup_heap_is_moved_out_of_the_collectors_reach() -> None:
@@ -75,3 +81,32 @@ def test_gc_pauses_are_reported_by_generation_until_the_watch_stops() -> None:
     assert len(gc.callbacks) == before
     gc.collect()
     assert len(seen) == 2
+
+
+def test_the_young_generation_is_collected_every_tick_whatever_its_count() -> None:
+    """A cache that evicts one entry per entry added keeps the young count near zero while
+    its new (tracked) entries pile up; the tick collects them anyway, so each collection
+    walks one tick's worth."""
+    defaults = gc.get_threshold()
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
+    loop = asyncio.new_event_loop()
+    try:
+        cache: dict[int, tuple[bytes, list[int]]] = {}
+        for i in range(5000):  # churn: each new entry evicts an old one
+            cache[i] = (b"k", [i])
+            cache.pop(i - 100, None)
+        assert gc.get_count()[0] < SERVING_GC_THRESHOLDS[0]  # no collection is due
+        young_before = len(gc.get_objects(0))
+        assert young_before >= 100  # the live entries' lists, at the least
+        collections = gc.get_stats()[0]["collections"]
+        stop = collect_young_every(loop, every_s=0.0)
+        loop.run_until_complete(asyncio.sleep(0.05))  # bounded; counts, not durations, checked
+        stop()
+        assert gc.get_stats()[0]["collections"] > collections
+        assert len(gc.get_objects(0)) < young_before
+        ticks = gc.get_stats()[0]["collections"]
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert gc.get_stats()[0]["collections"] - ticks <= 1  # stopped (one may have been due)
+    finally:
+        loop.close()
+        gc.set_threshold(*defaults)
