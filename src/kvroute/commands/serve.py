@@ -27,7 +27,7 @@ import typer
 
 from kvroute.config import load_config
 from kvroute.core.errors import ConfigError
-from kvroute.shell.heap import collect_young_every, freeze_startup_heap
+from kvroute.shell.heap import freeze_startup_heap
 
 HELP = "Serve the OpenAI API in front of the engines of a kvroute.yaml, routing on KV cache."
 
@@ -57,12 +57,8 @@ async def _run(config_path: Path, host: str | None, port: int | None) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with RouterRuntime(config) as runtime:
         freeze_startup_heap()
-        stop_young = collect_young_every(loop)
         print(json.dumps({"ready": True, "url": runtime.url, "port": runtime.port}), flush=True)
-        try:
-            await stop.wait()
-        finally:
-            stop_young()
+        await stop.wait()
 
 
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
