@@ -58,6 +58,19 @@ gate_app = typer.Typer(help="The transfer-fidelity gate: checks and verdicts per
 
 _STORE = Path("kvroute-verdicts.json")
 
+# Options the engine-pair commands (replay, allows) share.
+_ServingUrl = Annotated[str, typer.Option(
+    "--serving", help="Base URL of the serving engine (the native path).")]
+_SourceUrl = Annotated[str | None, typer.Option(
+    "--source", help="Base URL of the engine whose state would be reused (default: --serving).")]
+_ModelName = Annotated[str, typer.Option("--model", help="Served model name on both engines.")]
+_PathOption = Annotated[str, typer.Option("--path", help=f"Transfer path: {', '.join(PATHS)}.")]
+_ServingDir = Annotated[str | None, typer.Option(
+    "--serving-model", help="Model directory of the serving weights (default: its /v1/models root).")]
+_SourceDir = Annotated[str | None, typer.Option(
+    "--source-model", help="Model directory of the source weights (default: its /v1/models root).")]
+_StoreOption = Annotated[Path, typer.Option("--store", help="Verdict file (JSON).")]
+
 
 def _identity(directory: Path, what: str, console: Console) -> ModelIdentity:
     if not directory.is_dir():
@@ -75,8 +88,8 @@ def _identity(directory: Path, what: str, console: Console) -> ModelIdentity:
 def gate_check(
     serving: Annotated[Path, typer.Argument(help="Model directory of the serving weights.")],
     source: Annotated[Path, typer.Argument(help="Model directory whose state would be reused.")],
-    path: Annotated[str, typer.Option(help=f"Transfer path: {', '.join(PATHS)}.")] = "cross-engine",
-    store: Annotated[Path, typer.Option(help="Verdict file (JSON).")] = _STORE,
+    path: _PathOption = "cross-engine",
+    store: _StoreOption = _STORE,
 ) -> None:
     """Tokenizer identity of a pair; a mismatch is recorded as a failing verdict."""
     console = Console(stderr=True)
@@ -107,7 +120,7 @@ def gate_check(
 
 @gate_app.command("show")
 def gate_show(
-    store: Annotated[Path, typer.Option(help="Verdict file (JSON).")] = _STORE,
+    store: _StoreOption = _STORE,
     serving: Annotated[Path | None, typer.Option(help="Serving model directory now.")] = None,
     source: Annotated[Path | None, typer.Option(help="Source model directory now.")] = None,
 ) -> None:
@@ -203,21 +216,17 @@ def _class_rows(classes: list[ClassScore]) -> list[list[str]]:
 
 @gate_app.command("replay")
 def gate_replay(
-    serving: Annotated[str, typer.Option(help="Base URL of the serving engine (native path).")],
-    source: Annotated[str | None, typer.Option(
-        help="Base URL of the engine whose state would be reused (default: --serving).")] = None,
-    model: Annotated[str, typer.Option(help="Served model name on both engines.")] = "tiny",
-    path: Annotated[str, typer.Option(help=f"Transfer path: {', '.join(PATHS)}.")] = (
-        "prefix-cache-hit"),
+    serving: _ServingUrl,
+    source: _SourceUrl = None,
+    model: _ModelName = "tiny",
+    path: _PathOption = "prefix-cache-hit",
     transcripts: Annotated[Path | None, typer.Option(
         help="Transcript file (JSONL; default: the bundled sample).")] = None,
     config: Annotated[Path | None, typer.Option(
         help="Gate config (YAML: gate.thresholds, gate.top_k).")] = None,
-    serving_model: Annotated[str | None, typer.Option(
-        help="Model directory of the serving weights (default: its /v1/models root).")] = None,
-    source_model: Annotated[str | None, typer.Option(
-        help="Model directory of the source weights (default: its /v1/models root).")] = None,
-    store: Annotated[Path, typer.Option(help="Verdict file (JSON).")] = _STORE,
+    serving_model: _ServingDir = None,
+    source_model: _SourceDir = None,
+    store: _StoreOption = _STORE,
     report: Annotated[Path | None, typer.Option(
         help="Write the per-class and per-turn results here (JSON).")] = None,
 ) -> None:
@@ -303,17 +312,13 @@ def _write_report(report: Path | None, verdict: Verdict, classes: list[ClassScor
 
 @gate_app.command("allows")
 def gate_allows(
-    serving: Annotated[str, typer.Option(help="Base URL of the serving engine.")],
-    source: Annotated[str | None, typer.Option(
-        help="Base URL of the engine whose state would be reused (default: --serving).")] = None,
-    model: Annotated[str, typer.Option(help="Served model name on both engines.")] = "tiny",
-    path: Annotated[str, typer.Option(help=f"Transfer path: {', '.join(PATHS)}.")] = (
-        "prefix-cache-hit"),
-    serving_model: Annotated[str | None, typer.Option(
-        help="Model directory of the serving weights (default: its /v1/models root).")] = None,
-    source_model: Annotated[str | None, typer.Option(
-        help="Model directory of the source weights (default: its /v1/models root).")] = None,
-    store: Annotated[Path, typer.Option(help="Verdict file (JSON).")] = _STORE,
+    serving: _ServingUrl,
+    source: _SourceUrl = None,
+    model: _ModelName = "tiny",
+    path: _PathOption = "prefix-cache-hit",
+    serving_model: _ServingDir = None,
+    source_model: _SourceDir = None,
+    store: _StoreOption = _STORE,
 ) -> None:
     """May the path be used now? Exit 0 with a current passing verdict, else 1 (recompute)."""
     console = Console(stderr=True)
