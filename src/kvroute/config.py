@@ -58,6 +58,7 @@ __all__ = [
     "AdmissionConfig",
     "ClusterConfig",
     "DiscoveryConfig",
+    "DpRankClash",
     "ExternalConfig",
     "HttpLimitsConfig",
     "KubernetesSource",
@@ -76,6 +77,7 @@ __all__ = [
     "TokenizerConfig",
     "WarmAheadConfig",
     "derive_cache_salt",
+    "expand_dp_ranks",
     "load_config",
     "parse_config",
     "resolve_provider_keys",
@@ -129,6 +131,11 @@ class ReplicaConfig:
             ``X-data-parallel-rank: r`` (docs/data-parallel.md).
         engine: the YAML replica's own name (the engine behind the API server) when
             ``dp_rank`` is set; its ranks share it.
+        dp_size: the engine's rank count this entry belongs to (1: no ranks).
+        dp_auto: the rank count is read from the engine's ``/metrics`` (``engine`` labels)
+            rather than fixed by the config: a YAML replica without ``data_parallel_size``, or
+            with ``data_parallel_size: auto``. Discovery expands it into ranks, or folds the
+            ranks back, when the engine's count changes (``shell/dp_discovery.py``).
         role: ``both``, ``prefill`` or ``decode`` in a pool with ``disaggregation``
             (``core/disagg.py``, docs/disaggregation.md).
     """
@@ -143,6 +150,8 @@ class ReplicaConfig:
     dp_rank: int | None = None
     engine: str | None = None
     role: Role = "both"
+    dp_size: int = 1
+    dp_auto: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -759,34 +768,52 @@ def _replica(key: str, data: Any) -> tuple[ReplicaConfig, ...]:
         prefill_rate_tps=_num(f"{key}.prefill_rate_tps", d.get("prefill_rate_tps", 10_000.0)),
         role=_role(f"{key}.role", d.get("role", "both")),
     )
-    size = _int(f"{key}.data_parallel_size", d.get("data_parallel_size", 1), minimum=1)
+    size_value = d.get("data_parallel_size", "auto")
+    if size_value == "auto":  # unset too: read from the engine's /metrics by discovery
+        return (dataclasses.replace(one, dp_auto=True),)
+    size = _int(f"{key}.data_parallel_size", size_value, minimum=1)
     if size == 1:
         return (one,)
-    ranks = tuple(_dp_rank_entry(key, one, rank) for rank in range(size))
+    try:
+        return expand_dp_ranks(one, size)
+    except DpRankClash as exc:
+        raise _fail(f"{key}.kv_replay", one.kv_replay, str(exc),
+                    f"Rank r uses kv_events' port + r and kv_replay's port + r: leave "
+                    f"{size} ports after each, e.g. kv_replay on kv_events' port + {size}.",
+                    ) from None
+    except DpRankError as exc:
+        raise _fail(f"{key}.kv_events", one.kv_events, str(exc),
+                    'Give a tcp endpoint with a concrete port, e.g. "tcp://10.0.0.5:5557": '
+                    "rank r publishes on port + r.") from None
+
+
+class DpRankClash(DpRankError):
+    """Two ranks of one engine would read the same endpoint (events on a replay port)."""
+
+
+def expand_dp_ranks(engine: ReplicaConfig, size: int) -> tuple[ReplicaConfig, ...]:
+    """The ``size`` rank entries of the engine ``engine`` describes (``<name>.dp<r>``), each
+    with its own event endpoints at vLLM's per-rank offset; ``engine.dp_auto`` is kept.
+
+    Raises:
+        DpRankClash: a rank's events would share an endpoint with another rank's replay.
+        DpRankError: the event endpoint cannot be offset per rank (``ipc``, no port).
+    """
+    ranks = tuple(_dp_rank_entry(engine, rank, size) for rank in range(size))
     endpoints = [e for rank in ranks for e in (rank.kv_events, rank.kv_replay) if e is not None]
     clash = sorted({e for e in endpoints if endpoints.count(e) > 1})
     if clash:
-        raise _fail(f"{key}.kv_replay", one.kv_replay,
-                    f"puts a rank's events and another rank's replay on {clash[0]}",
-                    f"Rank r uses kv_events' port + r and kv_replay's port + r: leave "
-                    f"{size} ports after each, e.g. kv_replay on kv_events' port + {size}.")
+        raise DpRankClash(f"puts a rank's events and another rank's replay on {clash[0]}")
     return ranks
 
 
-def _dp_rank_entry(key: str, engine: ReplicaConfig, rank: int) -> ReplicaConfig:
+def _dp_rank_entry(engine: ReplicaConfig, rank: int, size: int) -> ReplicaConfig:
     """Rank ``rank`` of a data-parallel engine: its own name and its own event endpoints."""
-    try:
-        events = (None if engine.kv_events is None
-                  else offset_endpoint_port(engine.kv_events, rank))
-        replay = (None if engine.kv_replay is None
-                  else offset_endpoint_port(engine.kv_replay, rank))
-    except DpRankError as exc:
-        raise _fail(f"{key}.kv_events", engine.kv_events, str(exc),
-                    'Give a tcp endpoint with a concrete port, e.g. "tcp://10.0.0.5:5557": '
-                    "rank r publishes on port + r.") from None
+    events = None if engine.kv_events is None else offset_endpoint_port(engine.kv_events, rank)
+    replay = None if engine.kv_replay is None else offset_endpoint_port(engine.kv_replay, rank)
     return dataclasses.replace(engine, name=ReplicaId(f"{engine.name}.dp{rank}"),
                                kv_events=events, kv_replay=replay, dp_rank=rank,
-                               engine=engine.name)
+                               engine=engine.name, dp_size=size)
 
 
 def _role(key: str, value: Any) -> Role:

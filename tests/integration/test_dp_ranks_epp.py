@@ -58,8 +58,11 @@ class _Exchange:
             await asyncio.wait_for(self.call.read(), 5.0)
 
 
+@pytest.mark.parametrize("size", [{"data_parallel_size": 2}, {}], ids=["configured", "found"])
 def test_the_picker_names_the_rank_and_lists_no_sibling_rank_as_fallback(
-        base_port: int) -> None:
+        base_port: int, size: dict[str, int]) -> None:
+    """With ``data_parallel_size`` set, or left out and read from ``/metrics`` (the picker
+    learns the ranks discovery found at start-up, shell/dp_discovery.py)."""
     rng = random.Random(8)
     content = " ".join(f"w{rng.getrandbits(40):x}" for _ in range(300))
     messages = [{"role": "user", "content": content}]
@@ -74,7 +77,7 @@ def test_the_picker_names_the_rank_and_lists_no_sibling_rank_as_fallback(
             config = parse_config({
                 "listen": {"host": "127.0.0.1", "port": 0},
                 "pools": {"main": {"model": MODEL, "replicas": [{
-                    "name": "e0", "url": engine.url, "data_parallel_size": 2,
+                    "name": "e0", "url": engine.url, **size,
                     "kv_events": f"tcp://127.0.0.1:{base_port}"}]}},
                 "routes": {"assistant": {"pools": ["main"]}},
                 "retries": {"max_retries": 1},

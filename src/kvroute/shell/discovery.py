@@ -13,6 +13,10 @@ conclusions drawn from them:
 * **LoRA adapters**: the cards of ``/v1/models`` whose ``parent`` is the pool's model (name
   and ``root``, the path vLLM hashes) -> ``RouterCore.set_replica_adapters``, and the adapter
   slots of ``vllm:lora_requests_info`` -> ``RouterCore.set_adapter_slots``;
+* **data-parallel ranks**: the ``engine`` labels of ``/metrics`` give the engine's rank count;
+  a replica configured without ``data_parallel_size`` is expanded into its ranks, or folded
+  back, between rounds (``shell/dp_discovery.py``), a membership change like a Kubernetes one;
+  a fixed count the engine contradicts is logged;
 * **model identity** (served name, the card's ``root``, and the weights and tokenizer
   fingerprints of that directory when it is on this host, ``shell/model_files.py``) ->
   ``RouterCore.set_identity``, read with every ``/v1/models`` and again as soon as a
@@ -75,7 +79,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import aiohttp
 
@@ -83,8 +87,9 @@ from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.health import DEFAULT_HEALTHY_AFTER, HealthTransition, ReplicaHealth
 from kvroute.core.polling import PollIntervals, ProbeSchedule, is_fresh, stagger
-from kvroute.core.router import AdapterSlots, RouterCore
+from kvroute.core.router import AdapterSlots, ReplicaSpec, RouterCore
 from kvroute.core.types import PoolName, ReplicaId
+from kvroute.shell.dp_discovery import DpRankWatch, Resize
 from kvroute.shell.external_pools import ExternalCatalog, ExternalPools
 from kvroute.shell.hashing_settlement import HashingSettlement
 from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
@@ -94,11 +99,23 @@ from kvroute.shell.state import MonotonicClock
 from kvroute.wire.model_list import adapter_roots, card_window
 from kvroute.wire.prom import VllmMetrics, parse_vllm_metrics
 
-__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "ReplicaInfo"]
+__all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "MembershipHook", "ReplicaInfo"]
 
 log = logging.getLogger(__name__)
 
 _LOOP_BACKOFF_S: Final = 1.0
+
+
+_MAX_RESIZE_ROUNDS: Final = 2
+"""Extra forced rounds ``refresh_now`` runs for ranks found in its round (their first
+``/health``), so a DP engine is routed by rank from the first request."""
+
+
+class MembershipHook(Protocol):
+    """Told when discovery changes the fleet (data-parallel ranks found or gone)."""
+
+    def joined(self, pool: PoolName, replica: ReplicaConfig) -> None: ...
+    def left(self, replica: ReplicaId) -> None: ...
 
 
 class _Removed(Exception):
@@ -180,6 +197,8 @@ class Discovery:
             counters and ``cache_config_info``: ``shell/cache_feedback.py``).
         on_replica_left: told when a replica leaves the fleet (``remove_replica``), so
             what keeps per-replica readings beside discovery drops them too.
+        members_hook: told of the entries a data-parallel resize adds and removes (the
+            runtime follows their KV events); the core and discovery are changed here.
     """
 
     def __init__(
@@ -193,6 +212,7 @@ class Discovery:
         provider_keys: Mapping[PoolName, str] | None = None,
         on_engine_metrics: Callable[[ReplicaId, VllmMetrics], None] | None = None,
         on_replica_left: Callable[[ReplicaId], None] | None = None,
+        members_hook: MembershipHook | None = None,
     ) -> None:
         self._config = config
         self._on_engine_metrics = on_engine_metrics
@@ -222,6 +242,10 @@ class Discovery:
             timeout=self._timeout, provider_keys=provider_keys,
         )
         self._hashing = HashingSettlement(self._pools.values(), core, metrics)
+        self._dp = DpRankWatch(self._pools.values(), metrics)
+        self.members_hooks: list[MembershipHook] = [] if members_hook is None else [members_hook]
+        """Told, in order, of every entry a data-parallel resize removes and adds (the
+        runtime's subscriptions; ``kvroute epp``'s picker appends itself)."""
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._started = False
@@ -256,6 +280,16 @@ class Discovery:
             if self._on_replica_left is not None:
                 self._on_replica_left(replica)
 
+    def members(self) -> list[tuple[PoolName, ReplicaConfig]]:
+        """Every replica probed now, with its pool (configured, data-parallel ranks found,
+        Kubernetes members); external pools' endpoints are not probed here."""
+        return [(rep.pool.name, rep.config) for rep in self._replicas.values()]
+
+    def dp_size(self, replica: str) -> int | None:
+        """How many ranks the ``dp_auto`` replica ``replica`` is routed as now, or None when
+        its rank count is not read from the engine."""
+        return self._dp.size(replica)
+
     def replica_names(self, pool: str) -> list[ReplicaId]:
         """The pool's replicas now (configured or discovered), healthy or not."""
         if self._external.has_pool(pool):
@@ -271,7 +305,11 @@ class Discovery:
         windows and hashing. Never raises for an unreachable replica: that is a result.
         """
         self._init_pools()
-        await self._round(force=True)
+        resized = await self._round(force=True)
+        for _ in range(_MAX_RESIZE_ROUNDS):
+            if not resized:
+                break
+            resized = await self._round(force=True)  # the new ranks' first probes
         # A forced round probes every replica at once: spread their next probes over the
         # interval so later rounds each parse about one replica's answers (core.polling).
         stagger([rep.schedule for rep in self._replicas.values()])
@@ -437,14 +475,40 @@ class Discovery:
         for pool in self._pools.values():
             self._hashing.start(pool)
 
-    async def _round(self, *, force: bool) -> None:
+    async def _round(self, *, force: bool) -> bool:
+        """One round; True when it changed the fleet (data-parallel ranks)."""
         await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()),
                              self._external.probe(force=force))
+        resizes = self._dp.take_resizes(frozenset(self._core_names()))
+        for resize in resizes:
+            self._resize(resize)
         for pool in self._pools.values():
             self._settle_pool(pool)
         self.num_rounds += 1
         for observe in self.round_observers:
             observe()
+        return bool(resizes)
+
+    def _core_names(self) -> list[ReplicaId]:
+        return [rep.name for pool in self._core.pool_names()
+                for rep in self._core.pool(pool).replicas]
+
+    def _resize(self, resize: Resize) -> None:
+        """Swap an engine's entries (``shell/dp_discovery.py``): the old ones leave as a
+        scaled-in replica does, the new ones join out of routing, probed at once."""
+        for old in resize.leaving:
+            for hook in self.members_hooks:
+                hook.left(old.name)
+            self.remove_replica(old.name)
+            self._core.remove_replica(old.name)
+        for new in resize.joining:
+            self._core.add_replica(resize.pool.name,
+                                   ReplicaSpec(new.name, new.prefill_rate_tps, role=new.role))
+            if resize.pool.report_hits:
+                self._core.set_hit_reports(new.name, True)
+            self.add_replica(resize.pool.name, new)
+            for hook in self.members_hooks:
+                hook.joined(resize.pool.name, new)
 
     # -- probes ---------------------------------------------------------------------------
 
@@ -607,6 +671,7 @@ class Discovery:
                         list(parsed.model_names))
         info.block_size = parsed.block_size
         info.hash_algo = parsed.prefix_caching_hash_algo
+        self._dp.observe(rep.config, parsed.engines)
         if self._on_engine_metrics is not None:
             self._on_engine_metrics(rep.config.name, parsed)
         if parsed.lora_max is not None:

@@ -63,6 +63,18 @@ class EppRuntime:
         await self.router.start()
         assert self.router.app is not None, "RouterRuntime.start builds the app"
         self.picker = Picker.of(self.router.app, fallbacks=self._fallbacks)
+        discovery = self.router.discovery
+        assert discovery is not None, "RouterRuntime.start builds discovery"
+        # data-parallel ranks discovery found at start-up replace their configured replica;
+        # later resizes reach the picker as they reach the runtime (shell/dp_discovery.py)
+        probed = {rep.name for _, rep in discovery.members()}
+        for configured in self.router.config.pools.values():
+            for rep in configured.replicas:
+                if configured.external is None and rep.name not in probed:
+                    self.picker.left(rep.name)
+        for pool_name, rep in discovery.members():
+            self.picker.joined(pool_name, rep)
+        discovery.members_hooks.append(self.picker)
         members = self.router.members
         if members is not None:  # engines from the Kubernetes API: follow them
             for pool, rep in members.members():

@@ -12,7 +12,8 @@ Start-up order (each step needs the previous one):
    ``EngineClient`` (``http/client.py``) for what every request sends: forwarded
    requests, warm-ups and engine ``/tokenize`` calls;
 3. ``Discovery.refresh_now()`` — health, windows, hashing — before the first request;
-4. one ``EventSubscriber`` per replica with ``kv_events``; their callbacks call
+4. one ``EventSubscriber`` per replica with ``kv_events`` (discovery's members: a DP engine
+   whose ranks it found is followed per rank, ``shell/dp_discovery.py``); their callbacks call
    ``core.apply_events`` / ``core.reset_replica_index`` synchronously on this event loop, so
    every ``RouterCore`` call (requests, events, discovery) is serialised by the loop and the
    core needs no locks. With a ``kv_stream`` section, a background task first connects to
@@ -160,6 +161,9 @@ class RouterRuntime:
         self.members: KubernetesMembers | None = None
         """The pools whose engines come from the Kubernetes API (None: there are none)."""
         self._catch_up_turns = asyncio.Lock()  # the subscribers catch up one at a time
+        self._following_started = False
+        """The configured replicas' events are followed (``joined`` before that: skipped,
+        the start-up loop follows discovery's members)."""
         self.kv_stream: KvStream | None = None
         """The durable KV-event stream, once connected (None: not configured, or away)."""
         self.relay: KvStreamRelay | None = None
@@ -204,15 +208,18 @@ class RouterRuntime:
         self.discovery = Discovery(config, self.core, self.session, self.metrics,
                                    provider_keys=secrets.provider_keys,
                                    on_engine_metrics=self.feedback.on_engine_metrics,
-                                   on_replica_left=self.feedback.forget_replica)
+                                   on_replica_left=self.feedback.forget_replica,
+                                   members_hook=self)
         await self.discovery.refresh_now()
         await self.discovery.start()
         if config.kv_stream is not None:
             self._stream_ready = asyncio.get_running_loop().create_task(
                 self._open_stream(), name="kv-stream-open")
-        for pool in config.pools.values():
-            for rep in pool.replicas:
-                self._follow(rep)
+        # discovery's members, not the config's: a DP engine found with ranks is followed
+        # per rank (shell/dp_discovery.py); later changes arrive through joined/left
+        for _, rep in self.discovery.members():
+            self._follow(rep)
+        self._following_started = True
         if kubernetes_pools(config):
             self.members = KubernetesMembers(config, self.core, self.discovery, self.session,
                                              hook=self, env=self._env)
@@ -402,7 +409,8 @@ class RouterRuntime:
         sub.start().add_done_callback(self._subscriber_ended)
 
     def joined(self, pool: PoolName, replica: ReplicaConfig) -> None:
-        self._follow(replica)
+        if self._following_started:
+            self._follow(replica)
 
     def left(self, replica: ReplicaId) -> None:
         following = self._following.pop(replica, None)

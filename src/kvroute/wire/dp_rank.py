@@ -14,15 +14,20 @@ ZMQ port. This module holds both conventions, as vLLM 0.32 defines them:
   binds its own free port), on ``inproc`` endpoints with ``_dp{r}`` appended; rank 0 is the
   endpoint unchanged; any other scheme with a rank above 0 is an error. It applies to the
   replay endpoint too. Every batch also carries the rank (``data_parallel_rank``).
+* ``rank_count(engines)``: the rank count the ``engine`` label values of the API server's
+  ``/metrics`` show (vLLM labels every series of rank r with ``engine="r"``), so a router can
+  learn ``--data-parallel-size`` instead of being told it.
 
 Pure: strings in, strings out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["DP_RANK_HEADER", "DpRankError", "offset_endpoint_port", "parse_dp_rank"]
+__all__ = ["DP_RANK_HEADER", "DpRankError", "offset_endpoint_port", "parse_dp_rank",
+           "rank_count"]
 
 DP_RANK_HEADER: Final = "X-data-parallel-rank"
 """vLLM's request header naming the DP rank that serves the request."""
@@ -69,3 +74,24 @@ def parse_dp_rank(value: str, size: int) -> int:
     if not 0 <= rank < size:
         raise DpRankError(f"data_parallel_rank {rank} is out of range [0, {size}).")
     return rank
+
+
+def rank_count(engines: Iterable[str]) -> int | None:
+    """The number of data-parallel ranks behind an API server, from the ``engine`` label
+    values its ``/metrics`` carries (``"0"`` .. ``"N-1"``); None when no series has the label
+    (an engine that does not say).
+
+    Raises:
+        DpRankError: a value is not a rank number, or the ranks are not ``0`` .. ``N-1``
+            (a rank missing from the exposition: the count cannot be trusted).
+    """
+    labels = set(engines)
+    if not labels:
+        return None
+    if not all(label.isdigit() for label in labels):
+        raise DpRankError(f"engine labels {sorted(labels)} are not data-parallel rank numbers")
+    ranks = sorted(int(label) for label in labels)
+    if ranks != list(range(len(ranks))):
+        raise DpRankError(f"engine labels {[str(r) for r in ranks]} are not the ranks 0 .. "
+                          f"{len(ranks) - 1}: a rank is missing from /metrics")
+    return len(ranks)
