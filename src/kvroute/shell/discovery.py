@@ -27,7 +27,9 @@ conclusions drawn from them:
 It changes core state only through those public ``RouterCore`` methods, and is their only
 caller (with the two helpers it owns, ``shell/hashing_settlement.py`` and
 ``shell/external_pools.py``) besides the composition root (which builds the core with every
-pool approximate until discovery has read the engines).
+pool approximate until discovery has read the engines). A data-parallel resize also calls
+``RouterCore.add_replica``/``remove_replica`` (as ``shell/k8s_members.py`` does for
+Kubernetes members) and tells ``members_hooks`` (the runtime's subscriptions, the picker).
 
 Theory of operation
 -------------------
