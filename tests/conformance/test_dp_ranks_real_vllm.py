@@ -1,6 +1,7 @@
 """Data-parallel ranks against real vLLM 0.32 on CPU (``tests/realvllm.py``; skipped with the
 reason when it is not installed): one API server with ``--data-parallel-size 2``, the router
-configured with ``data_parallel_size: 2`` (docs/data-parallel.md).
+configured with ``data_parallel_size: 2``, or without it: then discovery reads the two
+ranks from the ``engine`` labels of the server's ``/metrics`` (docs/data-parallel.md).
 
 vLLM connects each rank's PUB socket to the concrete endpoint offset by its rank (port + r),
 so the router binds both ports. A prompt computed on rank 1 (sent straight to the engine with
@@ -41,11 +42,11 @@ def engine() -> Iterator[RealVllmEngine]:
         yield started[0]
 
 
-def config(engine: RealVllmEngine) -> RouterConfig:
+def config(engine: RealVllmEngine, size: dict[str, int]) -> RouterConfig:
     return parse_config({
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": {POOL: {"model": engine.model, "replicas": [{
-            "name": "e0", "url": engine.url, "data_parallel_size": 2,
+            "name": "e0", "url": engine.url, **size,
             "kv_events": engine.events_endpoint, "kv_events_bind": True,
             "kv_replay": engine.replay_endpoint, "kv_topic": engine.topic}]}},
         "routes": {ROUTE: {"pools": [POOL]}},
@@ -68,11 +69,14 @@ async def direct(session: aiohttp.ClientSession, engine: RealVllmEngine, text: s
         assert resp.status == 200, await resp.text()
 
 
+@pytest.mark.parametrize("size", [{"data_parallel_size": 2}, {}], ids=["configured", "found"])
 def test_a_prompt_rank_1_computed_is_routed_to_rank_1_and_hits_there(
-        engine: RealVllmEngine) -> None:
+        engine: RealVllmEngine, size: dict[str, int]) -> None:
     async def body() -> None:
-        async with RouterRuntime(config(engine), env={}) as rt, \
+        async with RouterRuntime(config(engine, size), env={}) as rt, \
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            # found or configured, the router routes two ranks from the first request
+            assert [rep.name for rep in rt.core.pool(POOL).replicas] == [RANK0, RANK1]
             # vLLM's PUBs drop what they publish before the router's SUBs are bound and
             # connected: probe each rank until its subscription has a batch.
             for rank, replica in (("0", RANK0), ("1", RANK1)):
@@ -112,3 +116,4 @@ def test_a_prompt_rank_1_computed_is_routed_to_rank_1_and_hits_there(
             assert cached >= 128 and predicted >= 128, (predicted, cached)
 
     asyncio.run(asyncio.wait_for(body(), 300.0))
+

@@ -6,6 +6,7 @@ contradicts logged, never resized."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,8 @@ from kvroute.shell.metrics import RouterMetrics
 from kvroute.wire.dp_rank import DpRankError, rank_count
 from kvroute.wire.prom import EngineStats, parse_vllm_metrics, render_vllm_metrics
 
+REAL_DP2 = Path(__file__).parents[2] / "data" / "vllm-0.32-cpu-dp2-metrics.txt"
+"""vLLM 0.32 CPU's own ``/metrics`` with ``--data-parallel-size 2`` (its ``vllm:`` series)."""
 POOL = PoolName("main")
 CACHE = {"block_size": "16", "prefix_caching_hash_algo": "sha256", "num_gpu_blocks": "400"}
 
@@ -42,6 +45,13 @@ def engines(text: str) -> tuple[str, ...]:
 
 
 # -- the rank count in the exposition ------------------------------------------------------
+
+
+def test_the_rank_count_of_real_vllm_with_two_ranks_is_two() -> None:
+    parsed = parse_vllm_metrics(REAL_DP2.read_text(), "tiny")
+    assert parsed.found and parsed.engines == ("0", "1")
+    assert rank_count(parsed.engines) == 2
+    assert rank_count(parse_vllm_metrics(REAL_DP2.read_text(), "tiny", engine="1").engines) == 2
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
