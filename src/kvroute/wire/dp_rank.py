@@ -79,17 +79,21 @@ def parse_dp_rank(value: str, size: int) -> int:
 def rank_count(engines: Iterable[str]) -> int | None:
     """The number of data-parallel ranks behind an API server, from the ``engine`` label
     values its ``/metrics`` carries (``"0"`` .. ``"N-1"``); None when no series has the label
-    (an engine that does not say).
+    (an engine that does not say). One label of any rank is one engine: a server of an
+    externally balanced deployment (``--data-parallel-rank``) fronts its own rank alone.
 
     Raises:
-        DpRankError: a value is not a rank number, or the ranks are not ``0`` .. ``N-1``
-            (a rank missing from the exposition: the count cannot be trusted).
+        DpRankError: a value is not a rank number, or several ranks that are not ``0`` ..
+            ``N-1`` (a rank missing from the exposition, or a server fronting some ranks of
+            a larger deployment: the header's rank numbers cannot be derived from them).
     """
     labels = set(engines)
     if not labels:
         return None
     if not all(label.isdigit() for label in labels):
         raise DpRankError(f"engine labels {sorted(labels)} are not data-parallel rank numbers")
+    if len(labels) == 1:
+        return 1
     ranks = sorted(int(label) for label in labels)
     if ranks != list(range(len(ranks))):
         raise DpRankError(f"engine labels {[str(r) for r in ranks]} are not the ranks 0 .. "

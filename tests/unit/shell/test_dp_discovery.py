@@ -64,6 +64,10 @@ def test_an_engine_without_engine_labels_says_nothing() -> None:
     assert rank_count(engines(unlabelled)) is None
 
 
+def test_one_rank_of_an_externally_balanced_deployment_is_one_engine() -> None:
+    assert rank_count(["3"]) == 1  # a server started with --data-parallel-rank 3
+
+
 def test_a_missing_rank_or_a_label_that_is_no_rank_is_refused() -> None:
     with pytest.raises(DpRankError, match="a rank is missing"):
         rank_count(["0", "2"])
