@@ -1,5 +1,6 @@
 """``BlockHashMemo`` answers exactly what ``BlockHasher`` computes, whatever it has memoised,
-for lists (tuple keys) and ``array('I')`` (bytes keys) mixed on one memo."""
+for lists and arrays mixed on one memo (keys: the ids' bytes as ``array('I')`` or, beyond 32
+bits, ``array('Q')``), with salts of any length."""
 
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ from hypothesis import strategies as st
 from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import HASH_ALGOS, BlockHasher, LoraKey
 
-_tokens = st.lists(st.integers(min_value=0, max_value=2**20), min_size=0, max_size=90)
-_salts = st.one_of(st.none(), st.sampled_from(["tenant-a", "tenant-b"]))
+_tokens = st.lists(st.one_of(st.integers(min_value=0, max_value=2**20), st.just(2**33 + 7)),
+                   min_size=0, max_size=90)
+_salts = st.one_of(st.none(), st.sampled_from(["tenant-a", "tenant-b", "t" * 64, "ténant 🙂"]))
+"""Salts of several lengths: a salted root's code is as long as a digest's or a block's
+tokens for some of them, which the keys must still tell apart."""
 _forms = st.sampled_from(["list", "I", "Q"])
-"""How a request's ids reach the memo: a list, the tokenizer's ``array('I')`` (bytes keys),
-or another array type (tuple keys, like a list)."""
+"""How a request's ids reach the memo: a list (copied into an ``array('I')``, or ``'Q'``), the
+tokenizer's ``array('I')`` (sliced as it is), or an ``array('Q')`` (its own key form)."""
 
 
 def _as(form: str, tokens: list[int]) -> Sequence[int]:
+    if form == "I" and max(tokens, default=0) >= 2**32:
+        form = "Q"
     return tokens if form == "list" else array(form, tokens)
 
 
@@ -48,20 +54,32 @@ def test_memo_equals_hasher_on_shared_prefixes(
         assert len(memo) <= max_entries
 
 
-def test_array_and_list_of_one_prompt_are_memoised_apart_and_both_hit() -> None:
+def test_array_and_list_of_one_prompt_share_entries_and_wide_ids_are_keyed_apart() -> None:
     hasher = BlockHasher("sha256", 16)
     memo = BlockHashMemo(hasher, per_block=True)
     tokens = list(range(16 * 20 + 5))  # 20 blocks (2 spans, 4 blocks) and a partial block
     expected = hasher.wire_hashes(tokens, cache_salt="acme")
     assert memo.wire_hashes(array("I", tokens), cache_salt="acme") == expected
     entries = len(memo)
-    assert entries == 20 + 2
-    assert memo.wire_hashes(tokens, cache_salt="acme") == expected  # tuple keys: a miss
+    assert entries == 20 + 2 and memo.misses == 20
+    assert memo.wire_hashes(tokens, cache_salt="acme") == expected  # the same bytes: hits
+    assert len(memo) == entries and memo.misses == 20 and memo.hits == 20
+    assert memo.wire_hashes(array("Q", tokens), cache_salt="acme") == expected  # 8-byte ids
     assert len(memo) == 2 * entries and memo.misses == 40
-    for ids in (array("I", tokens), tokens):
-        assert memo.wire_hashes(ids, cache_salt="acme") == expected
-    assert memo.misses == 40 and memo.hits == 40 and len(memo) == 2 * entries
+    wide = [2**40 + t for t in tokens]
+    assert memo.wire_hashes(wide) == hasher.wire_hashes(wide)
+    assert memo.wire_hashes(array("Q", wide)) == hasher.wire_hashes(wide)  # hits the list's
+    assert memo.misses == 60 and memo.hits == 40
     assert memo.wire_hashes(array("I", tokens)) == hasher.wire_hashes(tokens)  # salt: a miss
+    assert memo.misses == 80
+
+
+@pytest.mark.parametrize("bad", [[1.0] * 16, [-1] * 16, [2**64] * 16, "x" * 16, b"\0" * 64])
+def test_what_is_not_ids_is_refused_as_the_hasher_refuses_it(bad: Sequence[int]) -> None:
+    memo = BlockHashMemo(BlockHasher("sha256", 16), per_block=True)
+    with pytest.raises(ValueError, match="token"):
+        memo.wire_hashes(bad)
+    assert len(memo) == 0
 
 
 def test_memo_hits_the_shared_prefix_and_stays_bounded() -> None:

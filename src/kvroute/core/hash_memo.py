@@ -15,7 +15,7 @@ blocks) then costs about a dozen dict probes instead of ninety, the per-block Py
 being most of what a memo hit costs.
 
 Spans only, when the C hasher serves (``core/native_hashing.py``: ``sha256`` built with the
-extension): hashing a block there (~0.5 µs) costs less than memoising it (a key, two tuples
+extension): hashing a block there (~0.5 µs) costs less than memoising it (a key, a value
 and a dict write) and about what a lookup costs, so the walk then keeps and probes spans only
 and hashes everything from the first span that misses (at most ``SPAN_BLOCKS - 1`` blocks of
 a diverging span are hashed again). ``per_block`` chooses; the results are the same.
@@ -25,20 +25,34 @@ prompt's blocks (system prompt, earlier turns) were hashed for an earlier reques
 lookup costs a slice and a dict probe (figures:
 ``docs/benchmarks.md#block-hashing-through-a-memo``).
 
-Two key forms: an ``array('I')`` (what the local tokenizer's piece cache returns) is keyed by
-slices of its raw bytes (``tobytes()``, one memcpy; a block is ``itemsize * block_size``
-bytes), any other sequence by tuples of its ints. A bytes slice hashes and compares in C over
-contiguous memory, where a tuple key needs an int object per token and hashes them one by one
-(building the prompt's tuple and hashing its slices were most of a warm walk: same section
-of ``docs/benchmarks.md``). The forms never meet: a bytes key never equals a tuple key, so the
-same tokens as a list and as an array are memoised apart, each exactly. Only type code ``'I'``
-takes the bytes form: with one item size, a block key and a span key always differ in length;
-another type code could make one array's span the bytes of another's block. The hasher itself
-always reads the ids as ints.
+Keys and values are bytes, so the garbage collector never tracks them, nor the dicts that
+hold only them (a dict is tracked only once it holds a tracked object). A memo of tuples added
+tracked tuples on every miss and freed as many on every eviction, so the collector's counts
+stayed low while its tracked objects piled up in the old generation, and every full collection
+walked them and the dicts' hundreds of thousands of entries with the event loop stopped
+(``docs/benchmarks.md#garbage-collection-pauses``).
 
-Inputs are token ids the caller has already validated as ints (the tokenizer's ids, or a
-completion's checked ``prompt``): a tuple key made of equal-comparing non-ints (``1.0``) could
-hit (an ``array('I')`` holds only ints in ``0..2**32-1``).
+A key is ``tokens + parent``: the block's (or span's) token ids as the raw bytes of an
+``array('I')``, or of an ``array('Q')`` when an id does not fit 32 bits (an ``array('I')`` is
+what the local tokenizer's piece cache returns and is sliced as it is, one ``tobytes()``; any
+other sequence is copied into one, checked in C), then the parent's code, whose last byte says
+which kind it is: ``digest + b"d"``, ``salt + len(salt) (4 bytes) + b"s"`` (the salt in UTF-8),
+or ``b"n"`` (no salt). The code reads back from the end, and a token part is ``4 *
+block_size``, ``8 * block_size`` (a block of each form), ``32 * block_size`` or ``64 *
+block_size`` bytes (a span), all different, so two keys are equal exactly when form,
+granularity, tokens and parent are: a hit is the hasher's answer for those. The same tokens as
+a list and as an ``array('I')`` share entries. A bytes slice hashes and compares in C over
+contiguous memory, where a tuple key needed an int object per token (building the prompt's
+tuple and hashing its slices were most of a warm walk:
+``docs/benchmarks.md#block-hashing-through-a-memo``). The hasher itself always reads the ids as
+ints (the array).
+
+A value is the digests concatenated: one digest for a block, ``SPAN_BLOCKS`` for a span; a hit
+unpacks them, and their wire hashes (each digest's last 8 bytes, big-endian), with one
+``struct`` call each.
+
+Inputs are token ids: what an ``array('Q')`` cannot hold (a float, a negative id, text) is
+never keyed; the hasher answers it (with its ``ValueError``).
 Memory: at most ``max_entries`` entries (blocks and spans), each a key and its digests, in
 ``_SEGMENTS`` dicts written in turn (``_Segments``): entries leave with the oldest one, a few at
 each write, and an entry found in an older one is copied into the one being written, so a hot
@@ -58,9 +72,10 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Sequence
+from struct import Struct
 from typing import Final
 
-from kvroute.core.hashing import BlockHasher, LoraKey
+from kvroute.core.hashing import BlockHasher, LoraKey, digest_size, validate_cache_salt
 from kvroute.core.native_hashing import NATIVE
 from kvroute.core.types import BlockHash, WireHash, to_wire_hash
 
@@ -68,18 +83,19 @@ __all__ = ["DEFAULT_MEMO_BLOCKS", "BlockHashMemo"]
 
 DEFAULT_MEMO_BLOCKS: Final = 262_144
 """About 4 M tokens of prefixes at block size 16, which a router under varied traffic fills
-within minutes (``kvroute bench soak``). Each entry holds its key tuple and token bytes and its
-digest and wire-hash tuples; what that costs at this bound is measured by
+within minutes (``kvroute bench soak``). Each entry is a bytes key (its tokens' bytes and its
+parent's code) and a bytes value (its digests); what that costs at this bound is measured by
 ``benchmarks/micro/bench_cache_memory.py`` (``docs/benchmarks.md#long-run-memory-and-p99``)."""
 
 SPAN_BLOCKS: Final = 8
 """Blocks per memoised span (128 tokens at block size 16)."""
 
-_Tokens = tuple[int, ...] | bytes
-"""The hashable prefix as keys slice it: a tuple of ints, or the raw bytes of an ``array('I')``."""
-_Key = tuple[object, _Tokens]
-_Entry = tuple[tuple[BlockHash, ...], tuple[WireHash, ...]]
-"""Digests and wire hashes of a block (one each) or of a span (``SPAN_BLOCKS`` each)."""
+_DIGEST: Final = b"d"
+"""Last byte of a parent's code that is a digest (module docstring, keys)."""
+_SALT: Final = b"s"
+"""Last byte of a root's code with a ``cache_salt``."""
+_NO_SALT: Final = b"n"
+"""The root's code without a ``cache_salt``."""
 
 _SEGMENTS: Final = 8
 """Segments the bound is split into (``_Segments``): more make each one's growth and its
@@ -95,7 +111,8 @@ class _Segments:
     entries never rebuilds its table), one for each entry written beyond the bound, and drops
     a segment once it is empty. ``get`` looks in the newest segment first; an entry found in an
     older one is copied into the newest (it may then be counted twice until the older copy is
-    evicted, which the bound includes).
+    evicted, which the bound includes). Keys and values are bytes, so no segment is ever
+    tracked by the garbage collector.
     """
 
     __slots__ = ("_bound", "_per", "_size", "segments")
@@ -104,12 +121,12 @@ class _Segments:
         self._bound = bound
         self._per = max(1, bound // _SEGMENTS)
         self._size = 0
-        self.segments: deque[dict[_Key, _Entry]] = deque([{}])
+        self.segments: deque[dict[bytes, bytes]] = deque([{}])
 
     def __len__(self) -> int:
         return self._size
 
-    def get(self, key: _Key) -> _Entry | None:
+    def get(self, key: bytes) -> bytes | None:
         segments = self.segments
         found = segments[-1].get(key)
         if found is not None or len(segments) == 1:
@@ -121,7 +138,7 @@ class _Segments:
                 return found
         return None
 
-    def put(self, key: _Key, value: _Entry) -> None:
+    def put(self, key: bytes, value: bytes) -> None:
         segments = self.segments
         newest = segments[-1]
         before = len(newest)
@@ -139,6 +156,38 @@ class _Segments:
                 segments.popleft()
 
 
+def _root_code(cache_salt: str | None) -> bytes:
+    """Block 0's parent code (module docstring): its only extra key, the salt, stands in for
+    ``NONE_HASH`` there. A salt that is not a string is refused as the hasher refuses it."""
+    if cache_salt is None:
+        return _NO_SALT
+    if not isinstance(cache_salt, str):
+        validate_cache_salt(cache_salt)  # raises its ValueError
+    raw = cache_salt.encode("utf-8", "surrogatepass")
+    return raw + len(raw).to_bytes(4, "big") + _SALT
+
+
+def _id_array(token_ids: Sequence[int], num_tokens: int) -> array[int] | None:
+    """The first ``num_tokens`` ids as an ``array('I')`` (as they are when already one), an
+    ``array('Q')`` when one does not fit 32 bits, or None when they are not ids (the hasher
+    then answers, or names the bad one)."""
+    if isinstance(token_ids, array) and token_ids.typecode in "IQ":
+        return token_ids
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+        return None  # an array would take bytes as raw items
+    head = token_ids[:num_tokens]
+    try:
+        return array("I", head)
+    except OverflowError:
+        pass
+    except TypeError:
+        return None
+    try:
+        return array("Q", head)
+    except (OverflowError, TypeError):
+        return None
+
+
 class BlockHashMemo:
     """``wire_hashes`` of one ``BlockHasher``, memoised per block and per span.
 
@@ -150,7 +199,8 @@ class BlockHashMemo:
             this hasher, module doc).
     """
 
-    __slots__ = ("_memo", "hasher", "hits", "max_entries", "misses", "per_block")
+    __slots__ = ("_memo", "_span_digests", "_span_wires", "hasher", "hits", "max_entries",
+                 "misses", "per_block")
 
     def __init__(self, hasher: BlockHasher, max_entries: int = DEFAULT_MEMO_BLOCKS, *,
                  per_block: bool | None = None) -> None:
@@ -161,6 +211,11 @@ class BlockHashMemo:
                           else per_block)
         self.max_entries = max_entries
         self._memo = _Segments(max_entries)
+        size = digest_size(hasher.algo)
+        self._span_digests = Struct(f">{f'{size}s' * SPAN_BLOCKS}")
+        """A span's value as its digests."""
+        self._span_wires = Struct(f">{f'{size - 8}xQ' * SPAN_BLOCKS}")
+        """A span's value as its wire hashes (``to_wire_hash`` of each digest)."""
         self.hits = 0
         self.misses = 0
 
@@ -198,85 +253,78 @@ class BlockHashMemo:
               cache_salt: str | None) -> tuple[list[BlockHash], list[WireHash]]:
         """Digests and wire hashes of every full block: spans while they hit, then blocks,
         then the hasher for the first block not memoised and everything after it."""
-        num_blocks = self.hasher.num_hashable_blocks(len(token_ids))
-        tokens, step = self._key_tokens(token_ids, num_blocks)
+        hasher = self.hasher
+        num_blocks = hasher.num_hashable_blocks(len(token_ids))
+        ids = _id_array(token_ids, num_blocks * hasher.block_size)
+        if ids is None:  # not ids: never keyed (module docstring)
+            hashed = hasher.hash_blocks_and_wires(token_ids, cache_salt=cache_salt)
+            self.misses += len(hashed[0])
+            return hashed
+        root = _root_code(cache_salt)
+        tokens = ids.tobytes()
+        step = ids.itemsize * hasher.block_size
         get = self._memo.get
         digests: list[BlockHash] = []
         wires: list[WireHash] = []
-        root: object = ("salt", cache_salt)  # block 0's only extra key stands in for NONE_HASH
         parent = root
         span_step = SPAN_BLOCKS * step
         block = 0
         while block + SPAN_BLOCKS <= num_blocks:
             start = block * step
-            found = get((parent, tokens[start : start + span_step]))
+            found = get(tokens[start : start + span_step] + parent)
             if found is None:
                 break
-            digests += found[0]
-            wires += found[1]
-            parent = found[0][-1]
+            digests += self._span_digests.unpack(found)
+            wires += self._span_wires.unpack(found)
+            parent = digests[-1] + _DIGEST
             block += SPAN_BLOCKS
         first_missed_span = block
         while block < num_blocks:
             start = block * step
-            found = get((parent, tokens[start : start + step])) if self.per_block else None
+            found = get(tokens[start : start + step] + parent) if self.per_block else None
             if found is None:
-                self._fill(token_ids, tokens, step, block, cache_salt, digests, wires)
+                self._fill(ids, tokens, step, block, cache_salt, root, digests, wires)
                 break
-            digests += found[0]
-            wires += found[1]
-            parent = found[0][0]
+            digests.append(BlockHash(found))
+            wires.append(to_wire_hash(found))
+            parent = found + _DIGEST
             block += 1
         else:
             self.hits += num_blocks
-        self._add_spans(tokens, step, first_missed_span, root, digests, wires)
+        self._add_spans(tokens, step, first_missed_span, root, digests)
         return digests, wires
 
-    def _key_tokens(self, token_ids: Sequence[int], num_blocks: int) -> tuple[_Tokens, int]:
-        """What keys slice (see the module docstring) and its length per block: the bytes of
-        an ``array('I')`` (``itemsize * block_size`` a block), else a tuple of the hashable
-        prefix (``block_size`` a block)."""
-        bs = self.hasher.block_size
-        if isinstance(token_ids, array) and token_ids.typecode == "I":
-            return token_ids.tobytes(), token_ids.itemsize * bs
-        return tuple(token_ids[: num_blocks * bs]), bs
-
-    def _fill(self, token_ids: Sequence[int], tokens: _Tokens, step: int, start: int,
-              cache_salt: str | None, digests: list[BlockHash], wires: list[WireHash]) -> None:
-        """Hash blocks ``start..`` with the hasher, append them to ``digests``/``wires`` and
-        (``per_block``) memoise them under slices of ``tokens`` (``step`` a block).
-
-        The hasher reads ints: the tuple of the hashable prefix when keys are tuples (already
-        built; a lazy sequence is not materialised twice), else the ``array('I')`` itself (it
-        converts only the blocks it hashes)."""
+    def _fill(self, ids: array[int], tokens: bytes, step: int, start: int,
+              cache_salt: str | None, root: bytes, digests: list[BlockHash],
+              wires: list[WireHash]) -> None:
+        """Hash blocks ``start..`` of ``ids`` with the hasher, append them to
+        ``digests``/``wires`` and (``per_block``) memoise them under slices of ``tokens``
+        (``step`` bytes a block)."""
         hasher = self.hasher
-        ints = tokens if isinstance(tokens, tuple) else token_ids
         if start == 0:
-            new, new_wires = hasher.hash_blocks_and_wires(ints, cache_salt=cache_salt)
+            new, new_wires = hasher.hash_blocks_and_wires(ids, cache_salt=cache_salt)
         else:
-            new, new_wires = hasher.hash_blocks_and_wires(ints, start_block=start,
+            new, new_wires = hasher.hash_blocks_and_wires(ids, start_block=start,
                                                           parent=digests[-1])
         self.hits += start
         self.misses += len(new)
+        digests += new
+        wires += new_wires
         if not self.per_block:
-            digests += new
-            wires += new_wires
             return
         put = self._memo.put
-        prev: object = ("salt", cache_salt) if start == 0 else digests[-1]
-        for offset, (digest, wire) in enumerate(zip(new, new_wires, strict=True)):
-            at = (start + offset) * step
-            put((prev, tokens[at : at + step]), ((digest,), (wire,)))
-            digests.append(digest)
-            wires.append(wire)
-            prev = digest
+        parent = root if start == 0 else digests[start - 1] + _DIGEST
+        at = start * step
+        for digest in new:
+            put(tokens[at : at + step] + parent, digest)
+            parent = digest + _DIGEST
+            at += step
 
-    def _add_spans(self, tokens: _Tokens, step: int, first: int, root: object,
-                   digests: list[BlockHash], wires: list[WireHash]) -> None:
+    def _add_spans(self, tokens: bytes, step: int, first: int, root: bytes,
+                   digests: list[BlockHash]) -> None:
         """Memoise the full spans from block ``first`` on (the walk found none of them)."""
         put = self._memo.put
         for block in range(first, len(digests) - SPAN_BLOCKS + 1, SPAN_BLOCKS):
-            parent = digests[block - 1] if block else root
+            parent = digests[block - 1] + _DIGEST if block else root
             end = block + SPAN_BLOCKS
-            put((parent, tokens[block * step : end * step]),
-                (tuple(digests[block:end]), tuple(wires[block:end])))
+            put(tokens[block * step : end * step] + parent, b"".join(digests[block:end]))

@@ -220,7 +220,8 @@ class SegmentEncoder:
         previous: str | None = None
         pos = 0
         if found is not None:
-            out = found.ids[:]  # a copy: the caller owns what it is given
+            out = array("I")
+            out.frombytes(found.ids)  # a copy: the caller owns what it is given
             previous, pos = found.marker, found.end
         else:
             out = array("I")
@@ -260,8 +261,10 @@ class SegmentEncoder:
             self._forget_checkpoint(replaces.key)
         key = self._next_checkpoint
         self._next_checkpoint += 1
+        with memoryview(out) as view, view[:count] as head:
+            ids = head.tobytes()  # one copy; released before the caller may grow ``out``
         self._checkpoints[key] = _Checkpoint(key, text[: start + self._marker_len], end, marker,
-                                             out[:count])
+                                             ids)
         self._checkpoint_tokens += count
         while (len(self._checkpoints) > self._max_checkpoints
                or self._checkpoint_tokens > self._max_tokens):
@@ -270,7 +273,7 @@ class SegmentEncoder:
     def _forget_checkpoint(self, key: int) -> None:
         dropped = self._checkpoints.pop(key, None)
         if dropped is not None:
-            self._checkpoint_tokens -= len(dropped.ids)
+            self._checkpoint_tokens -= len(dropped.ids) // _ITEM_BYTES
 
     def _piece(self, previous: str | None, piece: str) -> bytes:
         """The piece's ids as the raw bytes of an ``array('I')``, from the cache or encoded
@@ -344,11 +347,13 @@ class SegmentEncoder:
 
 class _Checkpoint:
     """What a later prompt that starts with ``prefix`` reuses: the ids of its text up to
-    ``end`` (the end of ``marker``), its next piece to be encoded behind ``marker``."""
+    ``end`` (the end of ``marker``), its next piece to be encoded behind ``marker``. The ids
+    are the raw bytes of an ``array('I')``, as the piece cache keeps them (never tracked by
+    the garbage collector)."""
 
     __slots__ = ("end", "ids", "key", "marker", "prefix")
 
-    def __init__(self, key: int, prefix: str, end: int, marker: str, ids: array[int]) -> None:
+    def __init__(self, key: int, prefix: str, end: int, marker: str, ids: bytes) -> None:
         self.key = key
         self.prefix = prefix
         self.end = end

@@ -10,12 +10,12 @@ from kvroute.core.hash_memo import _SEGMENTS, _Segments
 HOT, COLD = 10**6, 10**6 + 1
 
 
-def entry(i: int) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
-    return (i.to_bytes(32, "big"),), (i,)
+def entry(i: int) -> bytes:
+    return i.to_bytes(32, "big")
 
 
-def key(i: int) -> tuple[object, bytes]:
-    return ("salt", None), i.to_bytes(64, "big")
+def key(i: int) -> bytes:
+    return i.to_bytes(64, "big") + b"n"
 
 
 @pytest.mark.parametrize("bound", [1, 3, _SEGMENTS, 100, 1000])
