@@ -10,8 +10,9 @@ Fills, in this process, the bundled tokenizer's piece cache (``tokenize.segments
 and a ``BlockHashMemo`` (``core/hash_memo``, bound ``DEFAULT_MEMO_BLOCKS`` entries) with
 1,500-token prompts of random ids, as a router under varied traffic does within minutes
 (``kvroute bench soak``). Prints what ``tracemalloc`` counts for each, per token or entry,
-and how long a full garbage collection then takes (the caches' tuples are untracked by the
-first one; the dicts are still walked).
+and how long a full garbage collection then takes (the piece cache's key tuples are untracked
+by the first one and its ordered dict is still walked; the memo holds only bytes, never
+tracked).
 """
 
 from __future__ import annotations
