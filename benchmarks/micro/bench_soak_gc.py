@@ -81,7 +81,8 @@ async def run(n: int, replicas: int, engine_blocks: int,
                     secrets=Secrets({}, None, {}), metrics=metrics,
                     state=MemoryState(max_pins=2000), tokenizers={"sim": tokenizer})
     router = app.router
-    bodies = [r.body for r in soak_requests(SoakSpec(seconds=n / 200.0, rate=200.0))]
+    bodies = [r.body for r in soak_requests(SoakSpec(seconds=n / 200.0, rate=200.0,
+                                                           sample_s=min(10.0, n / 200.0)))]
     seq = dict.fromkeys((f"e{i}" for i in range(replicas)), 0)
     held: dict[str, deque[int]] = {f"e{i}": deque() for i in range(replicas)}
     original_route = core.route

@@ -32,6 +32,7 @@ CASES = {
     "bench_metrics.py": ["--calls", "100", "--repeats", "1"],
     "bench_router_path.py": ["--requests", "20", "--repeats", "1", "--no-engine"],
     "bench_wire_openai.py": ["--iterations", "50"],
+    "bench_soak_gc.py": ["--requests", "60", "--engine-blocks", "64"],
     "bench_sim_server.py": ["--requests", "20", "--concurrency", "4", "--max-tokens", "2",
                             "--max-seconds", "20"],
 }
