@@ -11,17 +11,15 @@ As in ``test_dp_ranks_live.py``, the engine's balancer puts an unpinned request 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 import pytest
+from dp_engine import block_hashes, chat
 
 from kvroute.config import RouterConfig, parse_config
-from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.types import PoolName, ReplicaId, TenantName
 from kvroute.engine.model import StepTiming
@@ -69,25 +67,6 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.getrandbits(40):x}" for _ in range(n))
 
 
-async def _chat(session: aiohttp.ClientSession, url: str, model: str,
-                messages: list[dict[str, str]], headers: dict[str, str] | None = None,
-                ) -> tuple[dict[str, str], dict[str, Any]]:
-    body = {"model": model, "messages": messages, "max_tokens": 2}
-    async with session.post(url + "/v1/chat/completions", data=json.dumps(body),
-                            headers={"Content-Type": "application/json",
-                                     **(headers or {})}) as resp:
-        assert resp.status == 200, await resp.text()
-        return dict(resp.headers), json.loads(await resp.read())
-
-
-async def _hashes(session: aiohttp.ClientSession, url: str,
-                  messages: list[dict[str, str]]) -> list[int]:
-    async with session.post(url + "/tokenize", data=json.dumps(
-            {"model": MODEL, "messages": messages})) as resp:
-        ids = (await resp.json())["tokens"]
-    return list(BlockHasher("sha256", 16).wire_hashes(ids))
-
-
 def _members(rt: RouterRuntime) -> list[ReplicaId]:
     return [rep.name for rep in rt.core.pool(PoolName("main")).replicas]
 
@@ -123,14 +102,14 @@ def test_ranks_found_on_metrics_are_routed_by_header_and_fold_back_on_restart(
                 assert rt.subscribers[RANK1].endpoint == f"tcp://127.0.0.1:{base_port + 1}"
                 # The session's first prompt runs on rank 1, past the router; its blocks
                 # reach the index under rank 1 alone, read on rank 1's own port.
-                await _chat(session, engine.url, MODEL, first, {"X-data-parallel-rank": "1"})
-                hashes = await _hashes(session, engine.url, first)
+                await chat(session, engine.url, MODEL, first, {"X-data-parallel-rank": "1"})
+                hashes = await block_hashes(session, engine.url, MODEL, first)
                 await _until("the prompt indexed on rank 1 alone",
                              lambda: _on_rank1_alone(rt, hashes))
                 hits_before = [e.metrics().prefix_cache_hits_total for e in engine.engines]
                 turn = [*first, {"role": "assistant", "content": "ok ok"},
                         {"role": "user", "content": _words(rng, 40)}]
-                headers, answer = await _chat(session, rt.url, ROUTE, turn,
+                headers, answer = await chat(session, rt.url, ROUTE, turn,
                                               {"X-Session-ID": "dp-found"})
                 assert headers["x-kvroute-replica"] == RANK1
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 18 * 16
@@ -146,7 +125,7 @@ def test_ranks_found_on_metrics_are_routed_by_header_and_fold_back_on_restart(
                 assert rt.discovery is not None and rt.discovery.dp_size("e0") == 1
                 found = rt.core.index.match(hashes, SCOPE)
                 assert found == {}, found  # rank 1's entries left with it
-                headers, _ = await _chat(session, rt.url, ROUTE, first)
+                headers, _ = await chat(session, rt.url, ROUTE, first)
                 assert headers["x-kvroute-replica"] == E0
 
     asyncio.run(asyncio.wait_for(body(), 90))

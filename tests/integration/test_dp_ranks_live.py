@@ -11,18 +11,16 @@ is only hit when the router names rank 1: every hit on rank 1 below needs the he
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
-from typing import Any
 
 import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from dp_engine import block_hashes, chat
 
 from kvroute.config import RouterConfig, parse_config
-from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.types import ReplicaId, TenantName
 from kvroute.engine.model import StepTiming
@@ -70,25 +68,6 @@ def _router_config(engine: SimServer, base_port: int) -> RouterConfig:
     }, env={})
 
 
-async def _chat(session: aiohttp.ClientSession, url: str, model: str,
-                messages: list[dict[str, str]], headers: dict[str, str] | None = None,
-                ) -> tuple[dict[str, str], dict[str, Any]]:
-    body = {"model": model, "messages": messages, "max_tokens": 2}
-    async with session.post(url + "/v1/chat/completions", data=json.dumps(body),
-                            headers={"Content-Type": "application/json",
-                                     **(headers or {})}) as resp:
-        assert resp.status == 200, await resp.text()
-        return dict(resp.headers), json.loads(await resp.read())
-
-
-async def _hashes(session: aiohttp.ClientSession, url: str,
-                  messages: list[dict[str, str]]) -> list[int]:
-    async with session.post(url + "/tokenize", data=json.dumps(
-            {"model": MODEL, "messages": messages})) as resp:
-        ids = (await resp.json())["tokens"]
-    return list(BlockHasher("sha256", 16).wire_hashes(ids))
-
-
 async def _until_indexed(rt: RouterRuntime, hashes: list[int], on: ReplicaId,
                          off: ReplicaId) -> None:
     """Wait (bounded) until the index holds ``hashes`` on rank ``on`` and none on ``off``."""
@@ -118,10 +97,12 @@ def test_each_rank_publishes_on_its_offset_port_and_a_session_returns_to_its_ran
                 # Straight to the engine, past the router: the session's first prompt runs
                 # on rank 1, another prompt on rank 0. Each rank's events reach the index
                 # under that rank alone (two subscriptions, base port and base port + 1).
-                await _chat(session, engine.url, MODEL, first, {"X-data-parallel-rank": "1"})
-                await _chat(session, engine.url, MODEL, other, {"X-data-parallel-rank": "0"})
-                await _until_indexed(rt, await _hashes(session, engine.url, first), RANK1, RANK0)
-                await _until_indexed(rt, await _hashes(session, engine.url, other), RANK0, RANK1)
+                await chat(session, engine.url, MODEL, first, {"X-data-parallel-rank": "1"})
+                await chat(session, engine.url, MODEL, other, {"X-data-parallel-rank": "0"})
+                await _until_indexed(
+                    rt, await block_hashes(session, engine.url, MODEL, first), RANK1, RANK0)
+                await _until_indexed(
+                    rt, await block_hashes(session, engine.url, MODEL, other), RANK0, RANK1)
                 hits_before = [e.metrics().prefix_cache_hits_total for e in engine.engines]
                 # The session's next turns through the router: the walk picks rank 1 of e0,
                 # the forwarder names it, and rank 1 serves them from its cache.
@@ -129,7 +110,7 @@ def test_each_rank_publishes_on_its_offset_port_and_a_session_returns_to_its_ran
                         {"role": "user", "content": _words(rng, 40)}]
                 session_header = {"X-Session-ID": "dp-session"}
                 for _ in range(2):
-                    headers, answer = await _chat(session, rt.url, ROUTE, turn, session_header)
+                    headers, answer = await chat(session, rt.url, ROUTE, turn, session_header)
                     assert headers["x-kvroute-replica"] == RANK1
                     cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
                     assert cached >= 18 * 16, answer["usage"]  # the first prompt's blocks
@@ -156,17 +137,17 @@ def test_a_gap_in_one_ranks_stream_is_replayed_on_that_rank_only(base_port: int)
                 aiohttp.ClientSession() as session:
             warm = [{"role": "user", "content": _words(rng, 40)}]
             for rank in ("0", "1"):  # both subscriptions see a first batch
-                await _chat(session, engine.url, MODEL, warm, {"X-data-parallel-rank": rank})
+                await chat(session, engine.url, MODEL, warm, {"X-data-parallel-rank": rank})
             await _until_delivered(rt, RANK0, 1)
             await _until_delivered(rt, RANK1, 1)
             engine.faults.apply({"drop_events": 1})  # rank 1's next batch is lost
             lost = [{"role": "user", "content": _words(rng, 200)}]
-            await _chat(session, engine.url, MODEL, lost, {"X-data-parallel-rank": "1"})
+            await chat(session, engine.url, MODEL, lost, {"X-data-parallel-rank": "1"})
             later = [{"role": "user", "content": _words(rng, 200)}]
-            await _chat(session, engine.url, MODEL, later, {"X-data-parallel-rank": "1"})
+            await chat(session, engine.url, MODEL, later, {"X-data-parallel-rank": "1"})
             # Rank 1's subscriber sees the gap and replays the lost batch; the lost
             # prompt is then indexed on rank 1; rank 0's stream has no gap.
-            await _until_indexed(rt, await _hashes(session, engine.url, lost), RANK1, RANK0)
+            await _until_indexed(rt, await block_hashes(session, engine.url, MODEL, lost), RANK1, RANK0)
             assert rt.subscribers[RANK1].stats.gaps == 1
             assert rt.subscribers[RANK1].stats.replayed_batches >= 1
             assert rt.subscribers[RANK0].stats.gaps == 0
@@ -195,7 +176,7 @@ def test_the_dp_engines_api_server_behaves_as_vllms(base_port: int) -> None:
                 prompt = [{"role": "user", "content": "one two three " * 20}]
                 deadline = time.monotonic() + 20.0
                 while True:  # a SUB socket joins late: send until rank 1's batch arrives
-                    await _chat(session, engine.url, MODEL, prompt, {"X-data-parallel-rank": "1"})
+                    await chat(session, engine.url, MODEL, prompt, {"X-data-parallel-rank": "1"})
                     try:
                         frames = await asyncio.wait_for(sub.recv_multipart(), 0.5)
                         break
@@ -211,7 +192,7 @@ def test_the_dp_engines_api_server_behaves_as_vllms(base_port: int) -> None:
                 assert resp.status == 400
                 assert "out of range [0, 2)" in await resp.text()
             before = engine.engines[0].metrics().prefix_cache_queries_total
-            await _chat(session, engine.url, MODEL, [{"role": "user", "content": "x y z"}])
+            await chat(session, engine.url, MODEL, [{"role": "user", "content": "x y z"}])
             assert engine.engines[0].metrics().prefix_cache_queries_total > before
             async with session.get(engine.url + "/metrics") as resp:
                 text = await resp.text()
@@ -237,10 +218,10 @@ def test_a_subscription_that_reads_another_ranks_stream_drops_it(base_port: int)
             async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
                 deadline = time.monotonic() + 20.0
                 while not rt.wrong_rank_batches.get(RANK0):
-                    await _chat(session, engine.url, MODEL, prompt, {"X-data-parallel-rank": "1"})
+                    await chat(session, engine.url, MODEL, prompt, {"X-data-parallel-rank": "1"})
                     assert time.monotonic() < deadline, "rank 1's batches never reached dp0"
                     await asyncio.sleep(0.1)
-                hashes = await _hashes(session, engine.url, prompt)
+                hashes = await block_hashes(session, engine.url, MODEL, prompt)
                 assert rt.core.index.match(hashes, SCOPE) == {}
 
     asyncio.run(asyncio.wait_for(body(), 60.0))
