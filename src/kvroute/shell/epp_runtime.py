@@ -12,18 +12,18 @@ gRPC servers listen last; readiness turns ``SERVING`` once everything is up, and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Self
 
 from kvroute.config import RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.shell.epp_server import EppServer
+from kvroute.shell.lifecycle import Service
 from kvroute.shell.picker import Picker
 from kvroute.shell.runtime import RouterRuntime
 
 __all__ = ["EppRuntime"]
 
 
-class EppRuntime:
+class EppRuntime(Service):
     """A running picker. ``async with EppRuntime(config, ...) as rt:`` serves ext_proc on
     ``rt.grpc_port`` and gRPC health on ``rt.health_port``.
 
@@ -47,17 +47,6 @@ class EppRuntime:
         self.picker: Picker | None = None
         self.grpc_port = 0
         self.health_port = 0
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         await self.router.start()

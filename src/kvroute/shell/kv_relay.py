@@ -22,11 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Self
 
 from kvroute.config import ReplicaConfig, RouterConfig
 from kvroute.core.errors import ConfigError
 from kvroute.shell.kv_stream import KvStream, KvStreamRelay
+from kvroute.shell.lifecycle import Service
 from kvroute.shell.zmq_events import EventSubscriber
 
 __all__ = ["StandaloneRelay"]
@@ -34,7 +34,7 @@ __all__ = ["StandaloneRelay"]
 log = logging.getLogger(__name__)
 
 
-class StandaloneRelay:
+class StandaloneRelay(Service):
     """``async with StandaloneRelay(config) as relay:`` mirrors the engines until exit.
 
     Raises (from ``__aenter__``):
@@ -63,17 +63,6 @@ class StandaloneRelay:
         self.relay: KvStreamRelay | None = None
         self.subscribers: dict[str, EventSubscriber] = {}
         self._turns = asyncio.Lock()
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         """Connect, read each replica's history back, subscribe. Returns once all follow."""

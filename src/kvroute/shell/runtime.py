@@ -45,7 +45,7 @@ import logging
 import os
 import random
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Self
+from typing import Any, Final
 
 import aiohttp
 
@@ -65,6 +65,7 @@ from kvroute.shell.discovery import Discovery
 from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
 from kvroute.shell.kv_stream import KvStream, KvStreamRelay, StreamPosition
+from kvroute.shell.lifecycle import Service
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
@@ -132,7 +133,7 @@ def build_core(config: RouterConfig, *, clock: Clock) -> RouterCore:
     return core
 
 
-class RouterRuntime:
+class RouterRuntime(Service):
     """A running router. ``async with RouterRuntime(config) as rt:`` serves on ``rt.url``.
 
     Args:
@@ -187,17 +188,6 @@ class RouterRuntime:
         self.app: RouterApp | None = None
         self.url = ""
         self.port = 0
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         """Bring everything up in order (module docstring) and listen."""
