@@ -49,7 +49,7 @@ measured against). ``never`` leaves prefill-only replicas idle.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -126,6 +126,10 @@ class SplitChoice:
         prefill: the prefill replica of a split, or None (colocated).
         prefill_cached_tokens: tokens the prefill replica is expected to hold already.
         split_cost_s / colocated_cost_s: the two prices compared (inf when impossible).
+        refused: the pair ``(prefill, decode)`` that would have been chosen but ``may_pair``
+            refused (the fidelity gate: other weights, no passing verdict), else None.
+        refused_tokens: tokens that pair would have moved over the link (the decode
+            replica's own cache lacked them); recomputed natively instead.
     """
 
     selection: Selection
@@ -133,6 +137,8 @@ class SplitChoice:
     prefill_cached_tokens: int = 0
     split_cost_s: float = float("inf")
     colocated_cost_s: float = float("inf")
+    refused: tuple[ReplicaId, ReplicaId] | None = None
+    refused_tokens: int = 0
 
 
 def split_parts(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate, role: Role,
@@ -171,9 +177,20 @@ def split_parts(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate
     return SplitParts(prefill_s, decode_s, prefill, pulled)
 
 
+PairCheck = Callable[[ReplicaId, ReplicaId], bool]
+"""``may_pair(prefill, decode)``: may the KV ``prefill`` writes be decoded on ``decode``?"""
+
+
 def choose_split(policy: Policy, request: PolicyInput, candidates: Sequence[Candidate],
-                 roles: Mapping[ReplicaId, Role], spec: DisaggSpec) -> SplitChoice:
+                 roles: Mapping[ReplicaId, Role], spec: DisaggSpec,
+                 may_pair: PairCheck | None = None) -> SplitChoice:
     """Rank ``candidates`` of a disaggregated pool and decide colocated or split.
+
+    ``may_pair`` (the fidelity gate, ``core/verdict_book.py``) vetoes pairs whose prefill
+    replica runs other weights than the decode replica without a passing verdict: the best
+    allowed pair is priced instead (within the version group), and when none is allowed
+    the request is colocated (the decode side recomputes). The best refused pair is
+    reported (``SplitChoice.refused``) when it would have been chosen.
 
     Raises:
         ValueError: no candidate may decode (every healthy one is prefill-only).
@@ -192,11 +209,17 @@ def choose_split(policy: Policy, request: PolicyInput, candidates: Sequence[Cand
         # A policy without the turn terms cannot price a split: always split, each half
         # chosen by the policy among the replicas of that role (as llm-d and Dynamo do).
         first = policy.select(request, prefillers)
-        prefill = next((r for r in first.ranking if r != colocated.replica), None)
+        others = [r for r in first.ranking if r != colocated.replica]
+        prefill = next((r for r in others if may_pair is None
+                        or may_pair(r, colocated.replica)), None)
+        vetoed = (None if not others or others[0] == prefill
+                  else (others[0], colocated.replica))
         if prefill is None:
-            return SplitChoice(colocated, None)
+            held = colocated.expected_cached_tokens.get(colocated.replica, 0)
+            return SplitChoice(colocated, None, refused=vetoed, refused_tokens=0 if vetoed is None
+                               else max(0, request.num_prompt_tokens - held))
         return SplitChoice(colocated, prefill,
-                           first.expected_cached_tokens.get(prefill, 0))
+                           first.expected_cached_tokens.get(prefill, 0), refused=vetoed)
     scale = sum(c.load.itl_scale for c in candidates) / len(candidates)
     parts = {c.replica: split_parts(policy, request, c, roles.get(c.replica, "both"),
                                     spec.link_s_per_token, scale) for c in candidates}
@@ -207,20 +230,49 @@ def choose_split(policy: Policy, request: PolicyInput, candidates: Sequence[Cand
                         for r, p in parts.items() if p.prefill_s is not None)
     by_decode = sorted((p.decode_s, loads[r].num_in_flight, loads[r].last_chosen_s, str(r))
                        for r, p in parts.items() if p.decode_s is not None)
-    best: tuple[float, ReplicaId, ReplicaId] | None = None
-    for p_cost, _, _, p_name in by_prefill[:2]:
-        for d_cost, _, _, d_name in by_decode[:2]:
-            if p_name != d_name and (best is None or p_cost + d_cost < best[0]):
-                best = (p_cost + d_cost, ReplicaId(p_name), ReplicaId(d_name))
+    best = _best_pair(by_prefill[:2], by_decode[:2], None)
+    refused: tuple[ReplicaId, ReplicaId] | None = None
+    if best is not None and may_pair is not None and not may_pair(best[1], best[2]):
+        if spec.mode == "always" or best[0] < best_colocated:  # it would have been chosen
+            refused = (best[1], best[2])
+        best = _best_pair(by_prefill, by_decode, may_pair)
+    # Colocated because of a refusal: the decode replica recomputes what the pair would
+    # have moved to it (what its own cache lacks).
+    recomputed = 0 if refused is None else int(parts[colocated.replica].pulled_tokens)
     if best is None:
-        return SplitChoice(colocated, None, colocated_cost_s=best_colocated)
+        return SplitChoice(colocated, None, colocated_cost_s=best_colocated, refused=refused,
+                           refused_tokens=recomputed)
     split_cost, prefill, decode = best
     if spec.mode == "auto" and split_cost >= best_colocated:
         return SplitChoice(colocated, None, split_cost_s=split_cost,
-                           colocated_cost_s=best_colocated)
+                           colocated_cost_s=best_colocated, refused=refused,
+                           refused_tokens=recomputed)
     ranking = (decode, *(r for r in colocated.ranking if r != decode))
     cached = dict(colocated.expected_cached_tokens)
     selection = Selection(ranking=ranking, expected_cached_tokens=cached,
                           scores=colocated.scores, reason="split")
     prefill_cached = int(request.num_prompt_tokens - parts[prefill].prefill_tokens)
-    return SplitChoice(selection, prefill, max(0, prefill_cached), split_cost, best_colocated)
+    return SplitChoice(selection, prefill, max(0, prefill_cached), split_cost, best_colocated,
+                       refused=refused)
+
+
+_Ranked = tuple[float, int, float, str]
+
+
+def _best_pair(by_prefill: Sequence[_Ranked], by_decode: Sequence[_Ranked],
+               may_pair: PairCheck | None) -> tuple[float, ReplicaId, ReplicaId] | None:
+    """The cheapest (prefill, decode) pair of two different replicas that ``may_pair``
+    allows (every pair when None). ``by_decode`` is sorted by cost, so each prefill
+    replica's first allowed decode replica is its best one."""
+    best: tuple[float, ReplicaId, ReplicaId] | None = None
+    for p_cost, _, _, p_name in by_prefill:
+        for d_cost, _, _, d_name in by_decode:
+            if p_name == d_name:
+                continue
+            p, d = ReplicaId(p_name), ReplicaId(d_name)
+            if may_pair is not None and not may_pair(p, d):
+                continue
+            if best is None or p_cost + d_cost < best[0]:
+                best = (p_cost + d_cost, p, d)
+            break
+    return best

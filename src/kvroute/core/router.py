@@ -56,6 +56,7 @@ from kvroute.core.peers import Announcement, Done, FirstToken, Placed
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
 from kvroute.core.recency import BlockRecency
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
+from kvroute.core.verdict_book import PD_PATH, GateRefusal, VerdictBook
 from kvroute.core.versions import IdentityChange, ReplicaVersions
 
 APPROX_CHUNK_CHARS = 64
@@ -157,6 +158,8 @@ class RoutingDecision:
             prompt there first with ``max_tokens: 1`` and the KV is pulled by ``replica``;
             None: colocated.
         prefill_cached_tokens: prefix tokens the prefill replica is expected to hold.
+        gate_refusal: a cross-version split the verdict book refused for this request
+            (``core/verdict_book.py``), else None.
     """
 
     request: RouteRequest
@@ -171,6 +174,7 @@ class RoutingDecision:
     cached_by_replica: dict[ReplicaId, int] = field(default_factory=dict)
     prefill_replica: ReplicaId | None = None
     prefill_cached_tokens: int = 0
+    gate_refusal: GateRefusal | None = None
 
     @property
     def prefill_request_id(self) -> RequestId:
@@ -251,6 +255,9 @@ class RouterCore:
         # (``core/hashing_chains.py``; reused only after checking ids and hashing basis).
         self.chains = SessionChains(session_chain_tokens)
         self.versions = ReplicaVersions()
+        self.verdicts = VerdictBook(self.versions)
+        """The fidelity gate's verdicts (``core/verdict_book.py``); empty until the shell
+        loads a verdict file: every cross-version path recomputes."""
         self._pool_versions: dict[PoolName, dict[str, int]] = {}
         self._pools: dict[PoolName, _Pool] = {}
         self._pool_of: dict[ReplicaId, PoolName] = {}
@@ -626,6 +633,7 @@ class RouterCore:
         disagg = entry.spec.disagg
         prefill: ReplicaId | None = None
         prefill_cached = 0
+        refusal: GateRefusal | None = None
         if disagg is None:
             selection = entry.policy.select(policy_input, candidates)
         else:
@@ -633,7 +641,8 @@ class RouterCore:
             if request.expected_output_tokens <= 1:  # a warm-up is a prefill: never split
                 disagg = replace(disagg, mode="never")
             try:
-                split = choose_split(entry.policy, policy_input, candidates, roles, disagg)
+                split = choose_split(entry.policy, policy_input, candidates, roles, disagg,
+                                     self._may_pair if self.versions.known else None)
             except ValueError as exc:
                 raise NoEligibleReplica(
                     f"pool {request.pool!r}: {exc} for request {request.request_id} "
@@ -641,6 +650,8 @@ class RouterCore:
                     "/health") from exc
             selection, prefill, prefill_cached = (split.selection, split.prefill,
                                                   split.prefill_cached_tokens)
+            if split.refused is not None:
+                refusal = self._pair_refusal(*split.refused, split.refused_tokens)
         decision = RoutingDecision(
             request=request,
             replica=selection.replica,
@@ -654,11 +665,33 @@ class RouterCore:
             cached_by_replica=selection.expected_cached_tokens,
             prefill_replica=prefill,
             prefill_cached_tokens=prefill_cached,
+            gate_refusal=refusal,
         )
         self._commit(decision, entry, matches.get(selection.replica, NO_MATCH))
         if prefill is not None:
             self._commit_prefill(decision, entry, matches.get(prefill, NO_MATCH))
         return decision
+
+    def _may_pair(self, prefill: ReplicaId, decode: ReplicaId) -> bool:
+        """May ``decode`` decode the KV ``prefill`` computes? Same weights: yes (native);
+        other weights: only with a current passing ``cross-engine`` verdict; an identity not
+        read yet on either side: no (unproven)."""
+        a, b = self.versions.version(decode), self.versions.version(prefill)
+        if a is None or b is None:
+            return False
+        return self.verdicts.allows(a, b, PD_PATH).allowed
+
+    def _pair_refusal(self, prefill: ReplicaId, decode: ReplicaId,
+                      tokens: int) -> GateRefusal:
+        a = self.versions.version(decode)
+        b = self.versions.version(prefill)
+        if a is None or b is None:
+            return GateRefusal(PD_PATH, "none", a or "?", b or "?",
+                               f"{prefill} -> {decode}: a replica's identity is not read yet",
+                               tokens)
+        ruling = self.verdicts.allows(a, b, PD_PATH)
+        return GateRefusal(PD_PATH, ruling.status, a, b,
+                           f"{prefill} -> {decode}: {ruling.reason}", tokens)
 
     def colocate(self, decision: RoutingDecision) -> RoutingDecision:
         """A split whose prefill failed, colocated on its decode replica: the prefill's load

@@ -69,20 +69,56 @@ class GroupChoice:
 class ReplicaVersions:
     """Each replica's model identity and the order versions were first seen in."""
 
-    __slots__ = ("_first_seen", "_identity")
+    __slots__ = ("_by_version", "_first_seen", "_identity", "_replaced_by")
 
     def __init__(self) -> None:
         self._identity: dict[ReplicaId, ModelIdentity] = {}
         self._first_seen: dict[str, int] = {}
+        self._by_version: dict[str, ModelIdentity] = {}
+        self._replaced_by: dict[str, set[str]] = {}
 
     def observe(self, replica: ReplicaId, identity: ModelIdentity) -> IdentityChange | None:
         """Record ``replica``'s identity; the change, when it had another one before."""
         before = self._identity.get(replica)
         self._identity[replica] = identity
         self._first_seen.setdefault(identity.version, len(self._first_seen))
+        self._by_version[identity.version] = identity
         if before is None or before == identity:
             return None
+        if before.version != identity.version:
+            self._replaced_by.setdefault(before.version, set()).add(identity.version)
         return IdentityChange(replica, before, identity)
+
+    def running(self) -> set[str]:
+        """The versions some replica runs now."""
+        return {identity.version for identity in self._identity.values()}
+
+    def seen(self) -> list[str]:
+        """Every version seen, oldest first."""
+        return sorted(self._first_seen, key=self._first_seen.__getitem__)
+
+    def identity_of(self, version: str) -> ModelIdentity | None:
+        """The identity last seen with ``version`` (also after no replica runs it any more:
+        a shared store may still hold blocks it wrote)."""
+        return self._by_version.get(version)
+
+    def earlier(self, version: str) -> list[str]:
+        """The versions first seen before ``version``, newest first."""
+        mine = self.first_seen(version)
+        return sorted((v for v, order in self._first_seen.items() if order < mine),
+                      key=lambda v: -self._first_seen[v])
+
+    def predecessors(self, version: str) -> set[str]:
+        """The versions some replica ran before it changed (directly or through others)
+        to ``version``: what a verdict about ``version``'s replicas may have named before
+        their weights changed."""
+        out: set[str] = set()
+        frontier = {version}
+        while frontier:
+            frontier = {old for old, new in self._replaced_by.items()
+                        if new & frontier and old not in out and old != version}
+            out |= frontier
+        return out
 
     @property
     def known(self) -> bool:
