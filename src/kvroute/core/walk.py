@@ -122,6 +122,7 @@ from kvroute.core.tokens import (
     from_session,
 )
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, WireHash
+from kvroute.core.verdict_book import GateRefusal, salt_version
 from kvroute.core.versions import GroupChoice, choose_group
 from kvroute.core.warm import WarmFire, WarmPlanner, WarmSkip
 
@@ -134,6 +135,7 @@ __all__ = [
     "ExternalChooser",
     "Fail",
     "FailReason",
+    "GateRefused",
     "LogLine",
     "NeedTokens",
     "Note",
@@ -414,6 +416,15 @@ class ScenarioMove:
 
 
 @dataclass(frozen=True, slots=True)
+class GateRefused:
+    """The verdict book refused a path that serves state other weights computed
+    (``core/verdict_book.py``): the request recomputes instead."""
+
+    route: str
+    refusal: GateRefusal
+
+
+@dataclass(frozen=True, slots=True)
 class ArmServed:
     """A request of an A/B route was routed to ``arm`` (a pool)."""
 
@@ -449,7 +460,7 @@ class LogLine:
 
 Note = (Decided | Escalated | Recovered | WindowLearned | StaleWindows | WarmNote
         | UpstreamFailed | ReplicaUnreachable | CutShortNote | LogLine | ScenarioMove
-        | ArmServed | ShadowWarm)
+        | ArmServed | ShadowWarm | GateRefused)
 
 
 def describe(step: WalkAction | str) -> str:
@@ -694,7 +705,8 @@ class Walker:
                 or (warm.replicas is not None and rep.name not in warm.replicas))
         salt = item.tenant_salt
         if settings.version_salt and warm.version is not None:
-            salt = version_salt(warm.version, item.tenant_salt)
+            salted_as, _ = salt_version(warm.version, core.versions, core.verdicts)
+            salt = version_salt(salted_as, item.tenant_salt)
         return RouteRequest(
             request_id=request_id, pool=warm.pool, scope=TenantScope(TenantName(item.tenant)),
             num_prompt_tokens=item.tokens if ids is None else len(ids), prompt_token_ids=ids,
@@ -781,6 +793,7 @@ class RequestWalk:
         self.version: str | None = None
         """The model version of the group the last attempt was routed in."""
         self._groups: dict[PoolName, GroupChoice | None] = {}
+        self._salt_refused: set[str] = set()  # versions whose salt refusal is noted
 
     # -- the driver's calls ---------------------------------------------------------------------
 
@@ -1142,6 +1155,8 @@ class RequestWalk:
         self.num_prompt_tokens = route_request.num_prompt_tokens
         self.exact = route_request.prompt_token_ids is not None
         self._notes.append(Decided(decision, self.num_prompt_tokens, self.exact, routing_s))
+        if decision.gate_refusal is not None:
+            self._notes.append(GateRefused(self.request.route.name, decision.gate_refusal))
         self._bill(decision)
         warm = None
         if not self._warm_checked:
@@ -1184,7 +1199,7 @@ class RequestWalk:
                 preferred = None
         if (group is not None and group.version and self._scenario is not None
                 and self._scenario.settings.version_salt):
-            salt = version_salt(group.version, request.cache_salt)
+            salt = self._version_salt(group, expected_output_tokens is None)
         predicted = 1
         if expected_output_tokens is None:
             sent = self.state.max_tokens
@@ -1211,6 +1226,20 @@ class RequestWalk:
             exclude=exclude | request.exclude,
             preferred_replica=preferred,
         )
+
+    def _version_salt(self, group: GroupChoice, note: bool) -> str:
+        """The salt of a request served by ``group``'s version: an older version's when the
+        verdict book lets the two share one (``core/verdict_book.salt_version``), else its
+        own. A refusal is noted (``note``: a request, not a warm-up) when the refused version
+        still runs or the session comes from it: only then is there state it gives up."""
+        core = self._walker.core
+        salted_as, refusal = salt_version(group.version, core.versions, core.verdicts)
+        if (note and refusal is not None and refusal.serving not in self._salt_refused
+                and (refusal.source in core.versions.running()
+                     or refusal.source == group.moved_from)):
+            self._salt_refused.add(refusal.serving)
+            self._notes.append(GateRefused(self.request.route.name, refusal))
+        return version_salt(salted_as, self.request.cache_salt)
 
     def _external_request(self, pool: PoolName) -> RouteRequest:
         """An external provider's ``RouteRequest``: no tokens and no text (no index entry),

@@ -33,6 +33,7 @@ from kvroute.core.walk import (
     Escalated,
     Fail,
     FailReason,
+    GateRefused,
     LogLine,
     NeedTokens,
     Recovered,
@@ -569,6 +570,12 @@ class Forwarder:
                 log.info("session moved by %s on route %r: %s → %s, %d tokens to prefill "
                          "again", note.scenario, note.route, note.from_place, note.to_place,
                          note.tokens)
+            elif isinstance(note, GateRefused):
+                r = note.refusal
+                metrics.scenarios.gate_refusal(note.route, r.path, r.status,
+                                               r.recomputed_tokens)
+                log.debug("gate refused %s on route %r (%s): %s; %d tokens recomputed",
+                          r.path, note.route, r.status, r.reason, r.recomputed_tokens)
             elif isinstance(note, ArmServed):
                 metrics.scenarios.arm_served(note.route, note.arm, note.num_prompt_tokens,
                                              note.cached_tokens)

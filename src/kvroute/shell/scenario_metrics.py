@@ -10,7 +10,11 @@ name (prefixed ``kvroute_``)           type       labels
 =====================================  =========  ==========================================
 recompute_tokens_total                 counter    route, scenario (tokens re-prefilled because
                                                   a session moved: upgrade, version, ab,
-                                                  failover)
+                                                  failover; gate: a refused transfer)
+gate_refusals_total                    counter    path, reason (the verdict book refused a
+                                                  path: fail, stale, none)
+gate_verdicts                          gauge      (verdicts loaded from gate.verdicts)
+gate_verdict_loads_total               counter    outcome (ok, error)
 scenario_moves_total                   counter    route, scenario
 shadow_warm_total                      counter    route, scenario, outcome (sent, failed)
 shadow_warm_tokens_total               counter    route, scenario (prompt tokens sent)
@@ -79,6 +83,28 @@ class ScenarioMetrics:
             "replica_version", "The model version a replica runs (1 for the current one).",
             ["replica", "version"], namespace=ns, registry=r)
         self._versions: dict[str, str] = {}
+        self._gate_refusals = Counter(
+            "gate_refusals", "Paths that would serve a request from state other weights "
+            "computed, refused for want of a current passing verdict (the request "
+            "recomputes).", ["path", "reason"], namespace=ns, registry=r)
+        self._gate_verdicts = Gauge(
+            "gate_verdicts", "Verdicts loaded from the gate's verdict file.",
+            namespace=ns, registry=r)
+        self._gate_loads = Counter(
+            "gate_verdict_loads", "Loads of the gate's verdict file (an error leaves no "
+            "verdict: every transfer path recomputes).", ["outcome"], namespace=ns,
+            registry=r)
+
+    def gate_refusal(self, route: str, path: str, reason: str, tokens: int) -> None:
+        """A refused transfer path; ``tokens`` it recomputes go to the recompute bill
+        (``scenario="gate"``)."""
+        self._gate_refusals.labels(path, reason).inc()
+        if tokens:
+            self._recompute.labels(route, "gate").inc(tokens)
+
+    def gate_loaded(self, verdicts: int, *, ok: bool) -> None:
+        self._gate_loads.labels("ok" if ok else "error").inc()
+        self._gate_verdicts.set(verdicts)
 
     def move(self, route: str, scenario: str, tokens: int, to_place: str = "") -> None:
         self._moves.labels(route, scenario).inc()

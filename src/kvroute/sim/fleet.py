@@ -95,6 +95,7 @@ from kvroute.core.walk import (
     CutShortNote,
     Escalated,
     Fail,
+    GateRefused,
     NeedTokens,
     Recovered,
     Refuse,
@@ -1079,6 +1080,11 @@ class FleetSimulation:
                 self._counters[f"recompute_tokens_{note.scenario}"] += note.tokens
                 self._counters[f"moves_{note.scenario}"] += 1
                 record.recompute_tokens += note.tokens
+            elif isinstance(note, GateRefused):
+                refusal = note.refusal
+                self._counters[f"gate_refusals_{refusal.path}_{refusal.status}"] += 1
+                self._counters["recompute_tokens_gate"] += refusal.recomputed_tokens
+                record.recompute_tokens += refusal.recomputed_tokens
             elif isinstance(note, ArmServed):
                 record.arm = note.arm
             elif isinstance(note, ShadowWarm):
