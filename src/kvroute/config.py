@@ -60,6 +60,7 @@ __all__ = [
     "DiscoveryConfig",
     "DpRankClash",
     "ExternalConfig",
+    "GateConfig",
     "HttpLimitsConfig",
     "KubernetesSource",
     "KvStreamConfig",
@@ -555,6 +556,18 @@ class AuditSampleConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GateConfig:
+    """Where the router reads the fidelity gate's verdicts (docs/model-bound-caches.md).
+
+    ``verdicts``: the JSON file ``kvroute gate`` writes (``--store``); re-read whenever its
+    modification time or size changes (checked after every discovery round). None: no file,
+    no verdict: every path that would serve state other weights computed recomputes.
+    """
+
+    verdicts: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """The whole configuration. Built by ``parse_config``/``load_config``; never mutated.
 
@@ -586,6 +599,7 @@ class RouterConfig:
     log_format: Literal["json", "kv"] = "json"
     audit_sample: AuditSampleConfig | None = None
     kv_stream: KvStreamConfig | None = None
+    gate: GateConfig = GateConfig()
 
     def replicas(self) -> list[tuple[PoolConfig, ReplicaConfig]]:
         """Every replica with its pool, in file order."""
@@ -703,7 +717,7 @@ _TOP_KEYS: Final = (
     "salt_secret_env", "timeouts", "retries", "admission", "discovery", "warm_ahead",
     "cache_drift", "predicted_ttl_s", "approx_predicted_ttl_s", "max_body_bytes", "log_level", "log_format",
     "audit_sample",
-    "http", "kv_stream",
+    "http", "kv_stream", "gate",
 )
 
 
@@ -1533,7 +1547,17 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         log_format=log_format,
         audit_sample=_audit_sample(data.get("audit_sample")),
         kv_stream=_kv_stream(data.get("kv_stream")),
+        gate=_gate(data.get("gate")),
     )
+
+
+def _gate(data: Any) -> GateConfig:
+    if data is None:
+        return GateConfig()
+    d = _mapping("gate", data, "{verdicts: /var/lib/kvroute/verdicts.json}")
+    _check_keys("gate", d, ("verdicts",))
+    return GateConfig(verdicts=_opt_str("gate.verdicts", d.get("verdicts"),
+                                        example="/var/lib/kvroute/verdicts.json"))
 
 
 def _kv_stream(data: Any) -> KvStreamConfig | None:

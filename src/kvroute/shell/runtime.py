@@ -45,6 +45,7 @@ import logging
 import os
 import random
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
@@ -52,6 +53,7 @@ import aiohttp
 from kvroute.config import ReplicaConfig, RouterConfig, resolve_secrets
 from kvroute.core.block_census import BlockCensus
 from kvroute.core.clock import Clock
+from kvroute.core.errors import ConfigError
 from kvroute.core.events import EventBatch
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.policy import Policy
@@ -62,6 +64,7 @@ from kvroute.shell.app import RouterApp, build_app
 from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.cluster import ClusterSharing
 from kvroute.shell.discovery import Discovery
+from kvroute.shell.gate_store import GateStoreError
 from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
 from kvroute.shell.kv_stream import KvStream, KvStreamRelay, StreamPosition
@@ -69,6 +72,7 @@ from kvroute.shell.lifecycle import Service
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
 from kvroute.shell.state import MonotonicClock, SessionState, build_state
+from kvroute.shell.verdict_file import VerdictFile
 from kvroute.shell.zmq_events import EventSubscriber, SubscriberStats
 from kvroute.tokenize.check import TokenizerCheck
 from kvroute.tokenize.prompt import (
@@ -188,11 +192,20 @@ class RouterRuntime(Service):
         self.app: RouterApp | None = None
         self.url = ""
         self.port = 0
+        self.verdict_file: VerdictFile | None = None
+        """The gate's verdict file (``gate.verdicts``), polled after each discovery round."""
 
     async def start(self) -> None:
         """Bring everything up in order (module docstring) and listen."""
         config = self.config
         secrets = resolve_secrets(config, self._env)
+        if config.gate.verdicts is not None:
+            self.verdict_file = VerdictFile(Path(config.gate.verdicts), self.core.verdicts,
+                                            self.metrics.scenarios)
+            try:
+                self.verdict_file.load_now()
+            except GateStoreError as exc:
+                raise ConfigError(f"gate.verdicts: {exc}") from exc
         self.session = make_client_session(config.timeouts)
         self.engine_client = make_engine_client(config.timeouts)
         self.discovery = Discovery(config, self.core, self.session, self.metrics,
@@ -200,6 +213,8 @@ class RouterRuntime(Service):
                                    on_engine_metrics=self.feedback.on_engine_metrics,
                                    on_replica_left=self.feedback.forget_replica,
                                    members_hook=self)
+        if self.verdict_file is not None:
+            self.discovery.round_observers.append(self.verdict_file.poll)
         await self.discovery.refresh_now()
         await self.discovery.start()
         if config.kv_stream is not None:

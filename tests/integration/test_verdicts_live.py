@@ -1,0 +1,122 @@
+"""The router consults the gate's verdict file, live: a real ``kvroute sim serve`` engine
+gets new weights behind its running process (a hot update) on a version-salted route. With
+no verdict the new version keeps its own salt (the engine misses the old blocks, the refusal
+is counted); once ``gate.verdicts`` holds a passing ``shared-store`` verdict for (new, old),
+the router picks the file up without a restart and the new version reuses the old salt (the
+engine serves the old blocks, no refusal)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvroute.config import RouterConfig, parse_config
+from kvroute.core.gate import PairKey, Verdict, VerdictStore
+from kvroute.core.types import ReplicaId
+from kvroute.core.verdict_book import SALT_PATH
+from kvroute.shell.gate_store import save_store
+from kvroute.shell.runtime import RouterRuntime
+from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
+
+pytestmark = pytest.mark.integration
+
+MODEL, POOL, ROUTE = "sim-model", "small", "assistant"
+
+
+def model_dir(path: Path, version: str) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "sim", "version": version}))
+    return str(path)
+
+
+@pytest.fixture
+def fleets() -> Iterator[list[Fleet]]:
+    started: list[Fleet] = []
+    yield started
+    for fleet in started:
+        fleet.stop()
+
+
+def config(fleet: Fleet, verdicts: Path) -> RouterConfig:
+    replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events,
+                 "kv_replay": r.kv_replay} for r in fleet.replicas]
+    return parse_config({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {POOL: {"model": MODEL, "replicas": replicas}},
+        "routes": {ROUTE: {"pools": [POOL], "version_salt": True}},
+        "gate": {"verdicts": str(verdicts)},
+        "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
+                      "models_interval_s": 0.2, "timeout_s": 1.0},
+        "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 10.0},
+        "log_level": "warning",
+    }, env={})
+
+
+async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def ask(http: aiohttp.ClientSession, url: str, content: str) -> int:
+    """The engine's cached prompt tokens for one turn of session ``c1``."""
+    body = {"model": ROUTE, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 2}
+    async with http.post(url + "/v1/chat/completions", json=body,
+                         headers={"x-session-id": "c1"}) as resp:
+        data = await resp.json()
+        assert resp.status == 200, data
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_passing_shared_store_verdict_lets_the_new_version_keep_the_old_salt(
+        tmp_path: Path, fleets: list[Fleet]) -> None:
+    root = model_dir(tmp_path / "m", "v1")
+    fleet = start_fleet([ReplicaSpec(name="s0", pool=POOL, model=MODEL, root=root,
+                                     enable_prompt_tokens_details=True)], timeout_s=120.0)
+    fleets.append(fleet)
+    verdicts = tmp_path / "verdicts.json"
+    prefix = " ".join(f"w{random.Random(3).randrange(10_000)}{i}" for i in range(300))
+    s0 = ReplicaId("s0")
+
+    async def body() -> None:
+        async with RouterRuntime(config(fleet, verdicts), env={}) as rt, \
+                aiohttp.ClientSession() as http:
+            def refusals() -> float:
+                value = rt.metrics.value("kvroute_gate_refusals_total",
+                                         {"path": SALT_PATH, "reason": "none"})
+                return 0.0 if value is None else value
+
+            await wait_for(lambda: rt.core.versions.version(s0) == "v:v1", "v1 read")
+            await ask(http, rt.url, prefix)
+            assert await ask(http, rt.url, prefix + " again") > 0  # warm on v1
+            old = rt.core.versions.identity_of("v:v1")
+            model_dir(tmp_path / "m", "v2")  # new weights behind the running engine
+            await wait_for(lambda: rt.core.versions.version(s0) == "v:v2", "v2 read")
+            assert await ask(http, rt.url, prefix + " one") == 0  # own salt: recompute
+            assert refusals() == 1.0
+
+            new = rt.core.versions.identity_of("v:v2")
+            assert old is not None and new is not None
+            key = PairKey(new.version, new.tokenizer, old.version, old.tokenizer, SALT_PATH)
+            loaded = rt.verdict_file.num_loads if rt.verdict_file is not None else 0
+            save_store(verdicts, VerdictStore([Verdict(key, True, "replay passed")]))
+            await wait_for(lambda: rt.verdict_file is not None
+                           and rt.verdict_file.num_loads > loaded, "the verdict file reloaded")
+            assert await ask(http, rt.url, prefix + " two") > 0  # the v1 blocks serve v2
+            assert refusals() == 1.0  # no new refusal
+            assert rt.metrics.value("kvroute_gate_verdicts") == 1.0
+
+    async def bounded() -> None:
+        await asyncio.wait_for(body(), 90.0)
+
+    asyncio.run(bounded())
