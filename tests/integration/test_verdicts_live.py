@@ -1,9 +1,13 @@
-"""The router consults the gate's verdict file, live: a real ``kvroute sim serve`` engine
-gets new weights behind its running process (a hot update) on a version-salted route. With
-no verdict the new version keeps its own salt (the engine misses the old blocks, the refusal
-is counted); once ``gate.verdicts`` holds a passing ``shared-store`` verdict for (new, old),
-the router picks the file up without a restart and the new version reuses the old salt (the
-engine serves the old blocks, no refusal)."""
+"""The router consults the gate's verdict file, live, on ``kvroute sim serve`` engines.
+
+* A hot update on a version-salted route: with no verdict the new version keeps its own salt
+  (the engine misses the old blocks, the refusal is counted); once ``gate.verdicts`` holds a
+  passing ``shared-store`` verdict for (new, old), the router picks the file up without a
+  restart and the new version reuses the old salt (the engine serves the old blocks, no
+  refusal).
+* A disaggregated pool whose prefill engine runs other weights than its decode engine: no
+  split without a passing ``cross-engine`` verdict (the decode engine computes the prompt,
+  the tokens billed to the gate), the two-step protocol once the verdict is written."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import pytest
 from kvroute.config import RouterConfig, parse_config
 from kvroute.core.gate import PairKey, Verdict, VerdictStore
 from kvroute.core.types import ReplicaId
-from kvroute.core.verdict_book import SALT_PATH
+from kvroute.core.verdict_book import PD_PATH, SALT_PATH
 from kvroute.shell.gate_store import save_store
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
@@ -115,6 +119,75 @@ def test_a_passing_shared_store_verdict_lets_the_new_version_keep_the_old_salt(
             assert await ask(http, rt.url, prefix + " two") > 0  # the v1 blocks serve v2
             assert refusals() == 1.0  # no new refusal
             assert rt.metrics.value("kvroute_gate_verdicts") == 1.0
+
+    async def bounded() -> None:
+        await asyncio.wait_for(body(), 90.0)
+
+    asyncio.run(bounded())
+
+
+def test_a_cross_version_split_waits_for_a_passing_cross_engine_verdict(
+        tmp_path: Path, fleets: list[Fleet]) -> None:
+    specs = [ReplicaSpec(name=name, pool=POOL, model=MODEL,
+                         root=model_dir(tmp_path / version, version),
+                         enable_prompt_tokens_details=True,
+                         extra_args=("--kv-transfer-s-per-token", "0.00001"))
+             for name, version in (("p0", "v1"), ("d0", "v2"))]
+    fleet = start_fleet(specs, timeout_s=120.0)
+    fleets.append(fleet)
+    verdicts = tmp_path / "verdicts.json"
+    replicas = [{"name": r.name, "url": r.url, "kv_events": r.kv_events, "role": role}
+                for r, role in zip(fleet.replicas, ("prefill", "decode"), strict=True)]
+    cfg = parse_config({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {POOL: {"model": MODEL, "replicas": replicas,
+                         "disaggregation": {"mode": "always"}}},
+        "routes": {ROUTE: {"pools": [POOL]}},
+        "gate": {"verdicts": str(verdicts)},
+        "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 0.5,
+                      "models_interval_s": 0.2, "timeout_s": 1.0},
+        "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 10.0},
+        "log_level": "warning",
+    }, env={})
+    rng = random.Random(9)
+
+    async def turn(http: aiohttp.ClientSession, url: str) -> tuple[str | None, int]:
+        """(the prefill replica header, the decode engine's cached prompt tokens)."""
+        content = " ".join(f"w{rng.getrandbits(40):x}" for _ in range(300))
+        body = {"model": ROUTE, "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4}
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            data = await resp.json()
+            assert resp.status == 200, data
+            return (resp.headers.get("x-kvroute-prefill-replica"),
+                    int(data["usage"]["prompt_tokens_details"]["cached_tokens"]))
+
+    async def body() -> None:
+        async with RouterRuntime(cfg, env={}) as rt, aiohttp.ClientSession() as http:
+            def metric(name: str, labels: dict[str, str]) -> float:
+                value = rt.metrics.value(name, labels)
+                return 0.0 if value is None else value
+
+            refused = {"path": PD_PATH, "reason": "none"}
+            await wait_for(lambda: {rt.core.versions.version(ReplicaId(n))
+                                    for n in ("p0", "d0")} == {"v:v1", "v:v2"}, "versions")
+            prefill, cached = await turn(http, rt.url)
+            assert prefill is None and cached == 0  # colocated: d0 computed the prompt
+            assert metric("kvroute_gate_refusals_total", refused) == 1.0
+            assert metric("kvroute_recompute_tokens_total",
+                          {"route": ROUTE, "scenario": "gate"}) > 0
+
+            old = rt.core.versions.identity_of("v:v1")
+            new = rt.core.versions.identity_of("v:v2")
+            assert old is not None and new is not None
+            key = PairKey(new.version, new.tokenizer, old.version, old.tokenizer, PD_PATH)
+            loaded = rt.verdict_file.num_loads if rt.verdict_file is not None else 0
+            save_store(verdicts, VerdictStore([Verdict(key, True, "replay passed")]))
+            await wait_for(lambda: rt.verdict_file is not None
+                           and rt.verdict_file.num_loads > loaded, "the verdict file reloaded")
+            prefill, cached = await turn(http, rt.url)
+            assert prefill == "p0" and cached > 0  # the KV came over from p0's weights
+            assert metric("kvroute_gate_refusals_total", refused) == 1.0
 
     async def bounded() -> None:
         await asyncio.wait_for(body(), 90.0)
