@@ -166,8 +166,8 @@ def salt_version(version: str, versions: ReplicaVersions,
     verdicts and identities.
     """
     order = versions.seen()
-    if version not in order:
-        return version, None
+    if version not in order or order[0] == version:
+        return version, None  # unknown, or the oldest (a fleet on one version: every request)
     running = versions.running()
     classes: list[list[str]] = []  # each class: its members, oldest first; salt = members[0]
     refusal: GateRefusal | None = None
