@@ -40,6 +40,7 @@ from kvroute.core.disagg import ROLES, SPLIT_MODES, DisaggSpec, Role, check_role
 from kvroute.core.errors import ConfigError
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming
 from kvroute.core.peer_policies import POLICY_NAMES, policy_parameters
+from kvroute.core.pseudonyms import MIN_SECRET_BYTES
 from kvroute.core.scenarios import (
     NO_SCENARIOS,
     AbArm,
@@ -81,6 +82,7 @@ __all__ = [
     "expand_dp_ranks",
     "load_config",
     "parse_config",
+    "resolve_cluster_secret",
     "resolve_provider_keys",
     "resolve_secrets",
 ]
@@ -403,6 +405,13 @@ class ClusterConfig:
         router_id: this router's name on the bus; empty: ``<hostname>-<pid>``.
         heartbeat_s: how often a router says it is alive when it has nothing to announce.
         peer_expiry_s: a peer silent this long is gone (its load vanishes).
+        secret_env: the environment variable holding the cluster secret (the default
+            ``KVROUTE_CLUSTER_SECRET``): the key of the pseudonyms that replace tenant,
+            session and request ids on the bus and in Redis (``core/pseudonyms.py``). The
+            same on every router of the fleet; required with ``bus: nats`` or
+            ``state.backend: redis`` (``resolve_secrets``).
+        secret: the secret written in the file instead (``secret_env`` is then not read);
+            never shown (``repr``) nor logged. Prefer the environment.
     """
 
     bus: Literal["none", "nats"] = "none"
@@ -411,6 +420,8 @@ class ClusterConfig:
     router_id: str = ""
     heartbeat_s: float = 0.5
     peer_expiry_s: float = 3.0
+    secret_env: str = "KVROUTE_CLUSTER_SECRET"
+    secret: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1241,7 +1252,7 @@ _SUBJECT_TOKEN: Final = re.compile(r"[A-Za-z0-9_-]+")
 def _cluster(data: Any) -> ClusterConfig:
     d = _mapping("cluster", data, '{bus: nats, url: "nats://127.0.0.1:4222"}')
     _check_keys("cluster", d, ("bus", "url", "subject", "router_id", "heartbeat_s",
-                               "peer_expiry_s"))
+                               "peer_expiry_s", "secret_env", "secret"))
     base = ClusterConfig()
     bus = d.get("bus", "none")
     if bus not in ("none", "nats"):
@@ -1275,8 +1286,19 @@ def _cluster(data: Any) -> ClusterConfig:
                     f"must be at least twice heartbeat_s ({heartbeat_s})",
                     "Otherwise one late heartbeat drops a live peer's load; raise peer_expiry_s "
                     "or lower heartbeat_s.")
+    secret_env = _env_name("cluster.secret_env", d.get("secret_env", base.secret_env))
+    secret = d.get("secret")
+    if secret is not None and not (isinstance(secret, str)
+                                   and len(secret.encode("utf-8")) >= MIN_SECRET_BYTES):
+        # the value itself is never echoed: it may be a real secret with a typo
+        raise ConfigError(
+            f"cluster.secret: must be a string of at least {MIN_SECRET_BYTES} bytes (got a "
+            f"{type(secret).__name__} that is not). Prefer the environment: remove secret and "
+            f"export {secret_env} with a long random value, e.g. from "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`.")
     return ClusterConfig(bus=bus, url=url, subject=subject, router_id=router_id,
-                         heartbeat_s=heartbeat_s, peer_expiry_s=expiry_s)
+                         heartbeat_s=heartbeat_s, peer_expiry_s=expiry_s,
+                         secret_env=secret_env, secret=secret)
 
 
 def _env_name(key: str, value: Any) -> str:
@@ -1643,6 +1665,10 @@ class Secrets:
     provider_keys: Mapping[PoolName, str] = field(
         repr=False, default_factory=lambda: MappingProxyType({}))
     """External pools' API keys (``pools.<name>.external.api_key_env``), by pool."""
+    cluster_secret: str | None = field(repr=False, default=None)
+    """The key of the fleet's pseudonyms (``cluster.secret`` or ``cluster.secret_env``);
+    None when the config shares nothing (``cluster.bus: none``, ``state.backend: memory``)
+    and sets none."""
 
 
 def derive_cache_salt(secret: str, tenant: str) -> str:
@@ -1703,7 +1729,45 @@ def resolve_secrets(config: RouterConfig, env: Mapping[str, str] | None = None) 
                 "must differ from every tenant key."
             )
     return Secrets(api_keys=api_keys, admin_key=admin_key, cache_salts=salts,
-                   provider_keys=resolve_provider_keys(config, env))
+                   provider_keys=resolve_provider_keys(config, env),
+                   cluster_secret=resolve_cluster_secret(config, env))
+
+
+def resolve_cluster_secret(config: RouterConfig,
+                           env: Mapping[str, str] | None = None) -> str | None:
+    """The cluster secret: ``cluster.secret``, else ``cluster.secret_env``'s value.
+
+    Required when routers share state where others can read it (``cluster.bus: nats``,
+    ``state.backend: redis``): tenant, session and request ids go there only as keyed
+    pseudonyms (``core/pseudonyms.py``). Otherwise None unless one is set anyway.
+
+    Raises:
+        ConfigError: it is required and unset, or shorter than ``MIN_SECRET_BYTES`` (the
+            message says how to set it and never holds the value).
+    """
+    env = os.environ if env is None else env
+    cluster = config.cluster
+    secret = cluster.secret if cluster.secret is not None else env.get(cluster.secret_env, "")
+    needed = [why for why, on in (("cluster.bus is nats", cluster.bus == "nats"),
+                                  ("state.backend is redis", config.state.backend == "redis"))
+              if on]
+    if not secret:
+        if not needed:
+            return None
+        raise ConfigError(
+            f"{' and '.join(needed)}, so this router shares tenant and session state with "
+            f"other routers, but no cluster secret is set: {cluster.secret_env} "
+            "(cluster.secret_env) is unset or empty. Export a long random value, the same on "
+            "every router of the fleet, e.g. "
+            f"export {cluster.secret_env}=$(python -c 'import secrets; "
+            "print(secrets.token_hex(32))'); or write cluster.secret in the file. Tenant and "
+            "session ids then leave the router only as keyed pseudonyms.")
+    if len(secret.encode("utf-8")) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"cluster secret ({cluster.secret_env}) has {len(secret.encode('utf-8'))} bytes; "
+            f"it needs at least {MIN_SECRET_BYTES}. Use a long random value, e.g. "
+            "python -c 'import secrets; print(secrets.token_hex(32))'.")
+    return secret
 
 
 def resolve_provider_keys(config: RouterConfig,

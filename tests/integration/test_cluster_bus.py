@@ -30,6 +30,8 @@ pytestmark = pytest.mark.integration
 
 POOL = PoolName("p")
 PROMPT = list(range(100, 420))
+TENANT = TenantName("t")
+SECRET = "cluster-secret-for-tests-" + "0" * 16
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +57,11 @@ def config(subject: str, router_id: str, url: str = NATS_URL) -> ClusterConfig:
                          heartbeat_s=0.1, peer_expiry_s=0.5)
 
 
+def share(cluster: ClusterConfig, core: RouterCore, secret: str = SECRET) -> ClusterSharing:
+    """A router's cluster side around ``core``, knowing the one tenant ``TENANT``."""
+    return ClusterSharing(cluster, core, clock=MonotonicClock(), secret=secret, tenants=[TENANT])
+
+
 async def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not predicate():
@@ -71,8 +78,8 @@ def test_a_placement_reaches_the_peer_and_its_end_releases_the_load() -> None:
     async def main() -> None:
         subject = f"kvroute.test.{secrets.token_hex(4)}"
         a_core, b_core = make_core(1), make_core(2)
-        a = ClusterSharing(config(subject, "a"), a_core, clock=MonotonicClock())
-        b = ClusterSharing(config(subject, "b"), b_core, clock=MonotonicClock())
+        a = share(config(subject, "a"), a_core)
+        b = share(config(subject, "b"), b_core)
         await a.start()
         await b.start()
         try:
@@ -103,8 +110,8 @@ def test_a_router_that_goes_silent_is_expired_with_its_load() -> None:
     async def main() -> None:
         subject = f"kvroute.test.{secrets.token_hex(4)}"
         a_core, b_core = make_core(1), make_core(2)
-        a = ClusterSharing(config(subject, "a"), a_core, clock=MonotonicClock())
-        b = ClusterSharing(config(subject, "b"), b_core, clock=MonotonicClock())
+        a = share(config(subject, "a"), a_core)
+        b = share(config(subject, "b"), b_core)
         await a.start()
         await b.start()
         try:
@@ -133,8 +140,7 @@ def test_no_nats_at_start_is_logged_and_routing_goes_on(caplog: pytest.LogCaptur
             probe.bind(("127.0.0.1", 0))
             url = f"nats://127.0.0.1:{probe.getsockname()[1]}"
         core = make_core(1)
-        sharing = ClusterSharing(config("kvroute.test.none", "a", url), core,
-                                 clock=MonotonicClock())
+        sharing = share(config("kvroute.test.none", "a", url), core)
         await sharing.start(wait_s=0.5)
         try:
             assert core.route(request("x", PROMPT)).replica  # routing is not held up
@@ -153,7 +159,7 @@ def test_garbage_on_the_subject_is_counted_and_logged(caplog: pytest.LogCaptureF
     async def main() -> None:
         subject = f"kvroute.test.{secrets.token_hex(4)}"
         core = make_core(1)
-        sharing = ClusterSharing(config(subject, "a"), core, clock=MonotonicClock())
+        sharing = share(config(subject, "a"), core)
         await sharing.start()
         other = NatsBus(NATS_URL, subject, lambda data: None, name="kvroute-test-garbage")
         await other.start(wait_s=5.0)
@@ -167,3 +173,63 @@ def test_garbage_on_the_subject_is_counted_and_logged(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.ERROR, logger="kvroute.shell.cluster"):
         run(main())
     assert any("not a kvroute peer batch" in r.getMessage() for r in caplog.records)
+
+
+def test_the_bus_carries_no_tenant_session_or_request_id() -> None:
+    """A subscriber on the real subject without the secret reads no tenant, session or
+    request id; a router with the secret still places the sibling on the predicted prefix
+    and knows the peer's session for its own; one with another secret learns neither."""
+    tenant, session, rid = TenantName("tenant-acme-7f3"), "session-alice-42", "request-own-99"
+
+    def ask(core: RouterCore, request_id: str, tail: int, session_id: str) -> Any:
+        tokens = PROMPT + [tail]
+        return core.route(RouteRequest(
+            RequestId(request_id), POOL, TenantScope(tenant), num_prompt_tokens=len(tokens),
+            prompt_token_ids=tokens, expected_output_tokens=16, session_id=session_id))
+
+    async def main() -> None:
+        subject = f"kvroute.test.{secrets.token_hex(4)}"
+        raw: list[bytes] = []
+        spy = NatsBus(NATS_URL, subject, raw.append, name="kvroute-test-spy")
+        await spy.start(wait_s=5.0)
+        a_core, b_core, c_core = make_core(1), make_core(2), make_core(3)
+        a = ClusterSharing(config(subject, "a"), a_core, clock=MonotonicClock(), secret=SECRET,
+                           tenants=[tenant])
+        b = ClusterSharing(config(subject, "b"), b_core, clock=MonotonicClock(), secret=SECRET,
+                           tenants=[tenant])
+        c = ClusterSharing(config(subject, "c"), c_core, clock=MonotonicClock(),
+                           secret="another-fleet-secret-0123456789", tenants=[tenant])
+        for router in (a, b, c):
+            await router.start()
+        try:
+            await wait_for(lambda: "a" in b.view.peers() and "a" in c.view.peers(),
+                           "b and c to hear a")
+            first = ask(a_core, rid, 1, session)
+            await wait_for(lambda: b.view.in_flight("a") == 1 and c.view.in_flight("a") == 1,
+                           "the placement at b and c")
+            sibling = ask(b_core, "b-1", 2, "session-bob-1")
+            assert (sibling.replica, sibling.expected_cached_tokens) == (first.replica,
+                                                                          len(PROMPT))
+            stranger = ask(c_core, "c-1", 2, "session-carol-1")
+            assert stranger.expected_cached_tokens == 0 and c.num_unknown_tenant == 1
+            a_core.on_complete(first.replica, RequestId(rid), output_tokens=16)
+            await wait_for(lambda: b.view.in_flight("a") == 0 and c.view.in_flight("a") == 0,
+                           "the end at b and c")
+            # The session rests on a's replica in b's view, under the key b gives it too.
+            key = f"{tenant}\x1f{session}"
+            at_b = b_core.load.snapshot(first.replica, None, b.names.session(key))
+            assert (b_core.load.snapshot(first.replica).resting_sessions,
+                    at_b.resting_sessions) == (1, 0)
+            at_c = c_core.load.snapshot(first.replica, None, c.names.session(key))
+            assert at_c.resting_sessions == 1  # another secret: not recognised
+            await wait_for(lambda: len(raw) >= 3, "the spy to read the announcements")
+        finally:
+            for router in (a, b, c):
+                await router.stop()
+            await spy.close()
+        seen = b"".join(raw)
+        assert a.names.tenant(tenant).encode() in seen  # the spy did read the placement
+        for clear in (tenant, session, rid, "session-bob-1", "b-1"):
+            assert clear.encode() not in seen, f"{clear!r} on the bus in clear"
+
+    run(main())

@@ -66,7 +66,8 @@ def config(fleet: Fleet, nats_url: str, subject: str, router_id: str) -> RouterC
                       "models_interval_s": 5, "timeout_s": 1.0},
         "timeouts": {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 10.0},
         "cluster": {"bus": "nats", "url": nats_url, "subject": subject,
-                    "router_id": router_id, "heartbeat_s": 0.1, "peer_expiry_s": 0.5},
+                    "router_id": router_id, "heartbeat_s": 0.1, "peer_expiry_s": 0.5,
+                    "secret": "cluster-secret-for-tests-" + "0" * 16},
         "log_level": "warning",
     }, env={})
 

@@ -694,7 +694,8 @@ def test_redis_stopped_and_started_under_traffic_fails_no_request(
         await wait_for(lambda: pins() == 3, what="pins written to the restarted Redis")
 
     async def main() -> None:
-        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as session:
+        env = {"KVROUTE_CLUSTER_SECRET": "cluster-secret-for-tests-" + "0" * 16}
+        async with RouterRuntime(config, env=env) as rt, aiohttp.ClientSession() as session:
             await body(rt, session)
 
     try:

@@ -20,7 +20,7 @@ from required import skip_unless_required
 
 from kvroute.bench.processes import free_port
 from kvroute.config import parse_config
-from kvroute.core.session import SessionRecord, SessionUsage
+from kvroute.core.session import SessionRecord, SessionUsage, session_key
 from kvroute.core.types import ReplicaId
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.state import RedisState, build_state
@@ -237,5 +237,43 @@ def test_a_whole_session_record_is_shared_and_a_foreign_value_reads_as_none() ->
                 await raw.aclose()
             assert await b.get_session(key) is None
             assert b.available  # a value it cannot read is not an outage
+
+    run(go)
+
+
+@needs_redis
+def test_keys_are_pseudonyms_shared_only_by_routers_with_the_secret() -> None:
+    """With the cluster secret, no Redis key or value holds the tenant, route or session id;
+    two routers with the secret share the record and the warm claim, one with another
+    secret sees neither."""
+    namespace = f"test-{uuid.uuid4().hex}"
+    tenant, route, session = "tenant-acme-7f3", "route-chat", "session-alice-42"
+    key = session_key(tenant, route, session)
+    secret = "cluster-secret-for-tests-" + "0" * 16
+
+    async def go() -> None:
+        a, b, c = (RedisState.from_url(REDIS_URL, namespace=namespace, timeout_s=1.0,
+                                       secret=s)
+                   for s in (secret, secret, "another-fleet-secret-0123456789"))
+        admin = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            await set_pin(a, key, "r3", ttl_s=30)
+            assert await a.try_start_warm(key, cooldown_s=30)
+            assert await get_pin(b, key) == "r3"
+            assert not await b.try_start_warm(key, cooldown_s=30)
+            assert await get_pin(c, key) is None
+            assert await c.try_start_warm(key, cooldown_s=30)
+            keys = [k async for k in admin.scan_iter(match=f"{namespace}:*", count=100)]
+            assert len(keys) == 3
+            stored = b"".join(keys) + b"".join([await admin.get(k) or b"" for k in keys])
+            for clear in (tenant, route, session):
+                assert clear.encode() not in stored, f"{clear!r} in Redis in clear"
+        finally:
+            keys = [k async for k in admin.scan_iter(match=f"{namespace}:*", count=100)]
+            if keys:
+                await admin.delete(*keys)
+            await admin.aclose()
+            for state in (a, b, c):
+                await state.close()
 
     run(go)

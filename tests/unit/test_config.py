@@ -357,3 +357,39 @@ def test_cluster_sharing_is_off_by_default_and_takes_a_nats_url() -> None:
 def test_bad_cluster_settings_name_the_key_and_the_fix(cluster: dict[str, Any],
                                                        expected: str) -> None:
     assert expected in error_of(with_("cluster", cluster))
+
+
+NATS_CLUSTER = {"bus": "nats", "url": "nats://127.0.0.1:4222"}
+REDIS_STATE = {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}
+GOOD_SECRET = "a-long-random-cluster-secret-0123456789"
+
+
+def secret_error(data: dict[str, Any], env: dict[str, str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        resolve_secrets(parse_config(data, env={}), env)
+    return str(info.value)
+
+
+def test_a_cluster_needs_its_secret_and_the_error_says_how_to_set_it() -> None:
+    """Routers sharing state over NATS or Redis refuse to start without the cluster secret
+    (tenant and session ids go there only as keyed pseudonyms); the secret is never shown."""
+    message = secret_error(with_("cluster", NATS_CLUSTER), {})
+    for fragment in ("cluster.bus is nats", "KVROUTE_CLUSTER_SECRET", "cluster.secret_env",
+                     "the same on every router", "token_hex", "cluster.secret"):
+        assert fragment in message
+    assert "state.backend is redis" in secret_error(with_("state", REDIS_STATE), {})
+    named = with_("cluster", {**NATS_CLUSTER, "secret_env": "FLEET_SECRET"})
+    assert "FLEET_SECRET" in secret_error(named, {"KVROUTE_CLUSTER_SECRET": GOOD_SECRET})
+    short = "short-secret"
+    message = secret_error(with_("cluster", NATS_CLUSTER), {"KVROUTE_CLUSTER_SECRET": short})
+    assert "at least 16" in message and short not in message
+    assert "at least 16" in error_of(with_("cluster", {**NATS_CLUSTER, "secret": short}))
+    assert short not in error_of(with_("cluster", {**NATS_CLUSTER, "secret": short}))
+    # set: from the environment, from the file; shown by no repr
+    secrets = resolve_secrets(parse_config(named, env={}), {"FLEET_SECRET": GOOD_SECRET})
+    assert secrets.cluster_secret == GOOD_SECRET and GOOD_SECRET not in repr(secrets)
+    inline = parse_config(with_("cluster", {**NATS_CLUSTER, "secret": GOOD_SECRET}), env={})
+    assert GOOD_SECRET not in repr(inline)
+    assert resolve_secrets(inline, {}).cluster_secret == GOOD_SECRET
+    # one router sharing nothing needs none
+    assert resolve_secrets(parse_config(MINIMAL, env={}), {}).cluster_secret is None

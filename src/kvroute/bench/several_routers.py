@@ -42,6 +42,7 @@ import itertools
 import json
 import os
 import random
+import secrets
 import signal
 import time
 import urllib.request
@@ -329,8 +330,11 @@ def start_routers(n: int, engines: Sequence[ReplicaHandle], *, work_dir: Path,
                   redis_url: str, nats_url: str | None, namespace: str,
                   model: str = "sim-model", extra: str = "") -> list[RunningRouter]:
     """``n`` ``kvroute serve`` processes in front of ``engines``: session records in Redis
-    under ``namespace``; with ``nats_url``, sharing placements on subject ``namespace``."""
+    under ``namespace``; with ``nats_url``, sharing placements on subject ``namespace``.
+    The routers share a cluster secret drawn for this call (written in their config files,
+    which live in ``work_dir``: a benchmark's throwaway fleet)."""
     routers: list[RunningRouter] = []
+    secret = json.dumps(secrets.token_hex(32))
     try:
         for i in range(n):
             lines = [(f"state: {{backend: redis, url: {json.dumps(redis_url)}, "
@@ -338,7 +342,9 @@ def start_routers(n: int, engines: Sequence[ReplicaHandle], *, work_dir: Path,
             if nats_url is not None:
                 lines.append(f"cluster: {{bus: nats, url: {json.dumps(nats_url)}, "
                              f"subject: {namespace}, router_id: r{i}, heartbeat_s: 0.25, "
-                             "peer_expiry_s: 1.0}")
+                             f"peer_expiry_s: 1.0, secret: {secret}}}")
+            else:
+                lines.append(f"cluster: {{secret: {secret}}}")
             routers.append(start_router(
                 RouterSpec(f"{namespace}-r{i}", "kvroute", "kvroute"), engines,
                 work_dir=work_dir, model=model, seed=i,

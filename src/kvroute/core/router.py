@@ -54,6 +54,7 @@ from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
 from kvroute.core.model_identity import ModelIdentity
 from kvroute.core.peers import Announcement, Done, FirstToken, Placed
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
+from kvroute.core.pseudonyms import Pseudonyms
 from kvroute.core.recency import BlockRecency
 from kvroute.core.types import PoolName, ReplicaId, RequestId, WireHash
 from kvroute.core.verdict_book import PD_PATH, GateRefusal, VerdictBook
@@ -268,6 +269,10 @@ class RouterCore:
         self.announce: Callable[[Announcement], None] | None = None
         """Told of every placement, first token and end (``core/peers.py``), when several
         routers share their fresh placements (the shell sets it; None: one router)."""
+        self.session_names: Pseudonyms | None = None
+        """Set when several routers share sessions (``core/pseudonyms.py``): the load
+        tracker's session keys are then keyed pseudonyms, equal on every router holding the
+        cluster secret, so the key a ``Placed`` announcement carries names no one in clear."""
         for spec in pools:
             if spec.name in self._pools:
                 raise ConfigError(f"pool {spec.name!r} is defined twice; pool names must be unique")
@@ -837,13 +842,14 @@ class RouterCore:
                 request.predicted_output_tokens, session, tenant,
                 written if tenant is not None else (), decision.approximate))
 
-    @staticmethod
-    def _session_key(request: RouteRequest) -> str | None:
+    def _session_key(self, request: RouteRequest) -> str | None:
         """The load tracker's key for ``request``'s session (None: no session). Two tenants'
-        sessions of one id are two sessions."""
+        sessions of one id are two sessions. A pseudonym when ``session_names`` is set."""
         if request.session_id is None:
             return None
-        return f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}"
+        key = f"{getattr(request.scope, 'tenant', '')}\x1f{request.session_id}"
+        names = self.session_names
+        return key if names is None else names.session(key)
 
     def _pool(self, name: PoolName) -> _Pool:
         entry = self._pools.get(name)

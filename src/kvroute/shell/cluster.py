@@ -24,6 +24,16 @@ announcements are dropped and counted (``dropped``), its peers' load expires aft
 Tested with a private ``nats-server`` started late and SIGKILLed mid-traffic
 (``tests/integration/test_cluster_outage.py``, docs/reliability.md).
 
+What goes on the subject names no tenant, session or request in clear: each is a keyed
+BLAKE2b pseudonym under the cluster secret (``core/pseudonyms.py``; ``cluster.secret`` or
+``cluster.secret_env``, required with ``bus: nats``). The core itself keys its sessions by
+their pseudonyms (``RouterCore.session_names``), so a peer's session and the same session
+arriving here are one key; a tenant's pseudonym is mapped back to one of the configured
+tenants on arrival (one it cannot map, e.g. from a router with another secret or tenants,
+writes no predicted entries and is counted in ``unknown_tenant``). A subscriber without the
+secret sees replica names, sizes and block hashes, never who sent what
+(``tests/integration/test_cluster_bus.py::test_the_bus_carries_no_tenant_session_or_request_id``).
+
 Ordering: NATS keeps one publisher's messages in order on one connection, so a request's
 ``Placed``, ``FirstToken`` and ``Done`` arrive in that order. A batch lost in a reconnect is
 counted (``seq`` gaps) and can leave a peer request counted after it ended, until that peer
@@ -38,12 +48,16 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from kvroute.config import ClusterConfig
 from kvroute.core.clock import Clock
-from kvroute.core.peers import Announcement, PeerView
+from kvroute.core.peers import Announcement, Done, FirstToken, PeerView, Placed
+from kvroute.core.pseudonyms import Pseudonyms
 from kvroute.core.router import RouterCore
+from kvroute.core.types import TenantName
 from kvroute.shell.nats_bus import NatsBus
 from kvroute.wire.peer_announcements import PeerMessageError, decode_batch, encode_batch
 
@@ -64,14 +78,19 @@ class ClusterSharing:
         config: the ``cluster`` section (``bus: nats``).
         core: the local router core (announces through it; peers merge into it).
         clock: the core's clock (arrival times and expiry).
+        secret: the cluster secret (``Secrets.cluster_secret``): the pseudonyms' key.
+        tenants: the configured tenants (a peer's tenant pseudonym maps back to one of them).
     """
 
-    def __init__(self, config: ClusterConfig, core: RouterCore, *, clock: Clock) -> None:
+    def __init__(self, config: ClusterConfig, core: RouterCore, *, clock: Clock, secret: str,
+                 tenants: Iterable[TenantName]) -> None:
         if config.bus != "nats" or not config.url:
             raise ValueError(f"ClusterSharing needs cluster.bus: nats with a url, got {config!r}")
         self.config = config
         self.router_id = config.router_id or default_router_id()
+        self.names = Pseudonyms(secret, tenants)
         self.core = core
+        core.session_names = self.names
         self.view = PeerView(core, clock=clock, expiry_s=config.peer_expiry_s)
         self.bus = NatsBus(config.url, config.subject, self._on_message,
                            name=f"kvroute-{self.router_id}")
@@ -82,6 +101,8 @@ class ClusterSharing:
         self._last_seq: dict[str, int] = {}
         self.num_gaps = 0
         self.num_bad = 0
+        self.num_unknown_tenant = 0
+        """Peers' placements whose tenant pseudonym names no tenant configured here."""
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, *, wait_s: float = 2.0) -> None:
@@ -133,6 +154,7 @@ class ClusterSharing:
             "expired_requests": stats.num_expired_requests,
             "gaps": self.num_gaps,
             "bad": self.num_bad,
+            "unknown_tenant": self.num_unknown_tenant,
         }
 
     # -- sending ------------------------------------------------------------------------------
@@ -152,7 +174,37 @@ class ClusterSharing:
             items, self._outbox = self._outbox, []
             if items:
                 self._sent_since_beat = True
-                await self.bus.publish(encode_batch(self.router_id, self._next_seq(), items))
+                await self.bus.publish(encode_batch(self.router_id, self._next_seq(),
+                                                    [self._conceal(item) for item in items]))
+
+    def _conceal(self, item: Announcement) -> Announcement:
+        """``item`` as it goes on the bus: its request id and tenant as pseudonyms (its
+        session key is one already: ``RouterCore.session_names``)."""
+        rid = self.names.request(item.request_id)
+        if type(item) is Placed:
+            tenant = None if item.tenant is None else TenantName(self.names.tenant(item.tenant))
+            return replace(item, request_id=rid, tenant=tenant)
+        if type(item) is FirstToken:
+            return FirstToken(rid, item.replica)
+        assert type(item) is Done
+        return Done(rid, item.replica, item.output_tokens)
+
+    def _reveal(self, items: list[Announcement]) -> list[Announcement]:
+        """A peer's announcements with tenant pseudonyms mapped back to tenant names."""
+        out: list[Announcement] = []
+        for item in items:
+            if type(item) is Placed and item.tenant is not None:
+                tenant = self.names.tenant_of(item.tenant)
+                if tenant is None:
+                    self.num_unknown_tenant += 1
+                    if self.num_unknown_tenant == 1:
+                        log.warning("cluster: a peer's placement names a tenant unknown here; "
+                                    "do all routers share the cluster secret and the tenants?")
+                    item = replace(item, tenant=None, hashes=())
+                else:
+                    item = replace(item, tenant=tenant)
+            out.append(item)
+        return out
 
     async def _heartbeat(self) -> None:
         while True:
@@ -193,4 +245,4 @@ class ClusterSharing:
             self._last_seq.pop(peer, None)
             log.info("cluster: peer %s left", peer)
             return
-        self.view.apply(peer, batch.announcements())
+        self.view.apply(peer, self._reveal(batch.announcements()))

@@ -50,7 +50,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from kvroute.config import ReplicaConfig, RouterConfig, resolve_secrets
+from kvroute.config import DEFAULT_TENANT, ReplicaConfig, RouterConfig, resolve_secrets
 from kvroute.core.block_census import BlockCensus
 from kvroute.core.clock import Clock
 from kvroute.core.errors import ConfigError
@@ -229,9 +229,12 @@ class RouterRuntime(Service):
             self.members = KubernetesMembers(config, self.core, self.discovery, self.session,
                                              hook=self, env=self._env)
             await self.members.start()
-        self.state = build_state(config, metrics=self.metrics)
+        self.state = build_state(config, metrics=self.metrics, secret=secrets.cluster_secret)
         if config.cluster.bus == "nats":
-            self.cluster = ClusterSharing(config.cluster, self.core, clock=self.clock)
+            assert secrets.cluster_secret is not None, "resolve_secrets requires it with nats"
+            self.cluster = ClusterSharing(
+                config.cluster, self.core, clock=self.clock, secret=secrets.cluster_secret,
+                tenants=[t.name for t in config.tenants] or [DEFAULT_TENANT])
             await self.cluster.start()
         self.tokenizers = build_tokenizers(config, self.discovery, self.engine_client, self.metrics)
         self._start_tokenizer_checks()

@@ -37,6 +37,7 @@ from redis.retry import Retry
 from kvroute.config import RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.errors import ConfigError
+from kvroute.core.pseudonyms import Pseudonyms
 from kvroute.core.session import SessionRecord, SessionTable, SessionUsage
 from kvroute.core.types import ReplicaId
 from kvroute.shell.metrics import RouterMetrics
@@ -175,6 +176,14 @@ class RedisState:
     cooldown). The namespace defaults to ``kvroute``; several fleets can share one Redis with
     different namespaces.
 
+    With ``secret`` (the cluster secret; ``kvroute serve`` always has one, ``resolve_secrets``
+    refuses to start Redis state without it), ``<key>`` is the keyed pseudonym of the session
+    key (``core/pseudonyms.Pseudonyms.state_key``), not the key itself: the session key holds
+    the tenant, route and session id, and whoever can list the Redis keys must learn none of
+    them. Every router with the same secret derives the same Redis key. The values hold no
+    tenant or session id (a replica, a tier, token counts, a version, an arm). Without a
+    secret (code and tests building ``RedisState`` directly) the key is the session key.
+
     Every call is bounded by ``timeout_s`` (socket timeouts plus an overall
     ``asyncio.timeout``) and redis-py's own retries are off: a retry loop against a dead server
     would hold the request far longer than the pin is worth. Failures degrade (see the module
@@ -186,6 +195,7 @@ class RedisState:
         timeout_s: bound on each call.
         metrics: where failures are counted (``state_errors_total{backend="redis"}``).
         owns_client: close the client in ``close()``.
+        secret: the cluster secret: keys are pseudonyms under it (None: keys in clear).
     """
 
     def __init__(
@@ -196,6 +206,7 @@ class RedisState:
         timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
         metrics: RouterMetrics | None = None,
         owns_client: bool = True,
+        secret: str | None = None,
     ) -> None:
         _check_duration("timeout_s", timeout_s)
         namespace = namespace.removesuffix(":")
@@ -209,6 +220,7 @@ class RedisState:
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._owns_client = owns_client
+        self._names = None if secret is None else Pseudonyms(secret)
         self.available = True
         self.num_errors = 0
 
@@ -220,6 +232,7 @@ class RedisState:
         namespace: str = "kvroute",
         timeout_s: float = DEFAULT_REDIS_TIMEOUT_S,
         metrics: RouterMetrics | None = None,
+        secret: str | None = None,
     ) -> RedisState:
         """Connect lazily to ``url`` (``redis://host:port/db``); nothing is sent until used.
 
@@ -238,13 +251,20 @@ class RedisState:
             raise ConfigError(
                 f"state.url {url!r} is not a Redis URL ({exc}); use e.g. redis://127.0.0.1:6379/0"
             ) from exc
-        return cls(client, namespace=namespace, timeout_s=timeout_s, metrics=metrics)
+        return cls(client, namespace=namespace, timeout_s=timeout_s, metrics=metrics,
+                   secret=secret)
+
+    def _hidden(self, key: str) -> str:
+        names = self._names
+        return key if names is None else names.state_key(key)
 
     def session_key(self, key: str) -> str:
-        return f"{self._prefix}session:{key}"
+        """The Redis key of ``key``'s session record."""
+        return f"{self._prefix}session:{self._hidden(key)}"
 
     def warm_key(self, key: str) -> str:
-        return f"{self._prefix}warm:{key}"
+        """The Redis key of ``key``'s warm cooldown."""
+        return f"{self._prefix}warm:{self._hidden(key)}"
 
     async def get_session(self, key: str) -> SessionRecord | None:
         ok, value = await self._call("get_session", self._client.get(self.session_key(key)))
@@ -353,12 +373,14 @@ def _setting(section: object, name: str, default: Any) -> Any:
 
 
 def build_state(
-    config: RouterConfig, *, metrics: RouterMetrics | None = None, clock: Clock | None = None
+    config: RouterConfig, *, metrics: RouterMetrics | None = None, clock: Clock | None = None,
+    secret: str | None = None,
 ) -> SessionState:
     """The state backend ``config.state`` asks for.
 
     ``memory``: session records bounded by ``state.max_pins``, warm cooldowns by ``state.max_warm``.
-    ``redis``: ``state.url``, keys under ``state.namespace``, ``state.timeout_s`` per call.
+    ``redis``: ``state.url``, keys under ``state.namespace`` (pseudonyms under ``secret``,
+    the cluster secret, when given), ``state.timeout_s`` per call.
 
     Raises:
         ConfigError: unknown backend, or ``redis`` without a URL (``parse_config`` already
@@ -382,6 +404,7 @@ def build_state(
             namespace=str(_setting(state_cfg, "namespace", "kvroute")),
             timeout_s=float(_setting(state_cfg, "timeout_s", DEFAULT_REDIS_TIMEOUT_S)),
             metrics=metrics,
+            secret=secret,
         )
     raise ConfigError(
         f"state.backend {state_cfg.backend!r} is not known; use 'memory' (one router) or "
