@@ -40,6 +40,8 @@ from kvroute.core.index import AdminCapability
 from kvroute.core.types import ReplicaId
 from kvroute.shell.kv_relay import StandaloneRelay
 from kvroute.shell.kv_stream import KvStream
+from kvroute.shell.kv_stream_reader import rebuild
+from kvroute.shell.kv_stream_relay import KvStreamRelay
 from kvroute.shell.runtime import RouterRuntime
 from kvroute.sim.kv_publisher import KVEventPublisher
 from kvroute.sim.launcher import inprocess_fleet
@@ -324,12 +326,12 @@ def test_the_relay_command_relays_until_sigterm(nats_reachable: None, tmp_path: 
                     for _ in range(100):  # until the relay has joined and written the probe
                         engine.publish(1)
                         await asyncio.sleep(0.05)
-                        position = await reader.rebuild(REPLICA, None, None, census=True)
+                        position = await rebuild(reader, REPLICA, None, None, census=True)
                         if position.last_seq == engine.next_seq - 1:
                             break
                     engine.publish(300)
                     for _ in range(100):
-                        position = await reader.rebuild(REPLICA, None, None, census=True)
+                        position = await rebuild(reader, REPLICA, None, None, census=True)
                         if position.last_seq == engine.next_seq - 1:
                             break
                         await asyncio.sleep(0.1)
@@ -372,7 +374,7 @@ def test_a_foreign_message_in_the_stream_ends_the_rebuild_there_with_a_warning(
             kv = await KvStream.open(parsed.kv_stream)
             assert kv is not None
             try:
-                relay = kv.relay()
+                relay = KvStreamRelay(kv)
                 relay.start()
                 for seq in range(5):
                     relay.on_batch(REPLICA, EventBatch(seq, 0.0, (BlockStored((seq + 1,), None,
@@ -382,8 +384,8 @@ def test_a_foreign_message_in_the_stream_ends_the_rebuild_there_with_a_warning(
                 relay.on_batch(REPLICA, EventBatch(5, 0.0, (BlockStored((6,), None, (), 16),)))
                 await relay.idle()
                 await relay.stop()
-                with caplog.at_level(logging.WARNING, logger="kvroute.shell.kv_stream"):
-                    position = await kv.rebuild(REPLICA, None, None, census=True)
+                with caplog.at_level(logging.WARNING, logger="kvroute.shell"):
+                    position = await rebuild(kv, REPLICA, None, None, census=True)
                 assert position.last_seq == 4 and position.census is not None
                 assert position.census.hashes() == {1, 2, 3, 4, 5}
                 assert any("stopped early" in r.getMessage() and "only kvroute's relay" in
@@ -463,7 +465,7 @@ def test_nats_away_at_start_degrades_to_zmq_only(caplog: pytest.LogCaptureFixtur
         engine.pub.start()
         try:
             async with inprocess_fleet([SimServerConfig(kv_events=None)]) as (sim,):
-                with caplog.at_level(logging.WARNING, logger="kvroute.shell.kv_stream"):
+                with caplog.at_level(logging.WARNING, logger="kvroute.shell"):
                     async with RouterRuntime(config(sim, engine, away)) as rt:
                         await live_until_following(engine, [rt])
                         engine.publish(30)
@@ -513,7 +515,7 @@ def test_a_relaying_router_started_while_nats_is_down_relays_once_it_is_up(
                     await wait_for(lambda: rt.kv_stream is not None
                                    and rt.kv_stream.pending() == 0, "acknowledged")
                 nats_server.kill()
-                with caplog.at_level(logging.DEBUG, logger="kvroute.shell.kv_stream"):
+                with caplog.at_level(logging.DEBUG, logger="kvroute.shell"):
                     async with RouterRuntime(config(sim, engine, stream)) as rt:
                         await live_until_following(engine, [rt])
                         engine.publish(200)  # removes a third of what it stores

@@ -1,7 +1,7 @@
 """What one engine holds, counted from its KV events, and written back as one batch.
 
 Owns a count of copies per (block hash, medium) for one replica, nothing else. The KV-event
-relay (``shell/kv_stream.py``) keeps one per engine from the batches it mirrors into the
+relay (``shell/kv_stream_relay.py``) keeps one per engine from the batches it mirrors into the
 durable stream, and publishes ``snapshot`` every so many batches, so that a restarting
 router rebuilds the replica's index from the snapshot plus the stream's tail instead of the
 whole history (bounded catch-up).

@@ -1,14 +1,14 @@
 """A relay process: the engines' KV events into the durable stream, without routing.
 
 Owns one ``EventSubscriber`` per configured replica with ``kv_events`` and the
-``KvStreamRelay`` they feed (``shell/kv_stream.py``), nothing else: no index, no HTTP.
+``KvStreamRelay`` they feed (``shell/kv_stream_relay.py``), nothing else: no index, no HTTP.
 ``kvroute events relay -c kvroute.yaml`` runs it beside the routers, so that the stream keeps
 growing while every router is down: a router restarted after an engine published more than
 its replay buffer then finds the whole history in the stream (docs/architecture.md, "The
 durable KV-event stream"). A router with ``kv_stream.relay: true`` does the same job from
 inside ``kvroute serve``; run one relay per fleet.
 
-Per replica, the relay first reads the replica's history back (``KvStream.rebuild``, census
+Per replica, the relay first reads the replica's history back (``kv_stream_reader.rebuild``, census
 only) to continue its epoch and census, then subscribes resuming after its last batch, so a
 relay restarted within the engine's replay buffer leaves no hole, and one restarted later
 writes a reset (the engine can no longer say what happened meanwhile).
@@ -25,7 +25,9 @@ import logging
 
 from kvroute.config import ReplicaConfig, RouterConfig
 from kvroute.core.errors import ConfigError
-from kvroute.shell.kv_stream import KvStream, KvStreamRelay
+from kvroute.shell.kv_stream import KvStream
+from kvroute.shell.kv_stream_reader import rebuild
+from kvroute.shell.kv_stream_relay import KvStreamRelay
 from kvroute.shell.lifecycle import Service
 from kvroute.shell.zmq_events import EventSubscriber
 
@@ -73,10 +75,10 @@ class StandaloneRelay(Service):
                               "reached (the log says why). Start NATS with JetStream (-js) "
                               "or fix the URL.")
         self.stream = stream
-        self.relay = relay = stream.relay()
+        self.relay = relay = KvStreamRelay(stream)
         relay.start()
         for rep in self.replicas:
-            position = await stream.rebuild(rep.name, None, None, census=True)
+            position = await rebuild(stream, rep.name, None, None, census=True)
             relay.adopt(rep.name, position)
             assert rep.kv_events is not None
             sub = EventSubscriber(

@@ -457,7 +457,7 @@ class RouterMetrics:
 
     def set_kv_stream(self, up: bool, relay: dict[str, int] | None) -> None:
         """The durable KV-event stream's state, and the relay's counters when this router
-        relays (``shell/kv_stream.py``)."""
+        relays (``shell/kv_stream_relay.py``)."""
         self._kv_stream_up.set(1 if up else 0)
         for stat, value in (relay or {}).items():
             self._kv_stream_relay.labels(stat).set(value)

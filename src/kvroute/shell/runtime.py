@@ -67,7 +67,9 @@ from kvroute.shell.discovery import Discovery
 from kvroute.shell.gate_store import GateStoreError
 from kvroute.shell.heap import watch_gc_pauses
 from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
-from kvroute.shell.kv_stream import KvStream, KvStreamRelay, StreamPosition
+from kvroute.shell.kv_stream import KvStream
+from kvroute.shell.kv_stream_reader import StreamPosition, rebuild
+from kvroute.shell.kv_stream_relay import KvStreamRelay
 from kvroute.shell.lifecycle import Service
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, make_client_session, make_engine_client
@@ -340,7 +342,7 @@ class RouterRuntime(Service):
         if stream is not None:
             self.kv_stream = stream
             if config.relay:
-                self.relay = stream.relay()
+                self.relay = KvStreamRelay(stream)
                 self.relay.start()
         else:
             if config.relay:
@@ -367,7 +369,7 @@ class RouterRuntime(Service):
         self.kv_stream = stream
         standby, self._standby = self._standby, None
         if config.relay:
-            relay = self.relay = stream.relay()
+            relay = self.relay = KvStreamRelay(stream)
             for replica, (census, last_seq) in (standby or {}).items():
                 relay.resume(replica, census, last_seq,
                              "relaying resumed after NATS was away: the batches in between "
@@ -386,7 +388,7 @@ class RouterRuntime(Service):
         if stream is not None:
             try:
                 async with self._catch_up_turns:
-                    position = await stream.rebuild(rep.name, self._on_stream_batch,
+                    position = await rebuild(stream, rep.name, self._on_stream_batch,
                                                     self._on_stream_reset,
                                                     census=self.relay is not None)
             except Exception:
