@@ -15,9 +15,11 @@ conclusions drawn from them:
   slots of ``vllm:lora_requests_info`` -> ``RouterCore.set_adapter_slots``;
 * **data-parallel ranks**: the ``engine`` labels of ``/metrics`` give the engine's rank count;
   a replica configured without ``data_parallel_size`` is expanded into its ranks, or folded
-  back, between rounds (``shell/dp_discovery.py``), a membership change like a Kubernetes one;
+  back, between rounds (``shell/dp_discovery.py``: the decision and ``apply_resize``), a
+  membership change like a Kubernetes one;
   a fixed count the engine contradicts is logged;
-* **model identity** (served name, the card's ``root``, and the weights and tokenizer
+* **model identity** (``shell/identity_reads.py``, with the served model, window and
+  adapters of the same cards: served name, the card's ``root``, and the weights and tokenizer
   fingerprints of that directory when it is on this host, ``shell/model_files.py``) ->
   ``RouterCore.set_identity``, read with every ``/v1/models`` and again as soon as a
   replica comes back from a failed probe (a restart may have brought other weights). A
@@ -80,8 +82,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final
 
 import aiohttp
 
@@ -89,16 +90,16 @@ from kvroute.config import PoolConfig, ReplicaConfig, RouterConfig
 from kvroute.core.clock import Clock
 from kvroute.core.health import DEFAULT_HEALTHY_AFTER, HealthTransition, ReplicaHealth
 from kvroute.core.polling import PollIntervals, ProbeSchedule, is_fresh, stagger
-from kvroute.core.router import AdapterSlots, ReplicaSpec, RouterCore
+from kvroute.core.router import AdapterSlots, RouterCore
 from kvroute.core.types import PoolName, ReplicaId
-from kvroute.shell.dp_discovery import DpRankWatch, Resize
+from kvroute.shell.discovery_records import ReplicaInfo, ReplicaRecord
+from kvroute.shell.dp_discovery import DpRankWatch, MembershipHook, apply_resize, routed_names
 from kvroute.shell.external_pools import ExternalCatalog, ExternalPools
 from kvroute.shell.hashing_settlement import HashingSettlement
 from kvroute.shell.http_probe import ProbeError, probe_get, probed_model_cards
+from kvroute.shell.identity_reads import ModelReads
 from kvroute.shell.metrics import RouterMetrics
-from kvroute.shell.model_files import ModelFilesError, read_identity
 from kvroute.shell.state import MonotonicClock
-from kvroute.wire.model_list import adapter_roots, card_window
 from kvroute.wire.prom import VllmMetrics, parse_vllm_metrics
 
 __all__ = ["DEFAULT_HEALTHY_AFTER", "Discovery", "MembershipHook", "ReplicaInfo"]
@@ -113,71 +114,8 @@ _MAX_RESIZE_ROUNDS: Final = 2
 ``/health``), so a DP engine is routed by rank from the first request."""
 
 
-class MembershipHook(Protocol):
-    """Told when discovery changes the fleet (data-parallel ranks found or gone)."""
-
-    def joined(self, pool: PoolName, replica: ReplicaConfig) -> None: ...
-    def left(self, replica: ReplicaId) -> None: ...
-
-
 class _Removed(Exception):
     """The replica a probe was for left the pool while the probe was out."""
-
-
-@dataclass(slots=True)
-class ReplicaInfo:
-    """What discovery knows about one replica (a copy; changing it changes nothing).
-
-    Attributes:
-        served_model: the pool's model as the replica serves it, once seen on ``/v1/models``.
-        model_root: that model card's ``root`` (vLLM: the path or hub id it was started on),
-            None when the card has none.
-        max_model_len: its context window; None until read or after ``window_ttl_s``.
-        block_size / hash_algo: from ``vllm:cache_config_info``; None until reported.
-        healthy: in routing (healthy, right model, hashing consistent with its pool).
-        last_ok_s: clock time of the last good ``/health``.
-        running / waiting / kv_usage: the last engine load read from ``/metrics``.
-        models_fetched_at_s: clock time of the last good ``/v1/models``.
-        adapters: the LoRA adapters it lists on top of the pool's model: {name: path}.
-        lora_running / lora_max: from ``vllm:lora_requests_info`` (None: not reported).
-        consecutive_failures: ``/health`` failures in a row.
-        consecutive_successes: ``/health`` successes in a row.
-        excluded_reason: why a reachable replica is kept out of routing, or None.
-        last_error: the last probe failure, for ``/admin/state`` and logs.
-    """
-
-    served_model: str | None = None
-    model_root: str | None = None
-    max_model_len: int | None = None
-    block_size: int | None = None
-    hash_algo: str | None = None
-    healthy: bool = False
-    last_ok_s: float | None = None
-    running: int | None = None
-    waiting: int | None = None
-    kv_usage: float | None = None
-    models_fetched_at_s: float | None = None
-    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
-    lora_running: tuple[str, ...] = ()
-    lora_max: int | None = None
-    consecutive_failures: int = 0
-    consecutive_successes: int = 0
-    excluded_reason: str | None = None
-    last_error: str | None = None
-
-
-@dataclass(slots=True)
-class _Replica:
-    config: ReplicaConfig
-    pool: PoolConfig
-    health: ReplicaHealth
-    schedule: ProbeSchedule
-    # NOTE: info's health counts, last_ok_s and models_fetched_at_s are not kept here but
-    # read from health and schedule by replica_info: one owner for each fact.
-    info: ReplicaInfo = dataclasses.field(default_factory=ReplicaInfo)
-    core_healthy: bool | None = None  # what RouterCore was last told
-    window_read_s: float | None = None
-    model_problem: str | None = None
 
 
 class Discovery:
@@ -230,7 +168,7 @@ class Discovery:
         )
         healthy_after = int(getattr(d, "healthy_after", DEFAULT_HEALTHY_AFTER))
         self._timeout = aiohttp.ClientTimeout(total=d.timeout_s)
-        self._replicas: dict[ReplicaId, _Replica] = {}
+        self._replicas: dict[ReplicaId, ReplicaRecord] = {}
         self._pools: dict[PoolName, PoolConfig] = {
             name: pool for name, pool in config.pools.items() if pool.external is None
         }
@@ -245,6 +183,7 @@ class Discovery:
         )
         self._hashing = HashingSettlement(self._pools.values(), core, metrics)
         self._dp = DpRankWatch(self._pools.values(), metrics)
+        self._models = ModelReads(core, metrics)
         self.members_hooks: list[MembershipHook] = [] if members_hook is None else [members_hook]
         """Told, in order, of every entry a data-parallel resize removes and adds (the
         runtime's subscriptions; ``kvroute epp``'s picker appends itself)."""
@@ -257,8 +196,8 @@ class Discovery:
         must see a primary come back between requests, not at the next one)."""
         self.num_loop_errors = 0
 
-    def _record(self, rep: ReplicaConfig, pool: PoolConfig) -> _Replica:
-        return _Replica(
+    def _record(self, rep: ReplicaConfig, pool: PoolConfig) -> ReplicaRecord:
+        return ReplicaRecord(
             config=rep, pool=pool,
             health=ReplicaHealth(unhealthy_after=self._unhealthy_after,
                                  healthy_after=self._healthy_after),
@@ -481,9 +420,9 @@ class Discovery:
         """One round; True when it changed the fleet (data-parallel ranks)."""
         await asyncio.gather(*(self._probe(rep, force) for rep in self._replicas.values()),
                              self._external.probe(force=force))
-        resizes = self._dp.take_resizes(frozenset(self._core_names()))
+        resizes = self._dp.take_resizes(frozenset(routed_names(self._core)))
         for resize in resizes:
-            self._resize(resize)
+            apply_resize(resize, self._core, self, self.members_hooks)
         for pool in self._pools.values():
             self._settle_pool(pool)
         self.num_rounds += 1
@@ -491,34 +430,13 @@ class Discovery:
             observe()
         return bool(resizes)
 
-    def _core_names(self) -> list[ReplicaId]:
-        return [rep.name for pool in self._core.pool_names()
-                for rep in self._core.pool(pool).replicas]
-
-    def _resize(self, resize: Resize) -> None:
-        """Swap an engine's entries (``shell/dp_discovery.py``): the old ones leave as a
-        scaled-in replica does, the new ones join out of routing, probed at once."""
-        for old in resize.leaving:
-            for hook in self.members_hooks:
-                hook.left(old.name)
-            self.remove_replica(old.name)
-            self._core.remove_replica(old.name)
-        for new in resize.joining:
-            self._core.add_replica(resize.pool.name,
-                                   ReplicaSpec(new.name, new.prefill_rate_tps, role=new.role))
-            if resize.pool.report_hits:
-                self._core.set_hit_reports(new.name, True)
-            self.add_replica(resize.pool.name, new)
-            for hook in self.members_hooks:
-                hook.joined(resize.pool.name, new)
-
     # -- probes ---------------------------------------------------------------------------
 
-    async def _probe(self, rep: _Replica, force: bool) -> None:
+    async def _probe(self, rep: ReplicaRecord, force: bool) -> None:
         with contextlib.suppress(_Removed):
             await self._probe_member(rep, force)
 
-    async def _probe_member(self, rep: _Replica, force: bool) -> None:
+    async def _probe_member(self, rep: ReplicaRecord, force: bool) -> None:
         now = self._clock.now()
         schedule = rep.schedule
         answered = False
@@ -537,7 +455,7 @@ class Discovery:
         if schedule.claim_metrics(now, force=force):
             await self._probe_metrics(rep)
 
-    async def _get(self, rep: _Replica, path: str, what: str) -> bytes:
+    async def _get(self, rep: ReplicaRecord, path: str, what: str) -> bytes:
         try:
             return await probe_get(self._session, rep.config.url + path, what=what,
                                    timeout=self._timeout)
@@ -545,7 +463,7 @@ class Discovery:
             if self._replicas.get(rep.config.name) is not rep:
                 raise _Removed  # it left while the probe was out: nothing to apply
 
-    def _health_ok(self, rep: _Replica) -> None:
+    def _health_ok(self, rep: ReplicaRecord) -> None:
         """``/health`` answered: count it, and say so when it brings the replica back."""
         name = rep.config.name
         transition = rep.health.on_success(self._clock.now())
@@ -555,7 +473,7 @@ class Discovery:
                         name, rep.health.consecutive_successes)
             rep.schedule.invalidate_models()  # a restart may have brought other weights
 
-    def _health_failed(self, rep: _Replica, transition: HealthTransition, error: str) -> None:
+    def _health_failed(self, rep: ReplicaRecord, transition: HealthTransition, error: str) -> None:
         """Record, count and log a failure ``rep.health`` has already counted as
         ``transition`` (a failed probe, or a refused connection)."""
         info = rep.info
@@ -573,7 +491,7 @@ class Discovery:
             log.warning("replica %s health probe failed (%s; %d in a row)", name, error,
                         rep.health.consecutive_failures)
 
-    async def _probe_models(self, rep: _Replica) -> None:
+    async def _probe_models(self, rep: ReplicaRecord) -> None:
         name = rep.config.name
         try:
             body = await self._get(rep, "/v1/models", "models")
@@ -585,66 +503,9 @@ class Discovery:
             return
         now = self._clock.now()
         rep.schedule.on_models_read(now)
-        wanted = rep.pool.model
-        card = cards.get(wanted)
-        if card is None:
-            problem = (
-                f"serves {sorted(cards)} but pool {rep.pool.name!r} expects model {wanted!r}; "
-                f"fix pools.{rep.pool.name}.model or the engine's --served-model-name"
-            )
-            if rep.model_problem != problem:
-                log.error("replica %s %s; kept out of routing", name, problem)
-            rep.model_problem = problem
-            rep.info.served_model = None
-            rep.info.max_model_len = None
-            rep.info.adapters = {}
-            self._core.set_replica_adapters(name, {})
-            rep.window_read_s = None
-            self._metrics.discovery(name, "model_mismatch")
-            return
-        if rep.model_problem is not None:
-            log.warning("replica %s serves %r again", name, wanted)
-        rep.model_problem = None
-        window = card_window(card)
-        old = rep.info.max_model_len
-        rep.info.served_model = wanted
-        adapters = adapter_roots(cards, wanted)
-        if adapters != rep.info.adapters:
-            log.info("replica %s serves LoRA adapters %s", name, sorted(adapters))
-            rep.info.adapters = adapters
-            self._core.set_replica_adapters(name, adapters)
-        root = card.get("root")
-        rep.info.model_root = root if isinstance(root, str) and root else None
-        if window is not None:
-            rep.info.max_model_len = window
-            rep.window_read_s = now
-            if old is not None and old != window:
-                log.warning("replica %s: window of %r changed from %d to %d tokens", name,
-                            wanted, old, window)
-        else:
-            log.warning("replica %s: /v1/models gives no usable max_model_len for %r (%r)",
-                        name, wanted, card.get("max_model_len"))
-        self._metrics.discovery(name, "models_ok")
-        await self._read_identity(rep)
+        await self._models.on_cards(rep, cards, now)
 
-    async def _read_identity(self, rep: _Replica) -> None:
-        """The replica's model identity from its card and local model directory; a change
-        resets what the router believed of it (``RouterCore.set_identity``)."""
-        name, info = rep.config.name, rep.info
-        try:
-            identity = await read_identity(rep.pool.model, info.model_root)
-        except ModelFilesError as exc:
-            self._metrics.discovery(name, "identity_error")
-            log.warning("replica %s: %s; its model identity is unchanged", name, exc)
-            return
-        change = self._core.set_identity(name, identity)
-        self._metrics.scenarios.identity(name, identity.version, changed=change is not None)
-        if change is not None:
-            log.warning("replica %s runs other weights (%s → %s): its index entries and "
-                        "learned rates are dropped", name, change.before.version,
-                        change.after.version)
-
-    async def _probe_metrics(self, rep: _Replica) -> None:
+    async def _probe_metrics(self, rep: ReplicaRecord) -> None:
         name = rep.config.name
         try:
             body = await self._get(rep, "/metrics", "metrics")
@@ -701,7 +562,7 @@ class Discovery:
         window = self.pool_window(pool.name)
         self._metrics.set_pool_window(pool.name, window)
 
-    def _settle_replica(self, rep: _Replica) -> None:
+    def _settle_replica(self, rep: ReplicaRecord) -> None:
         info = rep.info
         info.excluded_reason = (self._hashing.problem(rep.pool.name, rep.config.name)
                                 or rep.model_problem)
@@ -711,7 +572,7 @@ class Discovery:
             self._core.set_healthy(rep.config.name, info.healthy)
             self._metrics.set_replica_healthy(rep.config.name, info.healthy)
 
-    def _window_valid(self, rep: _Replica) -> bool:
+    def _window_valid(self, rep: ReplicaRecord) -> bool:
         return is_fresh(rep.window_read_s, self._clock.now(), self._intervals.window_ttl_s)
 
 

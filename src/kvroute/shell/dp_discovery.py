@@ -15,21 +15,24 @@ another count, an error says so once per count seen (``discovery_total`` outcome
 ``dp_size_mismatch``), since requests then go to ranks that do not exist or miss some.
 
 ``DpRankWatch`` holds the decisions; ``shell/discovery.py`` feeds it every ``/metrics``
-reading and applies the resizes it returns between probe rounds, when no probe is out.
+reading and, between probe rounds when no probe is out, applies the resizes it returns with
+``apply_resize``, telling its ``MembershipHook``s.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvroute.config import PoolConfig, ReplicaConfig, expand_dp_ranks
-from kvroute.core.types import ReplicaId
+from kvroute.core.router import ReplicaSpec, RouterCore
+from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.wire.dp_rank import DpRankError, rank_count
 
-__all__ = ["DpRankWatch", "Resize"]
+__all__ = ["DpRankWatch", "Members", "MembershipHook", "Resize", "apply_resize", "routed_names"]
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +145,41 @@ class DpRankWatch:
         if self._told.get(engine) != count:
             self._told[engine] = count
             log.error(message, *args)
+
+
+class MembershipHook(Protocol):
+    """Told when discovery changes the fleet (data-parallel ranks found or gone)."""
+
+    def joined(self, pool: PoolName, replica: ReplicaConfig) -> None: ...
+    def left(self, replica: ReplicaId) -> None: ...
+
+
+class Members(Protocol):
+    """The probed members a resize changes (``shell/discovery.Discovery``)."""
+
+    def add_replica(self, pool: PoolName, rep: ReplicaConfig) -> None: ...
+    def remove_replica(self, replica: ReplicaId) -> None: ...
+
+
+def routed_names(core: RouterCore) -> list[ReplicaId]:
+    """Every replica ``core`` routes to now (``DpRankWatch.take_resizes``'s ``taken``)."""
+    return [rep.name for pool in core.pool_names() for rep in core.pool(pool).replicas]
+
+
+def apply_resize(resize: Resize, core: RouterCore, members: Members,
+                 hooks: Sequence[MembershipHook]) -> None:
+    """Swap an engine's entries: the old ones leave as a scaled-in replica does, the new
+    ones join out of routing, probed at once (``members``); ``hooks`` are told of each."""
+    for old in resize.leaving:
+        for hook in hooks:
+            hook.left(old.name)
+        members.remove_replica(old.name)
+        core.remove_replica(old.name)
+    for new in resize.joining:
+        core.add_replica(resize.pool.name,
+                         ReplicaSpec(new.name, new.prefill_rate_tps, role=new.role))
+        if resize.pool.report_hits:
+            core.set_hit_reports(new.name, True)
+        members.add_replica(resize.pool.name, new)
+        for hook in hooks:
+            hook.joined(resize.pool.name, new)
