@@ -57,7 +57,7 @@ from kvroute.http.server import Answer, Request, Response, StreamResponse
 from kvroute.shell.activity import Activity
 from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
-from kvroute.shell.dp_headers import dp_rank_headers
+from kvroute.shell.dp_headers import DpRankHeaders
 from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
@@ -206,9 +206,18 @@ class Forwarder:
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _walk_routes: dict[str, WalkRoute] = field(default_factory=dict)
     _header_tenants: frozenset[TenantName] | None = None
+    _dp_headers: DpRankHeaders | None = None
 
     def __post_init__(self) -> None:
         self._header_tenants = routing_header_tenants(self.config)
+        self._dp_headers = DpRankHeaders(self.config)
+
+    def dp_rank_headers(self, replica: ReplicaId) -> Mapping[str, str]:
+        """``replica``'s ``X-data-parallel-rank`` header, if it is a DP rank
+        (``shell/dp_headers.py``; the table is built once, in ``__post_init__``)."""
+        table = self._dp_headers
+        assert table is not None, "set in __post_init__"
+        return table.of(replica)
 
     def _shows(self, tenant: TenantName) -> bool:
         """Whether ``tenant`` is shown the routing headers (``TenantConfig.routing_headers``)."""
@@ -370,7 +379,7 @@ class Forwarder:
                             model=adapter if adapter is not None else self.config.pools[pool].model,
                             cache_salt=decision.request.cache_salt)
         headers = {"X-Request-Id": decision.prefill_request_id,
-                   **dp_rank_headers(self.config, prefill)}  # the prefill replica's rank
+                   **self.dp_rank_headers(prefill)}  # the prefill replica's rank
         try:
             reply = await self.upstream.open(base + path, body, stream=False, headers=headers)
         except UpstreamError as exc:
@@ -413,7 +422,7 @@ class Forwarder:
         rank of a data-parallel engine, plus the provider's key as ``Authorization: Bearer`` when the
         decision's pool is external and has one (``Secrets.provider_keys``)."""
         headers: dict[str, str] = {"X-Request-Id": decision.request.request_id,
-                                   **dp_rank_headers(self.config, decision.replica)}
+                                   **self.dp_rank_headers(decision.replica)}
         key = self.secrets.provider_keys.get(decision.request.pool)
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"

@@ -43,7 +43,6 @@ from kvroute.core.walk import Fail, NeedTokens, Refuse, Send, WalkAction, WalkRe
 from kvroute.http.server import Request
 from kvroute.shell.admission import Admission, AdmissionRejected
 from kvroute.shell.app import RouterApp, request_ids
-from kvroute.shell.dp_headers import dp_rank_headers
 from kvroute.shell.forward import (
     HDR_APPROX,
     HDR_CACHED,
@@ -284,13 +283,13 @@ class Picker(Forwarder):
         # X-data-parallel-rank too. So a fallback is a replica the same header fits (the
         # same rank of another DP engine; no rank when the chosen one has none), at another
         # address (the chosen engine's other ranks share its address).
-        rank = dp_rank_headers(self.config, decision.replica)
+        rank = self.dp_rank_headers(decision.replica)
         for replica in decision.ranking:
             if len(endpoints) > self.fallbacks:
                 break
             if (replica != decision.replica and replica not in decision.request.exclude
                     and self._endpoints[replica] not in endpoints
-                    and dp_rank_headers(self.config, replica) == rank
+                    and self.dp_rank_headers(replica) == rank
                     and self.walker.core.is_healthy(replica)):
                 endpoints.append(self._endpoints[replica])
         picked.sent_ns = time.perf_counter_ns()

@@ -31,7 +31,7 @@ from kvroute.core.errors import NoEligibleReplica
 from kvroute.core.scenarios import HotSession
 from kvroute.core.types import ReplicaId, RequestId
 from kvroute.core.walk import ShadowWarm, Walker
-from kvroute.shell.dp_headers import dp_rank_headers
+from kvroute.shell.dp_headers import DpRankHeaders
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.wire.openai import ParsedRequest, warm_request_body
@@ -52,6 +52,7 @@ class ShadowWarmSender:
                  on_replica_failure: Callable[[ReplicaId, str], None] | None = None, *,
                  replica_url: Callable[[ReplicaId], str | None] | None = None) -> None:
         self._config = config
+        self._dp_headers = DpRankHeaders(config)
         self._replica_url = replica_url  # discovery's member_url (replicas may come and go)
         self._walker = walker
         self._upstream = upstream
@@ -128,8 +129,7 @@ class ShadowWarmSender:
             async with asyncio.timeout(self.timeout_s):
                 await self._upstream.open(url, body, stream=False,
                                           headers={"X-Request-Id": request_id,
-                                                   **dp_rank_headers(self._config,
-                                                                     decision.replica)})
+                                                   **self._dp_headers.of(decision.replica)})
             core.on_first_token(decision.replica, request_id)
             return True
         except (UpstreamError, TimeoutError) as exc:

@@ -80,7 +80,7 @@ from kvroute.core.router import RouterCore, RouteRequest, RoutingDecision
 from kvroute.core.types import PoolName, ReplicaId, RequestId
 from kvroute.core.warm import WarmFire, chunk_bounds
 from kvroute.core.warm_slots import Offer, WarmSlots
-from kvroute.shell.dp_headers import dp_rank_headers
+from kvroute.shell.dp_headers import DpRankHeaders
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
 from kvroute.shell.state import SessionState
@@ -142,6 +142,7 @@ class WarmSender:
                  replica_url: Callable[[ReplicaId], str | None] | None = None,
                  ) -> None:  # fmt: skip
         self._config = config
+        self._dp_headers = DpRankHeaders(config)
         self._replica_url = replica_url
         self._core = core
         self._upstream = upstream
@@ -335,7 +336,7 @@ class WarmSender:
                                            cache_salt=request.cache_salt)
                 await self._upstream.open(url + path, body, stream=False,
                                           headers={"X-Request-Id": chunk_id,
-                                                   **dp_rank_headers(self._config, replica)})
+                                                   **self._dp_headers.of(replica)})
                 if len(ends) > 1:
                     self._metrics.warm("chunk", job.fire.target_pool_name)
             # NOTE: a chunked warm-up's duration includes the waits between its chunks, so

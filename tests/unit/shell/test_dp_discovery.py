@@ -15,7 +15,7 @@ from kvroute.config import RouterConfig, parse_config
 from kvroute.core.errors import ConfigError
 from kvroute.core.types import PoolName, ReplicaId
 from kvroute.shell.dp_discovery import DpRankWatch
-from kvroute.shell.dp_headers import dp_rank_headers
+from kvroute.shell.dp_headers import DpRankHeaders
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.wire.dp_rank import DpRankError, rank_count
 from kvroute.wire.prom import EngineStats, parse_vllm_metrics, render_vllm_metrics
@@ -110,7 +110,7 @@ def test_an_auto_replica_becomes_its_ranks_and_folds_back_when_the_engine_change
         ("e0.dp1", 1, "tcp://h:5558", "tcp://h:5658", True)]
     assert watch.size("e0") == 2
     # discovered ranks are not in the config; their header comes from their name
-    assert dp_rank_headers(cfg, ReplicaId("e0.dp1")) == {"X-data-parallel-rank": "1"}
+    assert DpRankHeaders(cfg).of(ReplicaId("e0.dp1")) == {"X-data-parallel-rank": "1"}
     # the engine restarted with three ranks: rank 1's reading says so
     watch.observe(grow.joining[1], engines(exposition(3)))
     (again,) = watch.take_resizes(frozenset(r.name for r in grow.joining))
@@ -120,7 +120,17 @@ def test_an_auto_replica_becomes_its_ranks_and_folds_back_when_the_engine_change
     watch.observe(again.joining[0], engines(exposition(1)))
     (fold,) = watch.take_resizes(frozenset(r.name for r in again.joining))
     assert [r.name for r in fold.joining] == ["e0"] and fold.joining[0].dp_rank is None
-    assert dp_rank_headers(cfg, ReplicaId("e0")) == {}
+    assert DpRankHeaders(cfg).of(ReplicaId("e0")) == {}
+
+
+def test_rank_headers_are_read_from_the_config_once_and_unlisted_names_get_none() -> None:
+    cfg = config([{"name": "e0", "url": "http://h:1"},
+                  {"name": "f0", "url": "http://h:2", "data_parallel_size": 1}])
+    headers = DpRankHeaders(cfg)
+    first = headers.of(ReplicaId("e0.dp3"))
+    assert first == {"X-data-parallel-rank": "3"} and headers.of(ReplicaId("e0.dp3")) is first
+    for name in ("f0.dp1", "e0.dpx", "e0", "pod-7f9c", "x.dp1"):  # f0's count is fixed
+        assert headers.of(ReplicaId(name)) == {}, name
 
 
 def test_a_fixed_size_the_engine_contradicts_is_logged_once_and_kept(

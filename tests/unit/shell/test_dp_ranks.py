@@ -16,7 +16,7 @@ from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.router import RouteRequest
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, to_wire_hash
-from kvroute.shell.dp_headers import dp_rank_headers
+from kvroute.shell.dp_headers import DpRankHeaders
 from kvroute.shell.runtime import build_core
 from kvroute.wire.prom import parse_vllm_metrics
 
@@ -84,8 +84,8 @@ def test_the_walk_picks_the_rank_holding_the_prefix_and_the_header_names_it() ->
     assert decision.expected_cached_tokens == 320
     # rank 0 of the same engine holds nothing: each rank's cache is its own
     assert core.index.match(decision.block_hashes, SCOPE).get(ReplicaId("e0.dp0")) is None
-    assert dp_rank_headers(cfg, decision.replica) == {"X-data-parallel-rank": "1"}
-    assert dp_rank_headers(cfg, ReplicaId("s1")) == {}
+    assert DpRankHeaders(cfg).of(decision.replica) == {"X-data-parallel-rank": "1"}
+    assert DpRankHeaders(cfg).of(ReplicaId("s1")) == {}
 
 
 def test_each_rank_has_its_own_load_so_a_busy_rank_loses_to_its_idle_sibling() -> None:
