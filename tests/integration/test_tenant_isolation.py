@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 
 ROUTE = "assistant"
 ENV = {"ACME_KEY": "key-acme-7f3a", "BETA_KEY": "key-beta-19c2", "ADMIN_KEY": "key-admin-55e1",
-       "KVROUTE_SALT_SECRET": "salt-secret-0b9d"}
+       "KVROUTE_SALT_SECRET": "salt-secret-0b9d",
+       "KVROUTE_CLUSTER_SECRET": "cluster-secret-4c2e-0123456789"}
 VARYING = {"date", "content-length"}
 """Headers whose values differ between any two answers (framing, clock)."""
 
@@ -123,14 +124,19 @@ def test_admin_endpoints_answer_nothing_without_the_admin_key(
 
 def test_no_secret_reaches_the_logs(shared_fleet: Fleet, config_for: Callable[..., RouterConfig],
                                     caplog: pytest.LogCaptureFixture) -> None:
+    # With the cluster bus on (the real NATS if it runs; routing goes on alone if not), so
+    # the cluster secret is read and used as well.
     config = config_for(shared_fleet, tenants=tenants(salted=True), admin_key_env="ADMIN_KEY",
-                        log_level="debug")
+                        log_level="debug",
+                        cluster={"bus": "nats", "url": "nats://127.0.0.1:4222",
+                                 "subject": f"kvroute.test.{random.Random().getrandbits(32):x}"})
     secrets = [*ENV.values(), derive_cache_salt(ENV["KVROUTE_SALT_SECRET"], "acme"),
                derive_cache_salt(ENV["KVROUTE_SALT_SECRET"], "beta")]
     rng = random.Random(27)
 
     async def main() -> None:
         async with RouterRuntime(config, env=ENV) as rt, aiohttp.ClientSession() as session:
+            assert rt.cluster is not None  # the cluster secret was read and is in use
             for key in (ENV["ACME_KEY"], ENV["BETA_KEY"]):
                 await ask(session, rt.url, key, words(rng, 40))
             for key in (ENV["ADMIN_KEY"], ENV["ACME_KEY"] + "x", ENV["ADMIN_KEY"] + "x"):
