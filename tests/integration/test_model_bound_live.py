@@ -158,12 +158,8 @@ def test_a_hot_weight_update_drops_the_index_and_salting_makes_the_engine_miss(
 
 
 def test_a_replica_restarted_on_other_weights_keeps_sessions_on_their_version(
-        tmp_path: Path, fleets: list[Fleet]) -> None:
-    from socket import socket
-
-    with socket() as probe:  # nine consecutive ports so a replica restarts on its own
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
+        tmp_path: Path, fleets: list[Fleet], base_port: int) -> None:
+    base = base_port  # nine free ports so a replica restarts on its own
     old = model_dir(tmp_path / "old", "v1")
     fleet = start_fleet([sim_spec(0, old), sim_spec(1, old)], base_port=base, timeout_s=120.0)
     fleets.append(fleet)
@@ -247,14 +243,9 @@ def test_a_sticky_ab_split_keeps_every_session_on_one_arm_and_counts_each_arm(
                     body))
 
 
-def primary_down(fleets: list[Fleet]) -> tuple[int, Fleet, list[Any]]:
+def primary_down(fleets: list[Fleet], base: int) -> tuple[int, Fleet, list[Any]]:
     """(the primary's base port, the running backup, the primary's handles): the primary's
     address is known and nothing answers there yet."""
-    from socket import socket
-
-    with socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
     backup = start_fleet([pool_spec("o0", "other")], timeout_s=120.0)
     fleets.append(backup)
     primary = start_fleet([pool_spec("m0", "main")], base_port=base, timeout_s=120.0)
@@ -267,8 +258,8 @@ def primary_down(fleets: list[Fleet]) -> tuple[int, Fleet, list[Any]]:
 
 
 def test_failover_serves_every_request_from_the_backup_and_fails_back(
-        fleets: list[Fleet]) -> None:
-    base, backup, main_handles = primary_down(fleets)
+        fleets: list[Fleet], base_port: int) -> None:
+    base, backup, main_handles = primary_down(fleets, base_port)
     route = {"failover": {"backup": "other", "back_after_s": 0.5}}
     rng = random.Random(4)
 
@@ -300,12 +291,12 @@ def test_failover_serves_every_request_from_the_backup_and_fails_back(
 
 
 def test_the_failover_switch_follows_the_primary_between_requests(
-        fleets: list[Fleet]) -> None:
+        fleets: list[Fleet], base_port: int) -> None:
     """No request is sent while the primary goes down and comes back: the switch is told
     the primary's state after every health round, so the backup takes the route and gives
     it back on the probes alone, and the first request after the hysteresis goes straight
     to the primary (it once waited for a request to start counting ``back_after_s``)."""
-    base, backup, main_handles = primary_down(fleets)
+    base, backup, main_handles = primary_down(fleets, base_port)
     route = {"failover": {"backup": "other", "back_after_s": 0.5}}
     rng = random.Random(5)
 
