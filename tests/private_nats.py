@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ports import free_block_below_ephemeral
 from required import skip_unless_required
 
 __all__ = ["PrivateNats"]
@@ -26,9 +27,7 @@ class PrivateNats:
                                  env="KVROUTE_REQUIRE_NATS")
         self.binary = binary
         self.store = store
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_block_below_ephemeral()  # restarted on it: tests/ports.py
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -8,13 +8,11 @@ free ports) and always stopped. The router itself runs in the test's event loop
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_block_below_ephemeral
 
 from kvroute.config import RouterConfig, parse_config
 from kvroute.http import server as http_server
@@ -29,41 +27,10 @@ TIMING = "0.001,0.00005,0.0002,0"
 PREFILL_RATE_TPS = 20_000.0
 
 
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default when unreadable)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_base_port(span: int = 9, tries: int = 200) -> int:
+def free_base_port(span: int = 9) -> int:
     """A port p with p .. p+span-1 free right now (for replicas restarted on their ports),
-    chosen below the kernel's ephemeral range.
-
-    Why below: while a replica is down, the router's KV-event SUB keeps reconnecting to the
-    replica's ports. Inside the ephemeral range the kernel may hand that very number out as
-    the reconnect's own source port (a socket connected to itself) or to any other client
-    socket, and the restarted replica's bind fails with "Address already in use". Below the
-    range no outgoing connection ever takes it.
-    """
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(tries):
-        base = rng.randrange(max(1024, low - 12_000), low - span)
-        ok = True
-        for port in range(base, base + span):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(
-        f"no {span} consecutive free ports below the ephemeral range ({low}) on 127.0.0.1 "
-        f"after {tries} tries")
+    below the ephemeral range (``tests/ports.py`` says why)."""
+    return free_block_below_ephemeral(span)
 
 
 def specs(n: int, *, timing: str = TIMING, extra: Sequence[str] = (), replay: bool = True,
