@@ -145,6 +145,27 @@ def test_summarize_counts_errors_and_uses_ok_requests_only() -> None:
     assert out["achieved_rps"] == 0.5 and out["start_lag_p99_ms"] == 2.0
 
 
+def test_summarize_counts_slo_goodput_like_the_simulator() -> None:
+    def result(name: str, ttft: float, gaps: list[float], error: str | None = None
+               ) -> RequestResult:
+        return RequestResult(name, start_s=0.0, lag_s=0.0, status=200, error=error,
+                             ttft_s=ttft, e2e_s=ttft + sum(gaps), itl_s=gaps,
+                             output_events=len(gaps) + 1)
+
+    run = ClientRun([
+        result("good", 1.0, [0.02, 0.03]),          # mean gap 25 ms: meets both
+        result("slow-first", 2.5, [0.01]),         # TTFT over 2 s
+        result("slow-tokens", 0.1, [0.01, 0.07]),  # mean gap 40 ms, though one gap is fast
+        result("one-token", 0.5, []),              # no gap: judged on TTFT alone
+        result("failed", 0.1, [0.01], error="no_done"),
+    ], wall_s=4.0, tcp_nodelay=True)
+    out = summarize(run)
+    assert out["slo_goodput_rps"] == 0.5 and out["slo_goodput_fraction"] == 0.4
+    assert out["itl_request_p99_ms"] == 40.0
+    assert summarize(run, itl_slo_s=0.05)["slo_goodput_fraction"] == 0.6
+    assert summarize(run, ttft_slo_s=3.0)["slo_goodput_fraction"] == 0.6
+
+
 def test_summarize_takes_one_lane_or_both() -> None:
     def result(name: str, e2e: float, control: bool) -> RequestResult:
         return RequestResult(name, control=control, start_s=0.0, lag_s=0.0, status=200,

@@ -397,13 +397,14 @@ def format_table(report: Mapping[str, Any]) -> list[list[str]]:
         return "-" if value is None else fmt.format(value)
 
     rows = [["router", "done", "errors", "TTFT p50", "TTFT p99", "ITL p50", "E2E p50",
-             "E2E p99", "+TTFT p50", "+E2E p50", "hit rate", "CPU ms/req", "per engine"]]
+             "E2E p99", "SLO good/s", "+TTFT p50", "+E2E p50", "hit rate", "CPU ms/req", "per engine"]]
     for name, m in report["routers"].items():
         over = m.get("overhead_vs_direct") or {}
         rows.append([
             name, f"{m['completed']}/{m['requests']}", str(sum(m["errors"].values())),
             f(m["ttft_p50_ms"]), f(m["ttft_p99_ms"]), f(m["itl_p50_ms"]),
-            f(m["e2e_p50_ms"]), f(m["e2e_p99_ms"]), f(over.get("ttft_p50_ms"), "{:+.2f}"),
+            f(m["e2e_p50_ms"]), f(m["e2e_p99_ms"]), f(m.get("slo_goodput_rps"), "{:.3f}"),
+            f(over.get("ttft_p50_ms"), "{:+.2f}"),
             f(over.get("e2e_p50_ms"), "{:+.2f}"), f(m["token_hit_rate"], "{:.3f}"),
             f(m["router_cpu_ms_per_req"], "{:.3f}"),
             "/".join(str(v) for v in m["requests_per_replica"].values()),

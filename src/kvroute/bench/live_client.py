@@ -546,10 +546,23 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 3)
 
 
-def summarize(run: ClientRun, *, control: bool | None = None) -> dict[str, Any]:
+def meets_slo(result: RequestResult, ttft_slo_s: float, itl_slo_s: float) -> bool:
+    """OK, first token within ``ttft_slo_s`` and mean gap between tokens within ``itl_slo_s``
+    (an answer of one output event has no gap, so only its TTFT is judged): the same test
+    as the simulator's ``RequestRecord.meets_slo``, so live and simulated SLO goodput compare."""
+    if not result.ok or result.ttft_s is None or result.ttft_s > ttft_slo_s:
+        return False
+    return not result.itl_s or mean(result.itl_s, 0.0) <= itl_slo_s
+
+
+def summarize(run: ClientRun, *, control: bool | None = None, ttft_slo_s: float = 2.0,
+              itl_slo_s: float = 0.03) -> dict[str, Any]:
     """Client-side figures of one run (milliseconds, nearest-rank percentiles over OK requests).
 
     ``errors`` counts every non-OK request by kind; ``achieved_rps`` is OK requests over wall.
+    ``itl_request_*`` summarise each OK request's own mean gap, ``slo_goodput_*`` count the
+    requests that meet both objectives (:func:`meets_slo`), per second of wall time and as a
+    fraction of every request, as ``kvroute bench sim`` reports them.
     ``control``: None summarizes every request; False only those sent to the target, True
     only the control lane's (``ControlLane``).
     """
@@ -569,6 +582,12 @@ def summarize(run: ClientRun, *, control: bool | None = None) -> dict[str, Any]:
         out[f"{name}_mean_ms"] = _ms(mean(values))
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = _ms(percentile(values, q))
+    request_itl = [mean(r.itl_s, 0.0) for r in ok if r.itl_s]
+    out["itl_request_mean_ms"] = _ms(mean(request_itl))
+    out["itl_request_p99_ms"] = _ms(percentile(request_itl, 99))
+    slo_good = sum(1 for r in results if meets_slo(r, ttft_slo_s, itl_slo_s))
+    out["slo_goodput_rps"] = round(slo_good / run.wall_s, 3) if run.wall_s > 0 else None
+    out["slo_goodput_fraction"] = round(slo_good / len(results), 4) if results else None
     out["start_lag_p99_ms"] = _ms(percentile(lag, 99))
     out["wall_s"] = round(run.wall_s, 3)
     out["achieved_rps"] = round(len(ok) / run.wall_s, 2) if run.wall_s > 0 else None
