@@ -60,12 +60,10 @@ only; ports picked at run time.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
@@ -94,7 +92,13 @@ from kvroute.bench.overhead_long import (
     plot_long_sweep,
     run_long_sweep,
 )
-from kvroute.bench.procfs import pin_process_tree, process_tree_cpu_s
+from kvroute.bench.procfs import (
+    apparatus_cpus,
+    parse_cpus,
+    pin_process_tree,
+    pinned_self,
+    process_tree_cpu_s,
+)
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.bench.settle import settle_kvroute
 from kvroute.bench.workloads import WORKLOADS
@@ -173,21 +177,6 @@ def parse_phases(text: str) -> tuple[Phase, ...]:
     if not out:
         raise ConfigError("give at least one phase, e.g. --phases r100,r400,s100,c32")
     return tuple(out)
-
-
-def parse_cpus(text: str) -> frozenset[int]:
-    """``1`` or ``2,3`` -> CPU numbers; raises ``ConfigError`` naming a bad item."""
-    cpus: set[int] = set()
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        if not item.isdigit():
-            raise ConfigError(f"CPU {item!r} is not a CPU number; give e.g. --router-cpus 1 "
-                              "(CPUs as numbered by the kernel, 0 first)")
-        cpus.add(int(item))
-    if not cpus:
-        raise ConfigError("--router-cpus needs at least one CPU number, e.g. 1")
-    return frozenset(cpus)
 
 
 def parse_overhead_routers(text: str) -> tuple[RouterSpec, ...]:
@@ -275,7 +264,7 @@ class OverheadSpec:
         """The CPUs left to the engines and the load generator (None when not pinned)."""
         if self.router_cpus is None:
             return None
-        return frozenset(os.sched_getaffinity(0)) - self.router_cpus
+        return apparatus_cpus(self.router_cpus)
 
     def validate(self) -> None:
         if not self.routers:
@@ -293,12 +282,7 @@ class OverheadSpec:
             raise ConfigError(f"same_window={self.same_window} must be >= 0 (0: off; K: one "
                               "request straight to the engines per K sent to the router)")
         if self.router_cpus is not None:
-            usable = frozenset(os.sched_getaffinity(0))
-            if not self.router_cpus <= usable or self.router_cpus == usable:
-                raise ConfigError(
-                    f"router_cpus={sorted(self.router_cpus)} must be some, not all, of the CPUs "
-                    f"this process may use ({sorted(usable)}): the engines and the load "
-                    "generator need the others")
+            apparatus_cpus(self.router_cpus)
         if self.long and not 0 < self.long_target_tokens <= LONG_MAX_MODEL_LEN // 2:
             raise ConfigError(f"long_target_tokens={self.long_target_tokens} must be > 0 and "
                               f"at most {LONG_MAX_MODEL_LEN // 2} (the engines' window is "
@@ -487,7 +471,7 @@ def run_overhead_bench(
     # The engines and every router start from this process and inherit its CPUs; a router is
     # then moved to its own.
     with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp, \
-            _pinned_self(spec.apparatus_cpus()):
+            pinned_self(spec.apparatus_cpus()):
         work_dir = spec.log_dir or Path(tmp)
         with start_fleet(specs, log_dir=work_dir / "engines") as fleet:
             if spec.warmup_s > 0:
@@ -583,21 +567,6 @@ def _warm_engines(fleet: Fleet, pool: Sequence[LiveRequest], spec: OverheadSpec)
     targets = [e.url for e in fleet.replicas]
     replay(targets, _engine_warmup(pool, len(targets)), concurrency=len(targets),
            request_timeout_s=spec.request_timeout_s, duration_s=spec.request_timeout_s)
-
-
-@contextlib.contextmanager
-def _pinned_self(cpus: frozenset[int] | None) -> Iterator[None]:
-    """Run this process (the load generator, and the children it starts) on ``cpus``, then
-    give it back the CPUs it had."""
-    if cpus is None:
-        yield
-        return
-    before = frozenset(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _add_overheads(results: list[dict[str, Any]]) -> None:

@@ -2,18 +2,23 @@
 
 Shared by every live benchmark that reports the CPU a router or an engine used during a
 phase (``bench/live_routers.py``, ``bench/overhead.py``, ``bench/soak.py``,
-``bench/tiers_live.py``) or pins a process tree to some cores (``bench/overhead.py``), so
-they all parse ``/proc/<pid>/stat`` one way. Linux only; a process that has gone is skipped
-or reported as None, never an error.
+``bench/tiers_live.py``) or gives the router cores of its own (``bench/overhead.py``,
+``bench/soak.py``: ``--router-cpus``), so they all parse ``/proc/<pid>/stat`` and place
+processes one way. Linux only; a process that has gone is skipped or reported as None, never
+an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Final
 
-__all__ = ["descendants", "pin_process_tree", "process_cpu_s", "process_run_delay_s",
-           "process_tree_cpu_s", "stat_fields"]
+from kvroute.core.errors import ConfigError
+
+__all__ = ["apparatus_cpus", "descendants", "parse_cpus", "pin_process_tree", "pinned_self",
+           "process_cpu_s", "process_run_delay_s", "process_tree_cpu_s", "stat_fields"]
 
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
@@ -122,3 +127,46 @@ def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
                 continue
             pinned += 1
     return pinned
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """``1`` or ``2,3`` -> CPU numbers; raises ``ConfigError`` naming a bad item."""
+    cpus: set[int] = set()
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if not item.isdigit():
+            raise ConfigError(f"CPU {item!r} is not a CPU number; give e.g. --router-cpus 1 "
+                              "(CPUs as numbered by the kernel, 0 first)")
+        cpus.add(int(item))
+    if not cpus:
+        raise ConfigError("--router-cpus needs at least one CPU number, e.g. 1")
+    return frozenset(cpus)
+
+
+def apparatus_cpus(router_cpus: frozenset[int]) -> frozenset[int]:
+    """The CPUs this process may use that ``router_cpus`` leaves to the engines and the load
+    generator; raises ``ConfigError`` when ``router_cpus`` are not some, but not all, of
+    them (a router pinned to a CPU it may not use, or one that leaves the rest none)."""
+    usable = frozenset(os.sched_getaffinity(0))
+    if not router_cpus <= usable or router_cpus == usable:
+        raise ConfigError(
+            f"router_cpus={sorted(router_cpus)} must be some, not all, of the CPUs this "
+            f"process may use ({sorted(usable)}): the engines and the load generator need "
+            "the others")
+    return usable - router_cpus
+
+
+@contextlib.contextmanager
+def pinned_self(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run this process (the load generator, and the children it starts) on ``cpus``, then
+    give it back the CPUs it had; None leaves it where it is."""
+    if cpus is None:
+        yield
+        return
+    before = frozenset(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -21,11 +21,11 @@ HELP = ("A long steady run of kvroute in front of simulated engines, with sessio
 _HEADS = ["t s", "finished", "req/s", "p50 ms", "p99 ms", "max ms", "own p99 ms", "errors",
           "RSS MB", "CPU ms/decision", "router cores", "router run-queue ms", "load 1 min",
           "client lag max ms", "engines' cores", "index entries", "piece-cache tokens",
-          "full GC ms", "GCs > 50 ms", "KV gaps", "KV resets"]
+          "GC ms", "full GC ms", "GCs > 50 ms", "KV gaps", "KV resets"]
 _KEYS = ["t_s", "finished", "rps", "p50_ms", "p99_ms", "max_ms", "own_p99_ms", "errors",
          "rss_mb", "cpu_ms_per_decision", "router_cores", "router_runq_ms", "load_1m",
          "start_lag_max_ms", "engines_cores", "index_entries", "piece_cache_tokens",
-         "gc_full_ms", "gc_over_50ms", "kv_gaps", "kv_resets"]
+         "gc_ms", "gc_full_ms", "gc_over_50ms", "kv_gaps", "kv_resets"]
 
 
 def bench_soak(
@@ -51,8 +51,13 @@ def bench_soak(
              "--num-gpu-blocks above 16384.")] = 0,
     long_rate: Annotated[float, typer.Option(
         help="Turns a second of the long sessions, together.")] = 1.0,
+    router_cpus: Annotated[str | None, typer.Option(
+        help="Run the router on these CPUs (e.g. 1) and the engines and the load generator "
+             "on the others, as a router deployed on a core of its own would be; the report "
+             "records the CPUs each side had. Default: all share every CPU.")] = None,
 ) -> None:
     """A long steady run (see ``kvroute.bench.soak``)."""
+    from kvroute.bench.procfs import parse_cpus
     from kvroute.bench.soak import SoakSpec, run_soak, verdict_line
 
     console = Console(stderr=True)
@@ -65,13 +70,18 @@ def bench_soak(
         spec = SoakSpec(seconds=minutes * 60.0, rate=rate, engines=engines,
                         sample_s=sample_seconds, max_pins=max_pins,
                         num_gpu_blocks=num_gpu_blocks, seed=seed, log_dir=log_dir,
-                        policy=policy, long_sessions=long_sessions, long_rate=long_rate)
+                        policy=policy, long_sessions=long_sessions, long_rate=long_rate,
+                        router_cpus=parse_cpus(router_cpus) if router_cpus else None)
         report = run_soak(spec, on_sample=on_sample)
     rows = [[("-" if w.get(k) is None else str(w[k])) for k in _KEYS]
             for w in report["windows"]]
     wide_console(200).print(rows_table(
         f"soak: {rate:g} req/s for {minutes:g} min, {engines} engines, policy {policy}", [_HEADS, *rows]))
     console.print(json.dumps(report["summary"]))
+    cpus = report["config"]["cpus"]
+    console.print(f"CPUs: router {cpus['router_cpus']}, engines and load generator "
+                  f"{cpus['apparatus_cpus']}" + ("" if cpus["pinned"] else " (shared)"),
+                  markup=False, highlight=False)
     console.print(verdict_line(report["verdict"]), markup=False, highlight=False)
     if json_out is not None:
         write_json_report(json_out, report, console)

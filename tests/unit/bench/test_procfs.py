@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 
 from kvroute.bench.procfs import (
+    apparatus_cpus,
     descendants,
+    parse_cpus,
     pin_process_tree,
+    pinned_self,
     process_cpu_s,
     process_run_delay_s,
     process_tree_cpu_s,
     stat_fields,
 )
+from kvroute.core.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
@@ -82,3 +86,28 @@ def test_the_run_queue_wait_is_read_per_thread_and_never_goes_back() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(30)
     assert process_run_delay_s(proc.pid) is None
+
+
+def test_router_cpus_leave_the_others_to_the_apparatus_and_never_all_or_foreign_ones() -> None:
+    assert parse_cpus(" 0, 2,") == frozenset({0, 2})
+    with pytest.raises(ConfigError, match="not a CPU number"):
+        parse_cpus("1-2")
+    usable = frozenset(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match="some, not all"):
+        apparatus_cpus(usable)
+    with pytest.raises(ConfigError, match="some, not all"):
+        apparatus_cpus(frozenset({max(usable) + 1}))
+    if len(usable) < 2:
+        pytest.skip("one CPU: nothing to split")
+    router = frozenset({max(usable)})
+    assert apparatus_cpus(router) == usable - router
+
+
+def test_pinned_self_moves_this_process_and_gives_its_cpus_back() -> None:
+    before = frozenset(os.sched_getaffinity(0))
+    one = frozenset({min(before)})
+    with pinned_self(one):
+        assert frozenset(os.sched_getaffinity(0)) == one
+    assert frozenset(os.sched_getaffinity(0)) == before
+    with pinned_self(None):
+        assert frozenset(os.sched_getaffinity(0)) == before

@@ -79,8 +79,10 @@ def test_windows_count_what_finished_in_each_and_the_cost_per_decision() -> None
     ({"sample_s": 100, "seconds": 10}, "sample_s=100"),
     ({"num_gpu_blocks": 100}, "num_gpu_blocks=100 must be > 512"),
     ({"max_pins": 0}, "max_pins=0"),
+    ({"warmup_s": -1}, "warmup_s=-1"),
+    ({"router_cpus": frozenset({4096})}, "some, not all"),
 ])
-def test_a_bad_spec_says_what_is_wrong(bad: dict[str, float], says: str) -> None:
+def test_a_bad_spec_says_what_is_wrong(bad: dict[str, object], says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         soak_requests(SoakSpec(**bad))  # type: ignore[arg-type]
 
@@ -135,8 +137,10 @@ def test_a_window_over_three_times_the_median_fails_and_is_listed_with_its_cause
     [over] = verdict["over_bound"]
     assert over["t_s"] == 20 and over["own_p99_ms"] == 30.0
     assert over["router_runq_ms"] == 850.0 and over["load_1m"] == 9.5
+    assert verdict["median_window_runq_ms"] == 1.0  # what a window's run queue compares with
     line = verdict_line(verdict)
     assert "FAIL" in line and "run queue 850.0 ms, load 9.5" in line
+    assert "median window's run queue 1.0 ms" in line
 
 
 def test_memory_that_keeps_growing_in_the_second_half_fails() -> None:
@@ -153,3 +157,29 @@ def test_without_windows_or_samples_nothing_is_ok() -> None:
     assert verdict["p99_ratio"] is None and verdict["rss_slope_mb_per_min"] is None
     assert not verdict["p99_ok"] and not verdict["rss_ok"] and not verdict["ok"]
     verdict_line(verdict)  # renders without figures
+
+
+def test_warm_up_windows_are_marked_reported_apart_and_not_judged() -> None:
+    def done(start: float) -> RequestResult:
+        return RequestResult("r", start_s=start, e2e_s=0.01)
+
+    run = ClientRun([done(t + 0.5) for t in range(4)], wall_s=4.0, tcp_nodelay=True)
+    samples = [{"t_s": float(t)} for t in range(5)]
+    marks = [w["warmup"] for w in soak_windows(run, samples, warmup_s=1.5)]
+    assert marks == [True, True, False, False]  # a window that starts in the warm-up is one
+    assert not any(w["warmup"] for w in soak_windows(run, samples))
+
+    windows = [_window(10, 300.0, warmup=True), _window(20, 40.0, warmup=True),
+               _window(30, 11.0), _window(40, 12.0), _window(50, 13.0)]
+    verdict = soak_verdict(windows, _samples([100, 100, 100, 100, 100, 100]))
+    # Judged: the three steady windows only; the warm-up's 300 ms is shown against their median.
+    assert verdict["median_window_p99_ms"] == 12.0 and verdict["worst_window_p99_ms"] == 13.0
+    assert verdict["p99_ok"] and verdict["judged_windows"] == 3
+    assert verdict["warmup_windows"] == 2 and verdict["warmup_worst_p99_ms"] == 300.0
+    assert verdict["warmup_worst_t_s"] == 10 and verdict["warmup_ratio"] == 25.0
+    assert [w["t_s"] for w in verdict["warmup_over_bound"]] == [10, 20]
+    line = verdict_line(verdict)
+    assert "warm-up (2 windows, not judged): worst 300.0 ms at 10 s = 25.0x" in line
+    # The same windows with none marked: the warm-up fails the run.
+    unmarked = [{**w, "warmup": False} for w in windows]
+    assert not soak_verdict(unmarked, _samples([100] * 6))["p99_ok"]
