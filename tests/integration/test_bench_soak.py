@@ -47,7 +47,7 @@ def test_a_short_soak_reports_every_window_with_the_routers_state() -> None:
     cpus = report["config"]["cpus"]
     if router_cpus is None:
         assert cpus["router_cpus"] == cpus["apparatus_cpus"] == usable and not cpus["pinned"]
-    else:
+    else:  # every thread of the router on its CPU; the engines' and the client's on the rest
         assert cpus["router_cpus"] == usable[-1:] and cpus["apparatus_cpus"] == usable[:-1]
-        assert cpus["pinned"]
+        assert cpus["engine_cpus"] == usable[:-1] and cpus["pinned"]
     assert sorted(os.sched_getaffinity(0)) == usable

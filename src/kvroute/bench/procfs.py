@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Final
 
 from kvroute.core.errors import ConfigError
 
 __all__ = ["apparatus_cpus", "descendants", "parse_cpus", "pin_process_tree", "pinned_self",
-           "process_cpu_s", "process_run_delay_s", "process_tree_cpu_s", "stat_fields"]
+           "process_cpu_s", "process_run_delay_s", "process_tree_cpu_s", "stat_fields",
+           "tree_cpus"]
 
 _CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
@@ -127,6 +128,25 @@ def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
                 continue
             pinned += 1
     return pinned
+
+
+def tree_cpus(pids: Iterable[int]) -> list[int]:
+    """Every CPU that some thread of ``pids`` or of their descendants may run on, sorted: what
+    a report records as a side's CPUs, as the kernel has them (a thread or process that ends
+    while they are read is skipped)."""
+    cpus: set[int] = set()
+    for top in pids:
+        for p in (top, *descendants(top)):
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+            except FileNotFoundError:
+                continue
+            for tid in tids:
+                try:
+                    cpus |= os.sched_getaffinity(tid)
+                except ProcessLookupError:
+                    continue
+    return sorted(cpus)
 
 
 def parse_cpus(text: str) -> frozenset[int]:

@@ -79,6 +79,7 @@ from kvroute.bench.procfs import (
     pinned_self,
     process_run_delay_s,
     process_tree_cpu_s,
+    tree_cpus,
 )
 from kvroute.bench.router_time import Buckets, bucket_counts, phase_counts, quantile_ms
 from kvroute.core.errors import ConfigError
@@ -598,11 +599,12 @@ def run_soak(spec: SoakSpec,
             assert router.pid is not None
             if spec.router_cpus is not None:
                 pin_process_tree(router.pid, spec.router_cpus)
-            placement = {"router_cpus": sorted(os.sched_getaffinity(router.pid)),
+            engine_pids = [e.pid for e in fleet.replicas if e.pid is not None]
+            placement = {"router_cpus": tree_cpus([router.pid]),
                          "apparatus_cpus": sorted(os.sched_getaffinity(0)),
+                         "engine_cpus": tree_cpus(engine_pids),
                          "pinned": spec.router_cpus is not None}
             began = time.monotonic()
-            engine_pids = [e.pid for e in fleet.replicas if e.pid is not None]
             run, samples = asyncio.run(_soak(router.targets, requests, spec, router.pid,
                                              engine_pids, router.targets[0] + "/metrics",
                                              on_sample))

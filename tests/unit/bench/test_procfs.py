@@ -20,6 +20,7 @@ from kvroute.bench.procfs import (
     process_run_delay_s,
     process_tree_cpu_s,
     stat_fields,
+    tree_cpus,
 )
 from kvroute.core.errors import ConfigError
 
@@ -67,6 +68,10 @@ def test_descendants_and_pinning_reach_a_grandchild() -> None:
         assert {child.pid, grandchild} <= set(descendants(os.getpid()))
         cpus = frozenset(os.sched_getaffinity(0))
         assert pin_process_tree(child.pid, cpus) >= 2  # a thread each, at least
+        one = frozenset({min(cpus)})
+        pin_process_tree(grandchild, one)
+        assert tree_cpus([grandchild]) == [min(cpus)]
+        assert tree_cpus([child.pid]) == sorted(cpus)  # the union over the tree
     finally:
         for pid in descendants(child.pid):
             os.kill(pid, 9)

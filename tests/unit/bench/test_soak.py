@@ -7,9 +7,11 @@ import json
 from collections import Counter
 
 import pytest
+from typer.testing import CliRunner
 
 from kvroute.bench.live_client import ClientRun, RequestResult
 from kvroute.bench.soak import SoakSpec, soak_requests, soak_verdict, soak_windows, verdict_line
+from kvroute.cli import app
 from kvroute.core.errors import ConfigError
 
 
@@ -183,3 +185,11 @@ def test_warm_up_windows_are_marked_reported_apart_and_not_judged() -> None:
     # The same windows with none marked: the warm-up fails the run.
     unmarked = [{**w, "warmup": False} for w in windows]
     assert not soak_verdict(unmarked, _samples([100] * 6))["p99_ok"]
+
+
+def test_the_command_refuses_router_cpus_it_cannot_use_before_starting_anything() -> None:
+    for bad, says in (("one", "not a CPU number"), ("4096", "some, not all")):
+        result = CliRunner().invoke(app, ["bench", "soak", "--minutes", "1",
+                                          "--router-cpus", bad])
+        assert result.exit_code == 2, result.output
+        assert says in " ".join((result.stdout + result.stderr).split())
