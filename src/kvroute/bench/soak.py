@@ -369,8 +369,9 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]], *,
     the cores the engines used meanwhile (they share the machine with the router), how late
     the client sent its requests (a stalled load generator shows there), and the router's
     garbage collections and KV-event gaps, replays and resets since the sample before (full
-    collections in ms, all collections in ms, and how many of any kind took over 50 ms). A window that
-    starts before ``warmup_s`` is marked ``warmup`` (``soak_verdict`` reports it apart)."""
+    collections in ms, all collections in ms, and how many of any kind took over 50 ms). A
+    window that starts before ``warmup_s`` is marked ``warmup`` (``soak_verdict`` reports it
+    apart)."""
     ends: list[tuple[float, float | None, str | None]] = []
     lags: list[tuple[float, float]] = []
     for r in run.results:
@@ -441,10 +442,11 @@ def soak_verdict(windows: Sequence[Mapping[str, Any]], samples: Sequence[Mapping
     network, the engines and the client). ``over_bound`` lists every judged window above
     ``ratio_bound`` times the median with what tells the router's own time from the
     machine's: its own p99, the time the router's threads waited for a CPU
-    (``router_runq_ms``, against ``median_window_runq_ms`` of the judged windows), the load average, the client's sending lag and the full collections
-    in it. ``rss_slope_mb_per_min`` is the least-squares slope of the RSS samples taken in
-    the second half of the run (at least two; None otherwise). ``ok`` needs the client
-    ratio and the slope within their bounds; anything missing is not ok.
+    (``router_runq_ms``, against ``median_window_runq_ms`` of the judged windows), the load
+    average, the client's sending lag and the collections in it. ``rss_slope_mb_per_min``
+    is the least-squares slope of the RSS samples taken in the second half of the run (at
+    least two; None otherwise). ``ok`` needs the client ratio and the slope within their
+    bounds; anything missing is not ok.
     """
     judged = [w for w in windows if not w.get("warmup")]
     warm = [w for w in windows if w.get("warmup")]

@@ -79,8 +79,8 @@ def bench_soak(
         f"soak: {rate:g} req/s for {minutes:g} min, {engines} engines, policy {policy}", [_HEADS, *rows]))
     console.print(json.dumps(report["summary"]))
     cpus = report["config"]["cpus"]
-    console.print(f"CPUs: router {cpus['router_cpus']}, engines and load generator "
-                  f"{cpus['apparatus_cpus']}" + ("" if cpus["pinned"] else " (shared)"),
+    console.print(f"CPUs: router {cpus['router_cpus']}, engines {cpus['engine_cpus']}, load "
+                  f"generator {cpus['apparatus_cpus']}" + ("" if cpus["pinned"] else " (shared)"),
                   markup=False, highlight=False)
     console.print(verdict_line(report["verdict"]), markup=False, highlight=False)
     if json_out is not None:
