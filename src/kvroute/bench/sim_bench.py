@@ -53,7 +53,8 @@ HEADLINE_METRICS = (
     "e2e_p99_s", "token_hit_rate", "tier_hit_rate", "router_expected_hit_rate", "goodput_rps",
     "slo_goodput_rps", "slo_goodput_fraction", "throughput_rps", "output_tokens_per_s",
     "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
-    "idle_while_overloaded", "split_fraction",
+    "idle_while_overloaded", "split_fraction", "spread_copies", "spread_copy_tokens",
+    "spread_copies_used", "prompt_tokens",
 )
 
 
@@ -417,6 +418,14 @@ def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[
         rows[0].insert(-2, "split")  # prefill/decode: the share of requests split
         for row, m in zip(rows[1:], report["policies"].values()):
             row.insert(-2, f"{m['split_fraction']:.1%}")
+    if any(m.get("spread_copies", 0) for m in report["policies"].values()):
+        # spread-ahead's bill: copies sent, their prompt tokens against the workload's own
+        rows[0].insert(-2, "spread copies")
+        for row, m in zip(rows[1:], report["policies"].values()):
+            copied = m.get("spread_copy_tokens", 0)
+            share = copied / m["prompt_tokens"] if m.get("prompt_tokens") else 0.0
+            row.insert(-2, f"{m.get('spread_copies', 0)} ({copied / 1e6:.1f}M tok, "
+                           f"{share:.1%})")
     if compact:
         keep = [i for i, head in enumerate(rows[0]) if head in COMPACT_COLUMNS]
         rows = [[row[i] for i in keep] for row in rows]

@@ -163,6 +163,7 @@ from typing import NamedTuple, Protocol
 
 from kvroute.core.index import PrefixMatch
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, ReplicaLoad
+from kvroute.core.spread import DEFAULT_SPREAD, SpreadSettings
 from kvroute.core.types import ReplicaId, WireHash
 
 GPU_CREDIT = 1.0
@@ -368,6 +369,12 @@ class KvrouteCostPolicy:
         lifetime_stall: bool = False,
         kv_wait_weight: float = 0.0,
         residual_weight: float = 0.75,
+        spread_ahead: bool = False,
+        spread_per_s: float = DEFAULT_SPREAD.per_s,
+        spread_budget_tokens: float = DEFAULT_SPREAD.budget_tokens,
+        spread_overlap: float = DEFAULT_SPREAD.overlap,
+        spread_min_tokens: int = DEFAULT_SPREAD.min_tokens,
+        spread_target_in_flight: int = DEFAULT_SPREAD.max_target_in_flight,
     ) -> None:
         if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
             raise ValueError(
@@ -403,6 +410,12 @@ class KvrouteCostPolicy:
         self.lifetime_stall = lifetime_stall
         self.kv_wait_weight = kv_wait_weight
         self.residual_weight = residual_weight
+        self.spread = SpreadSettings(
+            enabled=spread_ahead, per_s=spread_per_s, budget_tokens=spread_budget_tokens,
+            overlap=spread_overlap, min_tokens=spread_min_tokens,
+            max_target_in_flight=spread_target_in_flight)
+        """Spread-ahead (``core/spread.py``): copies of resting sessions' contexts to idle
+        replicas, planned by the walk when a session's request ends; off by default."""
 
     def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
                      scale: float = 1.0) -> tuple[float, float]:

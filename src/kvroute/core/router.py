@@ -50,7 +50,7 @@ from kvroute.core.hash_memo import BlockHashMemo
 from kvroute.core.hashing import BlockHasher, LoraKey
 from kvroute.core.hashing_chains import DEFAULT_CHAIN_TOKENS, SessionChains
 from kvroute.core.index import LookupScope, PrefixIndex, PrefixMatch, TenantScope
-from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker
+from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, LoadTracker, ReplicaLoad
 from kvroute.core.model_identity import ModelIdentity
 from kvroute.core.peers import Announcement, Done, FirstToken, Placed
 from kvroute.core.policy import NO_MATCH, Candidate, Policy, PolicyInput
@@ -762,6 +762,11 @@ class RouterCore:
         if self.announce is not None:
             self.announce(Done(request_id, replica, output_tokens))
         self._release_adapter(request_id)
+
+    def load_beside(self, replica: ReplicaId, request: RouteRequest) -> ReplicaLoad:
+        """``replica``'s load now as ``request`` would be scored there: its own session left
+        out of the sessions resting there (spread-ahead reads a session's home this way)."""
+        return self.load.snapshot(replica, self._clock.now(), self._session_key(request))
 
     # -- internals ------------------------------------------------------------------------
 

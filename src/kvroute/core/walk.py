@@ -87,6 +87,7 @@ from kvroute.core.scenarios import (
     version_salt,
 )
 from kvroute.core.session import EMPTY_RECORD, SessionRecord, SessionUsage, session_key
+from kvroute.core.spread import SpreadCopy, SpreadPlanner, SpreadSettings
 from kvroute.core.tiers import (
     LOG_TAG,
     OVERFLOW_ERROR_CODE,
@@ -615,7 +616,7 @@ class Walker:
     """
 
     __slots__ = ("clock", "core", "external", "outputs", "planner", "recorder", "scenarios",
-                 "settings", "timer")
+                 "settings", "spread", "timer")
 
     def __init__(self, core: RouterCore, planner: WarmPlanner, settings: WalkSettings,
                  clock: Clock, timer: Callable[[], float] = _zero,
@@ -632,6 +633,8 @@ class Walker:
         scenario must tell the same story (``tests/integration/test_walk_parity.py``)."""
         self.scenarios: dict[str, ScenarioState] = {}
         """Route name → its model-bound cache scenarios' state (``core/scenarios.py``)."""
+        self.spread = SpreadPlanner()
+        """Spread-ahead's router-wide budget (``core/spread.py``)."""
 
     def observe_failover(self, route: str, state: ScenarioState,
                          now: float) -> tuple[bool, LogLine | None]:
@@ -986,6 +989,8 @@ class RequestWalk:
             self._walker.outputs.observe(self.request.route.name, output_tokens,
                                          None if before is None else before.completion_tokens)
         self._release(output_tokens if self.request.n == 1 else None)
+        if answered and self.key is not None:
+            self._consider_spread(output_tokens)
         self._phase = _Phase.ENDED
         usage_record = self._usage(finish_reasons, usage) if answered else None
         if self.key is None:
@@ -1460,6 +1465,52 @@ class RequestWalk:
             token_ids=request.prompt_token_ids, tenant=self.request.tenant,
             tenant_salt=self.request.cache_salt, payload=self.request.shadow_payload,
             last_seen_s=self._walker.clock.now()))
+
+    # -- spread-ahead ----------------------------------------------------------------------------
+
+    def _consider_spread(self, answer_tokens: int | None) -> None:
+        """Step 6b: the session now rests where it was served; when that replica is crowded
+        with other resting sessions, a copy of its prompt to an idle replica with KV room is
+        asked for (``core/spread.py``), as a ``ShadowWarm`` of scenario ``spread`` under the
+        session's own tenant scope and salt. Not for routes with model-bound cache scenarios
+        (their versions and salts move sessions themselves), LoRA adapters, external pools
+        or split prefills."""
+        decision = self.decision
+        if (decision is None or self._scenario is not None or self.request.adapter is not None
+                or self.pools[self.state.pool_index].external
+                or decision.prefill_replica is not None):
+            return
+        core = self._walker.core
+        request = decision.request
+        pool = PoolName(request.pool)
+        settings = getattr(core.policy_of(pool), "spread", None)
+        if not isinstance(settings, SpreadSettings) or not settings.enabled:
+            return
+        home = decision.replica
+        spec = core.pool(pool)
+        roles = {rep.name: rep.role for rep in spec.replicas}
+        version = core.versions.version(home)
+        targets = {
+            rep.name: core.load_beside(rep.name, request) for rep in spec.replicas
+            if rep.name != home and rep.role == roles.get(home) and core.is_healthy(rep.name)
+            and core.versions.version(rep.name) == version}
+        answer = (answer_tokens if answer_tokens is not None
+                  else request.predicted_output_tokens or request.expected_output_tokens)
+        plan = self._walker.spread.plan(
+            settings, tokens=request.num_prompt_tokens, answer_tokens=answer,
+            home=core.load_beside(home, request), targets=targets, timing=spec.decode_timing,
+            now_s=self._walker.clock.now())
+        if not isinstance(plan, SpreadCopy):
+            return
+        self._notes.append(ShadowWarm(self.request.route.name, "spread", pool, None, (HotSession(
+            key=self.key or "", pool=pool, tokens=request.num_prompt_tokens,
+            token_ids=request.prompt_token_ids, tenant=self.request.tenant,
+            tenant_salt=self.request.cache_salt, payload=self.request.shadow_payload,
+            last_seen_s=self._walker.clock.now()),), frozenset({plan.target})))
+        self._notes.append(LogLine("debug", (
+            f"{LOG_TAG} spread-ahead: session {self.request.session_id!r} rests on {home} "
+            f"beside others (overlap {plan.overlap:.2f}); copying {plan.tokens} tokens to "
+            f"{plan.target}")))
 
     # -- warm-ahead ------------------------------------------------------------------------------
 

@@ -563,6 +563,10 @@ class FleetResult:
         fraction of all requests. ``idle_while_overloaded`` is the fraction of load samples
         (one per ``sample_interval_s``, running + waiting per replica) in which a replica
         sat idle while another ran more than twice the fleet's mean load.
+        ``spread_copies`` / ``spread_copy_tokens``: spread-ahead's copies (``core/spread.py``)
+        and the prompt tokens they sent, its bill in extra prefill, beside ``prompt_tokens``
+        (the workload's own); ``spread_copies_used``: the session's next turn went to the
+        replica its copy went to.
         """
         done = [r for r in self.records if r.finish_s is not None]
         ttfts = sorted(r.ttft_s for r in self.records if r.ttft_s is not None)
@@ -628,6 +632,10 @@ class FleetResult:
             "split_fraction": (sum(1 for r in done if r.prefill_replica is not None)
                                / len(done) if done else 0.0),
             "makespan_s": span,
+            "spread_copies": self.counters.get("shadow_warms_spread", 0),
+            "spread_copy_tokens": self.counters.get("shadow_warm_tokens_spread", 0),
+            "spread_copies_used": self.counters.get("spread_copies_used", 0),
+            "prompt_tokens": sum(r.num_prompt_tokens for r in self.records),
         }
 
 
@@ -773,6 +781,8 @@ class FleetSimulation:
             for name, pool_name in self.pool_of.items():
                 self.router.set_identity(name, self._identity(pool_name, FIRST_VERSION))
         self._shadow: dict[str, ShadowWarm] = {}
+        self._spread_to: dict[str, ReplicaId] = {}
+        """Session → the engine its last spread-ahead copy went to (``spread_copies_used``)."""
         self._counters: Counter[str] = Counter()
         self._event_counts: Counter[str] = Counter()
         self._warm_skips: Counter[str] = Counter()
@@ -1037,6 +1047,10 @@ class FleetSimulation:
                 self._act(flight, nxt)
             return
         pool_index = send.pool_index
+        copied_to = self._spread_to.pop(request.session_id, None) \
+            if request.session_id is not None else None
+        if copied_to is not None and copied_to == engine:
+            self._counters["spread_copies_used"] += 1  # the turn went to its copy
         record.replica = engine
         record.expected_cached_tokens = decision.expected_cached_tokens
         record.pool = decision.request.pool
@@ -1120,6 +1134,8 @@ class FleetSimulation:
             self._counters[f"shadow_warms_{warm.scenario}"] += 1
             self._counters[f"shadow_warm_tokens_{warm.scenario}"] += item.tokens
             self._shadow[wid] = warm
+            if warm.scenario == "spread" and request.session_id is not None:
+                self._spread_to[request.session_id] = engine
             self._warm[wid] = RequestRecord(
                 wid, now, replica=engine, num_prompt_tokens=item.tokens,
                 session_id=request.session_id, pool=warm.pool, requested_max_tokens=1)
