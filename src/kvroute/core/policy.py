@@ -369,7 +369,7 @@ class KvrouteCostPolicy:
         lifetime_stall: bool = False,
         kv_wait_weight: float = 0.0,
         residual_weight: float = 0.75,
-        spread_ahead: bool = False,
+        spread_ahead: bool = DEFAULT_SPREAD.enabled,
         spread_per_s: float = DEFAULT_SPREAD.per_s,
         spread_budget_tokens: float = DEFAULT_SPREAD.budget_tokens,
         spread_overlap: float = DEFAULT_SPREAD.overlap,

@@ -62,7 +62,7 @@ class SpreadSettings:
     """Spread-ahead's switch and budget (module docstring); ``--policy-param
     kvroute.spread_ahead=1`` and the ``spread_*`` parameters of ``KvrouteCostPolicy``."""
 
-    enabled: bool = False
+    enabled: bool = True
     per_s: float = 1.0
     """Copies a second, on average, fleet-wide."""
     burst: float = 2.0

@@ -56,7 +56,7 @@ def test_two_overlapping_resting_sessions_and_an_idle_replica_plan_a_copy() -> N
 
 
 def test_no_copy_when_off_short_or_alone() -> None:
-    assert plan(settings=SpreadSettings()) == SpreadSkip("off")
+    assert plan(settings=SpreadSettings(enabled=False)) == SpreadSkip("off")
     assert plan(tokens=500) == SpreadSkip("short")
     alone = ReplicaLoad(prefill_rate_tps=25_000.0, kv_capacity_tokens=CAPACITY,
                         resting_session_tokens=CTX, session_rest_s=16.0)
@@ -108,6 +108,7 @@ def test_settings_out_of_range_are_refused() -> None:
     with pytest.raises(ValueError, match="spread-ahead settings"):
         SpreadSettings(overlap=2.0)
     assert SpreadSettings().budget_tokens == math.inf
+    assert SpreadSettings().enabled  # on by default (docs/benchmarks.md, "The whole turn")
 
 
 # --- the walk: a session's request ends on a crowded replica ---------------------------------
@@ -202,7 +203,7 @@ def _serve_then_heal(walker: Walker, session: str, *, tenant: str,
 
 
 def test_no_copy_when_spread_ahead_is_off_or_the_session_rests_alone() -> None:
-    walker, clock = make()  # off by default
+    walker, clock = make(spread_ahead=False)
     crowd_p0(walker, clock, [("t", "a"), ("t", "b")])
     _, notes = _serve_then_heal(walker, "s", tenant="t", salt=None)
     assert not [n for n in notes if isinstance(n, ShadowWarm)]

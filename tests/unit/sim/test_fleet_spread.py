@@ -43,7 +43,7 @@ def test_copies_are_sent_run_on_their_target_and_are_billed() -> None:
 
 
 def test_no_copy_when_spread_ahead_is_off() -> None:
-    result = run()
+    result = run(spread_ahead=False)
     assert not any(r.request_id.startswith(f"{SHADOW_PREFIX}spread")
                    for r in result.warm_records)
     assert result.summary()["spread_copies"] == 0
