@@ -415,7 +415,7 @@ class KvrouteCostPolicy:
             overlap=spread_overlap, min_tokens=spread_min_tokens,
             max_target_in_flight=spread_target_in_flight)
         """Spread-ahead (``core/spread.py``): copies of resting sessions' contexts to idle
-        replicas, planned by the walk when a session's request ends; off by default."""
+        replicas, planned by the walk when a session's request ends; on by default."""
 
     def turn_terms_s(self, request: PolicyInput, cand: Candidate, prefill_tokens: float,
                      scale: float = 1.0) -> tuple[float, float]:

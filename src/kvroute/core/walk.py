@@ -59,7 +59,9 @@ The steps, in order (each names the pure module that owns the decision):
    moves to the next replica of the ranking (``RouterCore.reroute``), at most
    ``max_retries`` times.
 6. **Account**: first token and completion on ``RouterCore``; a cut-short answer noted; the
-   session's record (pin, tier, usage) returned for the driver to write once.
+   session's record (pin, tier, usage) returned for the driver to write once; when the
+   session now rests beside others on a crowded replica, a spread-ahead copy to an idle
+   one is asked for (``core/spread.py``, a ``ShadowWarm`` of scenario ``spread``).
 """
 
 from __future__ import annotations
