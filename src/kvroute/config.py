@@ -77,6 +77,7 @@ __all__ = [
     "TenantConfig",
     "TimeoutsConfig",
     "TokenizerConfig",
+    "TranscriptSampleConfig",
     "WarmAheadConfig",
     "derive_cache_salt",
     "expand_dp_ranks",
@@ -576,6 +577,32 @@ class GateConfig:
     """
 
     verdicts: str | None = None
+    sample: TranscriptSampleConfig | None = None
+    """``gate.sample``: the opt-in sample of live conversations for the shadow replay; None
+    (the default): nothing is sampled."""
+
+
+@dataclass(frozen=True, slots=True)
+class TranscriptSampleConfig:
+    """``gate.sample``: finished multi-turn conversations of opted-in tenants, written as
+    shadow-replay transcripts (``core/transcript_sample.py``; docs/model-bound-caches.md).
+
+    Off unless configured. Each tenant in ``tenants`` gets ``<directory>/<tenant>.jsonl``;
+    the other fields bound the sample (``core.transcript_sample.SampleSettings``). The
+    files hold prompts: turn it on only for tenants whose prompts may be written to disk.
+    """
+
+    directory: str
+    tenants: tuple[str, ...]
+    rate: float = 0.05
+    idle_s: float = 300.0
+    min_turns: int = 2
+    max_open: int = 256
+    max_per_minute: int = 60
+    max_per_tenant: int = 1000
+    max_bytes_per_tenant: int = 10_000_000
+    max_tokens: int = 32
+    seed: str = "kvroute-transcripts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1545,6 +1572,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
     admin_key_env = None if admin_env is None else _env_name("admin_key_env", admin_env)
     policy = _policy(data.get("policy"))
     _check_pool_policy(policy, pools)
+    tenants = _tenants(data.get("tenants"))
     return RouterConfig(
         pools=MappingProxyType(pools),
         routes=MappingProxyType(routes),
@@ -1552,7 +1580,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         policy=policy,
         state=_state(data.get("state")),
         cluster=_cluster(data.get("cluster")),
-        tenants=_tenants(data.get("tenants")),
+        tenants=tenants,
         admin_key_env=admin_key_env,
         salt_secret_env=_env_name("salt_secret_env", data.get("salt_secret_env", "KVROUTE_SALT_SECRET")),
         timeouts=_timeouts(data.get("timeouts")),
@@ -1569,17 +1597,64 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> RouterCo
         log_format=log_format,
         audit_sample=_audit_sample(data.get("audit_sample")),
         kv_stream=_kv_stream(data.get("kv_stream")),
-        gate=_gate(data.get("gate")),
+        gate=_gate(data.get("gate"), tenants),
     )
 
 
-def _gate(data: Any) -> GateConfig:
+def _gate(data: Any, tenants: Sequence[TenantConfig] = ()) -> GateConfig:
     if data is None:
         return GateConfig()
     d = _mapping("gate", data, "{verdicts: /var/lib/kvroute/verdicts.json}")
-    _check_keys("gate", d, ("verdicts",))
+    _check_keys("gate", d, ("verdicts", "sample"))
     return GateConfig(verdicts=_opt_str("gate.verdicts", d.get("verdicts"),
-                                        example="/var/lib/kvroute/verdicts.json"))
+                                        example="/var/lib/kvroute/verdicts.json"),
+                      sample=_transcript_sample(d.get("sample"), tenants))
+
+
+_SAMPLE_EXAMPLE = "{directory: /var/lib/kvroute/transcripts, tenants: [acme], rate: 0.05}"
+
+
+def _transcript_sample(data: Any, tenants: Sequence[TenantConfig]) -> TranscriptSampleConfig | None:
+    if data is None:
+        return None
+    d = _mapping("gate.sample", data, _SAMPLE_EXAMPLE)
+    _check_keys("gate.sample", d, ("directory", "tenants", "rate", "idle_s", "min_turns",
+                                   "max_open", "max_per_minute", "max_per_tenant",
+                                   "max_bytes_per_tenant", "max_tokens", "seed"))
+    base = TranscriptSampleConfig(directory="", tenants=())
+    directory = _str("gate.sample.directory", d.get("directory"),
+                     example="/var/lib/kvroute/transcripts")
+    names = d.get("tenants")
+    known = [t.name for t in tenants] or [DEFAULT_TENANT]
+    if not isinstance(names, list) or not names:
+        raise _fail("gate.sample.tenants", names, "must be a non-empty list of tenant names",
+                    f"Opt tenants in by name, e.g. tenants: [{known[0]}] (prompts go to disk).")
+    for name in names:
+        if name not in known:
+            raise _fail("gate.sample.tenants", name, "is not a configured tenant",
+                        f"Use one of: {', '.join(known)}.")
+    rate = _num("gate.sample.rate", d.get("rate", base.rate))
+    if rate > 1.0:
+        raise _fail("gate.sample.rate", rate, "must be <= 1",
+                    "Write the share of conversations sampled, e.g. 0.05.")
+    max_tokens = _int("gate.sample.max_tokens", d.get("max_tokens", base.max_tokens), minimum=1)
+    if max_tokens > 4096:
+        raise _fail("gate.sample.max_tokens", max_tokens, "must be <= 4096",
+                    "Each replayed turn generates this many tokens; 16 to 64 is plenty.")
+    return TranscriptSampleConfig(
+        directory=directory, tenants=tuple(dict.fromkeys(str(n) for n in names)), rate=rate,
+        idle_s=_num("gate.sample.idle_s", d.get("idle_s", base.idle_s)),
+        min_turns=_int("gate.sample.min_turns", d.get("min_turns", base.min_turns), minimum=1),
+        max_open=_int("gate.sample.max_open", d.get("max_open", base.max_open), minimum=1),
+        max_per_minute=_int("gate.sample.max_per_minute",
+                            d.get("max_per_minute", base.max_per_minute), minimum=1),
+        max_per_tenant=_int("gate.sample.max_per_tenant",
+                            d.get("max_per_tenant", base.max_per_tenant), minimum=1),
+        max_bytes_per_tenant=_int("gate.sample.max_bytes_per_tenant",
+                                  d.get("max_bytes_per_tenant", base.max_bytes_per_tenant),
+                                  minimum=1024),
+        max_tokens=max_tokens,
+        seed=_str("gate.sample.seed", d.get("seed", base.seed), example="kvroute-transcripts"))
 
 
 def _kv_stream(data: Any) -> KvStreamConfig | None:

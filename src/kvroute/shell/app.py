@@ -45,6 +45,7 @@ from kvroute.shell.shadow_warm import ShadowWarmSender
 from kvroute.shell.state import MonotonicClock, SessionState
 from kvroute.shell.tenancy import cache_salt, log_tenant_isolation, tenant_of
 from kvroute.shell.tier_pools import TierPools
+from kvroute.shell.transcript_sample import TranscriptWriter
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.openai import Endpoint, ParsedRequest, RequestError, error_body
@@ -179,6 +180,8 @@ class RouterApp:
         finally:
             if self.router.forwarder.sampler is not None:
                 self.router.forwarder.sampler.close()
+            if self.router.forwarder.transcripts is not None:
+                await self.router.forwarder.transcripts.close()
             if self.router.warm is not None:
                 await self.router.warm.close()
             if self.router.forwarder.shadow is not None:
@@ -260,6 +263,8 @@ def build_app(
                           activity=activity,
                           sampler=(AuditSampler(config.audit_sample)
                                    if config.audit_sample is not None else None),
+                          transcripts=(TranscriptWriter(config.gate.sample)
+                                       if config.gate.sample is not None else None),
                           lora_loader=(LoraLoader(config, core, upstream,
                                                   replica_url=replica_url)
                                        if any(p.lora_adapters for p in config.pools.values())

@@ -65,6 +65,7 @@ from kvroute.shell.shadow_warm import ShadowWarmSender
 from kvroute.shell.state import SessionState
 from kvroute.shell.tenancy import routing_header_tenants
 from kvroute.shell.tier_pools import TierPools
+from kvroute.shell.transcript_sample import TranscriptWriter
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
 from kvroute.wire.disagg import TransferParamsError, prefill_body, transfer_params
@@ -198,6 +199,8 @@ class Forwarder:
     feedback: CacheFeedback | None = None
     activity: Activity | None = None
     sampler: AuditSampler | None = None
+    transcripts: TranscriptWriter | None = None
+    """``gate.sample``: finished conversations kept for the shadow replay (opt-in)."""
     lora_loader: LoraLoader | None = None
     shadow: ShadowWarmSender | None = None
     replica_url: Callable[[ReplicaId], str | None] | None = None
@@ -294,6 +297,9 @@ class Forwarder:
                 self.metrics.reasoning(route.name, thinking)
             write = walk.end(reasons, usage)
             self._drain(walk)
+            if self.transcripts is not None and reasons:  # answered: a finish reason came
+                self.transcripts.offer(tenant, route.name, parsed.messages, session,
+                                       parsed.max_tokens)
             if self.feedback is not None and walk.decision is not None:
                 self.feedback.on_answer(walk.decision, usage)
             scenario = self.walker.scenarios.get(route.name)
