@@ -373,6 +373,7 @@ class RouterCore:
             self.recency.clear(replica)
         self.load.remove_replica(replica)
         self._no_prefix_caching.discard(replica)
+        self.verdicts.forget_cache(replica)
         self._adapters.pop(replica, None)
         self._slots.pop(replica, None)
         self._adapter_in_flight.pop(replica, None)

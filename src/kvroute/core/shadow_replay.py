@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
+    "CACHE_POLICY_KEYS",
     "CLASS_METRICS",
     "ClassScore",
     "Thresholds",
@@ -51,6 +52,13 @@ MAX_TURNS: Final = 64
 CLASS_METRICS: Final = ("exact_match", "top1_agreement", "max_dlogprob", "mean_dlogprob",
                         "turns")
 """The scores kept per class in a verdict (``<class>.<metric>``)."""
+CACHE_POLICY_KEYS: Final = (
+    "block_size", "cache_dtype", "kv_cache_dtype", "enable_prefix_caching",
+    "prefix_caching_hash_algo", "calculate_kv_scales", "sliding_window",
+    "kv_offloading_backend", "kv_offloading_size", "cpu_offload_gb", "mamba_cache_dtype")
+"""The ``vllm:cache_config_info`` labels that change what a cached block holds or whether it
+is reused (memory sizes and block counts are left out: they change nothing in a block). The
+cache-policy audit records them per side with a verdict (``<side>.<key>``)."""
 
 
 class TranscriptError(ValueError):

@@ -22,9 +22,13 @@ An answer (:class:`Ruling`) is one of
   or the version is the same but its tokenizer fingerprint is not;
 * ``none``: nothing was ever decided for the pair.
 
-The cache settings a verdict was measured under (its ``cache_policy``) are not compared here:
-the router does not keep each replica's full cache settings; ``kvroute gate allows`` audits
-them against the running engines (docs/model-bound-caches.md, "What is not done").
+A verdict is also ``stale`` when it was measured under other cache settings than the
+replicas of either side run now: the book keeps each replica's ``vllm:cache_config_info``
+labels (:meth:`VerdictBook.observe_cache`, fed by discovery) and compares the block-changing
+ones (``CACHE_POLICY_KEYS``: block size, KV dtype, prefix caching, hash algorithm...) with
+those the verdict recorded for that side, as ``kvroute gate allows`` does. A side the
+verdict recorded no cache settings for, and a replica whose settings are not read yet, are
+not compared (nothing to compare with).
 
 Pure: the verdicts come in as a :class:`~kvroute.core.gate.VerdictStore` the shell loaded
 (and swaps on reload, :meth:`VerdictBook.load`); identities come from the router core's
@@ -33,10 +37,13 @@ Pure: the verdicts come in as a :class:`~kvroute.core.gate.VerdictStore` the she
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from kvroute.core.gate import PATHS, Verdict, VerdictStore
+from kvroute.core.shadow_replay import CACHE_POLICY_KEYS
+from kvroute.core.types import ReplicaId
 from kvroute.core.versions import ReplicaVersions
 
 __all__ = ["PD_PATH", "SALT_PATH", "STATUSES", "GateRefusal", "Ruling", "Status", "VerdictBook",
@@ -71,11 +78,42 @@ _NATIVE: Final = Ruling("pass", "same weights: native state, no verdict needed")
 class VerdictBook:
     """Verdicts as the router reads them, against the replicas' identities now."""
 
-    __slots__ = ("_store", "_versions")
+    __slots__ = ("_cache", "_store", "_versions")
 
     def __init__(self, versions: ReplicaVersions, store: VerdictStore | None = None) -> None:
         self._versions = versions
         self._store = store if store is not None else VerdictStore()
+        self._cache: dict[ReplicaId, dict[str, str]] = {}
+
+    def observe_cache(self, replica: ReplicaId, cache_config: Mapping[str, str]) -> None:
+        """Record ``replica``'s cache settings now (its ``vllm:cache_config_info`` labels;
+        only ``CACHE_POLICY_KEYS`` are kept). An empty mapping (the engine does not report
+        them) is not recorded."""
+        if cache_config:
+            self._cache[replica] = {k: str(cache_config[k]) for k in CACHE_POLICY_KEYS
+                                    if k in cache_config}
+
+    def forget_cache(self, replica: ReplicaId) -> None:
+        """``replica`` left the fleet."""
+        self._cache.pop(replica, None)
+
+    def _settings_changed(self, verdict: Verdict, side: str, version: str) -> str | None:
+        """How the replicas of ``version`` now differ from the cache settings ``verdict``
+        recorded for ``side``, in words; None when they do not (or nothing to compare)."""
+        recorded = {k[len(side) + 1:]: str(v) for k, v in verdict.cache_policy.items()
+                    if k.startswith(side + ".") and k[len(side) + 1:] in CACHE_POLICY_KEYS}
+        if not recorded:
+            return None
+        for replica in self._versions.replicas_of(version):
+            now = self._cache.get(replica)
+            if now is None:
+                continue
+            changed = sorted(k for k in recorded.keys() | now.keys()
+                             if recorded.get(k) != now.get(k))
+            if changed:
+                return ", ".join(f"{side}.{k}: {recorded.get(k)} -> {now.get(k)}"
+                                 for k in changed) + f" on {replica}"
+        return None
 
     def load(self, store: VerdictStore) -> None:
         """Use ``store``'s verdicts from now on (the shell reloaded the file)."""
@@ -104,6 +142,12 @@ class VerdictBook:
             if k.path != path or k.serving_version != serving or k.source_version != source:
                 continue
             if k.serving_tokenizer == tok_a and k.source_tokenizer == tok_b:
+                drift = (self._settings_changed(verdict, "serving", serving)
+                         or self._settings_changed(verdict, "source", source))
+                if drift is not None:
+                    return Ruling("stale", f"{path} {serving} <- {source}: the verdict was "
+                                  f"measured under other cache settings ({drift}); run "
+                                  "`kvroute gate replay` on the replicas as they are now")
                 word: Status = "pass" if verdict.passed else "fail"
                 return Ruling(word, f"{path} {serving} <- {source}: {verdict.reason}")
             same_versions = verdict

@@ -128,6 +128,10 @@ class ReplicaVersions:
     def identity(self, replica: ReplicaId) -> ModelIdentity | None:
         return self._identity.get(replica)
 
+    def replicas_of(self, version: str) -> list[ReplicaId]:
+        """The replicas that run ``version`` now (sorted)."""
+        return sorted(r for r, identity in self._identity.items() if identity.version == version)
+
     def version(self, replica: ReplicaId) -> str | None:
         """The replica's version, or None while no identity has been read."""
         identity = self._identity.get(replica)

@@ -534,6 +534,7 @@ class Discovery:
                         list(parsed.model_names))
         info.block_size = parsed.block_size
         info.hash_algo = parsed.prefix_caching_hash_algo
+        self._core.verdicts.observe_cache(name, parsed.cache_config)
         self._dp.observe(rep.config, parsed.engines)
         if self._on_engine_metrics is not None:
             self._on_engine_metrics(rep.config.name, parsed)

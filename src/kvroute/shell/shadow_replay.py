@@ -35,6 +35,7 @@ import aiohttp
 
 from kvroute.core.model_identity import ModelIdentity
 from kvroute.core.shadow_replay import (
+    CACHE_POLICY_KEYS,
     TokenStep,
     Transcript,
     TurnComparison,
@@ -60,12 +61,8 @@ CANDIDATE_MODE: Final = {"prefix-cache-hit": "hit", "cross-engine": "recompute",
                          "shared-store": "hit", "lossy-kv": "hit"}
 """How each transfer path's candidate is produced (module docstring)."""
 
-POLICY_KEYS: Final = ("block_size", "cache_dtype", "kv_cache_dtype", "enable_prefix_caching",
-                      "prefix_caching_hash_algo", "calculate_kv_scales", "sliding_window",
-                      "kv_offloading_backend", "kv_offloading_size", "cpu_offload_gb",
-                      "mamba_cache_dtype")
-"""The ``vllm:cache_config_info`` labels that change what a cached block holds or whether it
-is reused (memory sizes and block counts are left out: they change nothing in a block)."""
+POLICY_KEYS: Final = CACHE_POLICY_KEYS
+"""The ``vllm:cache_config_info`` labels the audit records (``core/shadow_replay.py``)."""
 
 _TIMEOUT: Final = aiohttp.ClientTimeout(total=120.0, connect=5.0)
 

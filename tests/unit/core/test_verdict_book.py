@@ -100,3 +100,30 @@ def test_a_third_version_joins_a_shared_salt_only_with_verdicts_against_every_me
     assert salted == "v3" and refusal is not None  # v1 wrote under that salt too: no verdict
     book.load(VerdictStore([*two, verdict("v3", "v1", SALT_PATH)]))
     assert salt_version("v3", versions, book) == ("v1", None)
+
+
+def test_a_verdict_measured_under_other_cache_settings_is_stale() -> None:
+    policy = {"serving.block_size": "16", "serving.cache_dtype": "auto",
+              "serving.weights": "w:2", "source.block_size": "16",
+              "source.cache_dtype": "auto", "source.root": "/m"}
+    key = PairKey("w:2", "t:1", "w:1", "t:1", PD_PATH)
+    book, _ = book_with(Verdict(key, True, "replay passed", cache_policy=policy),
+                        a="w:1", b="w:2")
+    assert book.allows("w:2", "w:1", PD_PATH).allowed  # no replica's settings read yet
+    same = {"block_size": "16", "cache_dtype": "auto", "num_gpu_blocks": "900"}
+    book.observe_cache(ReplicaId("a"), same)  # memory sizes are not cache settings
+    book.observe_cache(ReplicaId("b"), same)
+    assert book.allows("w:2", "w:1", PD_PATH).allowed
+    book.observe_cache(ReplicaId("a"), {**same, "cache_dtype": "fp8"})  # the source side
+    stale = book.allows("w:2", "w:1", PD_PATH)
+    assert stale.status == "stale", stale
+    assert "source.cache_dtype: auto -> fp8 on a" in stale.reason
+    book.observe_cache(ReplicaId("a"), same)
+    book.observe_cache(ReplicaId("b"), {**same, "block_size": "128"})  # the serving side
+    assert "serving.block_size: 16 -> 128 on b" in book.allows("w:2", "w:1", PD_PATH).reason
+    book.forget_cache(ReplicaId("b"))  # left: nothing to compare with
+    assert book.allows("w:2", "w:1", PD_PATH).allowed
+    # A verdict that recorded no settings (a stand-in written by hand) is not audited.
+    bare, _ = book_with(verdict("w:2", "w:1", PD_PATH), a="w:1", b="w:2")
+    bare.observe_cache(ReplicaId("b"), {"block_size": "128"})
+    assert bare.allows("w:2", "w:1", PD_PATH).allowed
