@@ -11,14 +11,18 @@ tokenizer), and the base weights with another tokenizer (``tests/model_variants.
    recompute;
 3. the cache-policy audit: the settings are recorded with the verdict, and a run during
    which the serving side's weights change on disk is void (no verdict);
-4. a replica restarted on the perturbed weights under the same served name gets no predicted
+4. ``lossy-kv``: the base weights with an FP8 KV cache (``e2``) measured against the base
+   engine recomputing; the figures are reported as measured, the hits must really happen;
+5. version groups: the base and perturbed engines in one pool under one served name, a
+   round-robin pool, and every turn of a multi-turn session on the version of its first;
+6. a replica restarted on the perturbed weights under the same served name gets no predicted
    hits from its old index entries, and its hit-vs-recompute verdict is stale; the other
    engine, restarted at the same time on the other-tokenizer checkpoint, is stopped at
    identity by ``gate replay`` before any request.
 
-Engines: one pair per module, started in parallel (``e0`` base, ``e1`` perturbed, both with
-``--enable-prompt-tokens-details``), restarted once in parallel by the last test (about two
-engine starts in all). Every replay uses the bundled transcripts (6 transcripts, 3 classes,
+Engines: three per module, started in parallel (``e0`` base, ``e1`` perturbed, ``e2`` base
+with ``--kv-cache-dtype fp8``, all with ``--enable-prompt-tokens-details``); the last test
+restarts ``e0`` and ``e1`` once in parallel (about two engine starts in all). Every replay uses the bundled transcripts (6 transcripts, 3 classes,
 3 turns each, 16 tokens a turn), bounded by the replay's own request timeouts.
 """
 
@@ -73,10 +77,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def engines(checkpoints: dict[str, Path]) -> Iterator[RealVllmEngines]:
     with realvllm.real_vllm_engines(
-        2, model_dirs=[checkpoints["base"], checkpoints["perturbed"]],
+        3, model_dirs=[checkpoints["base"], checkpoints["perturbed"], checkpoints["base"]],
         extra_args=["--enable-prompt-tokens-details"], ready_timeout_s=READY_S,
-    ) as pair:
-        yield pair
+        per_engine_args=[[], [], ["--kv-cache-dtype", "fp8"]],
+    ) as trio:
+        yield trio
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +155,28 @@ def test_the_gate_fails_the_perturbed_weights_by_shadow_replay(
     assert code == 1 and "the verdict fails: replay failed" in said, said
 
 
+def test_an_fp8_kv_cache_is_measured_against_recompute_on_the_same_weights(
+        engines: RealVllmEngines, store: Path) -> None:
+    """``lossy-kv``: e2 serves the base weights with an FP8 KV cache (vLLM's CPU backend
+    accepts ``--kv-cache-dtype fp8``); the candidate is e2 answering from its own FP8
+    prefix cache, the native path e0 recomputing with the model's KV dtype. The figures
+    are reported as measured; the verdict is whatever the thresholds say."""
+    code, _, report = replay(store, engines[0], engines[2], "lossy-kv")
+    assert all(t["candidate_cached_tokens"] and t["candidate_cached_tokens"] >= 128
+               for t in report["turns"]), report["turns"]  # served from the FP8 cache
+    policy = report["cache_policy"]
+    assert policy["source.cache_dtype"] == "fp8", policy
+    assert policy["serving.cache_dtype"] != "fp8", policy
+    assert policy["serving.weights"] == policy["source.weights"]  # one checkpoint
+    assert {c["class"] for c in report["classes"]} == {"extraction", "code", "reasoning"}
+    assert code == (0 if report["passed"] else 1)
+    verdict = next(v for v in load_store(store) if v.key.path == "lossy-kv")
+    assert verdict.passed == report["passed"]
+    assert dict(verdict.cache_policy)["source.cache_dtype"] == "fp8"
+    code, said = allows(store, engines[0], engines[2], "lossy-kv")
+    assert code == (0 if report["passed"] else 1), said
+
+
 def test_a_run_whose_serving_weights_change_on_disk_is_void(
         engines: RealVllmEngines) -> None:
     config = Path(engines[1].model_dir) / "config.json"
@@ -173,6 +200,66 @@ def test_a_run_whose_serving_weights_change_on_disk_is_void(
     assert run.void == ("serving.weights: " + run.policy["serving.weights"]
                         + " -> v:hot-update",), run.void
     assert len(run.turns) == 1  # stopped at the turn that saw the change
+
+
+def test_version_groups_keep_a_multi_turn_session_on_one_version(
+        engines: RealVllmEngines, checkpoints: dict[str, Path]) -> None:
+    """Both engines in one pool under one served name, on different weights: a version
+    group per engine. The pool routes round-robin, which alone would flip a session's
+    turns between the engines; the version group keeps every turn of a session on the
+    version that served its first turn."""
+    config = parse_config({
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": {"main": {"model": "tiny", "replicas": [
+            {"name": f"r{i}", "url": e.url} for i, e in enumerate(engines[:2])]}},
+        "routes": {"assistant": {"pools": ["main"]}},
+        "policy": {"name": "round_robin", "seed": 22},
+        "discovery": {"health_interval_s": 0.5, "metrics_interval_s": 1.0,
+                      "models_interval_s": 0.5, "timeout_s": 2.0},
+        "timeouts": {"connect_s": 2.0, "first_byte_s": 60.0, "total_s": 120.0},
+        "log_level": "warning",
+    }, env={})
+    base = read_identity_sync("tiny", str(checkpoints["base"])).version
+    perturbed = read_identity_sync("tiny", str(checkpoints["perturbed"])).version
+    assert base != perturbed
+    turns = 3
+
+    async def converse(http: aiohttp.ClientSession, rt: RouterRuntime, session: str
+                       ) -> list[str]:
+        """A multi-turn conversation: each turn sends the whole history, answers included."""
+        messages: list[dict[str, str]] = []
+        served: list[str] = []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"{session} turn {turn}: "
+                             + realvllm.filler_text(turn, 12)})
+            body = {"model": "assistant", "max_tokens": 4, "temperature": 0,
+                    "messages": messages}
+            async with http.post(rt.url + "/v1/chat/completions", json=body,
+                                 headers={"x-session-id": session}) as resp:
+                data = await resp.json()
+                assert resp.status == 200, data
+                served.append(resp.headers["x-kvroute-replica"])
+            messages.append({"role": "assistant",
+                             "content": data["choices"][0]["message"]["content"]})
+        return served
+
+    async def body() -> None:
+        async with RouterRuntime(config, env={}) as rt, aiohttp.ClientSession() as http:
+            async with asyncio.timeout(60):
+                while {rt.core.versions.version(ReplicaId(f"r{i}")) for i in range(2)} != {
+                        base, perturbed}:
+                    await asyncio.sleep(0.1)
+            groups: Any = rt.core.versions.groups([ReplicaId("r0"), ReplicaId("r1")])
+            assert sorted(groups) == sorted([base, perturbed])
+            versions = {}
+            for session in ("conv-a", "conv-b", "conv-c", "conv-d"):  # one after another
+                served = await converse(http, rt, session)
+                assert len(set(served)) == 1, (session, served)  # never flipped
+                versions[session] = rt.core.versions.version(ReplicaId(served[0]))
+            # Round-robin placed new sessions on both versions: each group was used.
+            assert set(versions.values()) == {base, perturbed}, versions
+
+    asyncio.run(asyncio.wait_for(body(), 600))
 
 
 def test_a_replica_restarted_on_other_weights_loses_its_hits_and_another_tokenizer_stops(
