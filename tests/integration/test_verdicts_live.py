@@ -7,7 +7,9 @@
   refusal).
 * A disaggregated pool whose prefill engine runs other weights than its decode engine: no
   split without a passing ``cross-engine`` verdict (the decode engine computes the prompt,
-  the tokens billed to the gate), the two-step protocol once the verdict is written."""
+  the tokens billed to the gate), the two-step protocol once the verdict is written.
+* The verdict book's cache-settings audit: a verdict recorded under an FP8 KV cache is
+  stale for an engine reporting ``cache_dtype=auto``."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from kvroute.core.types import ReplicaId
 from kvroute.core.verdict_book import PD_PATH, SALT_PATH
 from kvroute.shell.gate_store import save_store
 from kvroute.shell.runtime import RouterRuntime
+from kvroute.shell.shadow_replay import Endpoint, read_policy
 from kvroute.sim.launcher import Fleet, ReplicaSpec, start_fleet
 
 pytestmark = pytest.mark.integration
@@ -119,6 +122,66 @@ def test_a_passing_shared_store_verdict_lets_the_new_version_keep_the_old_salt(
             assert await ask(http, rt.url, prefix + " two") > 0  # the v1 blocks serve v2
             assert refusals() == 1.0  # no new refusal
             assert rt.metrics.value("kvroute_gate_verdicts") == 1.0
+
+    async def bounded() -> None:
+        await asyncio.wait_for(body(), 90.0)
+
+    asyncio.run(bounded())
+
+
+def test_a_verdict_measured_under_other_cache_settings_is_stale_for_the_router(
+        tmp_path: Path, fleets: list[Fleet]) -> None:
+    """The verdict book audits the cache settings a verdict recorded against what the
+    engine reports (``vllm:cache_config_info``): a passing ``shared-store`` verdict with either
+    side measured under an FP8 KV cache does not let the new version keep the old salt on
+    an engine with ``cache_dtype=auto`` (the engine misses v1's blocks); the same verdict
+    under the engine's own settings does (it serves them)."""
+    root = model_dir(tmp_path / "m", "v1")
+    fleet = start_fleet([ReplicaSpec(name="s0", pool=POOL, model=MODEL, root=root,
+                                     enable_prompt_tokens_details=True)], timeout_s=120.0)
+    fleets.append(fleet)
+    verdicts = tmp_path / "verdicts.json"
+    rng = random.Random(5)
+    cases = (("serving", "fp8", False), ("source", "fp8", False), ("serving", "auto", True))
+    # One prefix per case, each warm under v1's salt before the update.
+    prefixes = [" ".join(f"w{rng.randrange(10_000)}{i}" for i in range(300)) for _ in cases]
+    s0 = ReplicaId("s0")
+
+    async def body() -> None:
+        async with RouterRuntime(config(fleet, verdicts), env={}) as rt, \
+                aiohttp.ClientSession() as http:
+            await wait_for(lambda: rt.core.versions.version(s0) == "v:v1", "v1 read")
+            for prefix in prefixes:
+                await ask(http, rt.url, prefix)
+                assert await ask(http, rt.url, prefix + " again") > 0  # warm on v1
+            old = rt.core.versions.identity_of("v:v1")
+            model_dir(tmp_path / "m", "v2")  # new weights behind the running engine
+            await wait_for(lambda: rt.core.versions.version(s0) == "v:v2", "v2 read")
+            new = rt.core.versions.identity_of("v:v2")
+            assert old is not None and new is not None
+            key = PairKey(new.version, new.tokenizer, old.version, old.tokenizer, SALT_PATH)
+            # What a replay on this engine records (one engine: both sides' settings).
+            read = await read_policy(http, {"serving": Endpoint(fleet.replicas[0].url, MODEL)})
+            measured = {**read, **{"source." + k.removeprefix("serving."): v
+                                   for k, v in read.items()}}
+            assert measured["serving.cache_dtype"] == "auto"
+            # The source, v1, runs nowhere now: the settings it last ran under count.
+            for (side, cache_dtype, used), prefix in zip(cases, prefixes, strict=True):
+                policy = {**measured, f"{side}.cache_dtype": cache_dtype}
+                loaded = rt.verdict_file.num_loads if rt.verdict_file is not None else 0
+                save_store(verdicts, VerdictStore([Verdict(key, True, "replay passed",
+                                                           cache_policy=policy)]))
+
+                def reloaded(after: int = loaded) -> bool:
+                    return rt.verdict_file is not None and rt.verdict_file.num_loads > after
+
+                await wait_for(reloaded, "the file reloaded")
+                ruling = rt.core.verdicts.allows(new.version, old.version, SALT_PATH)
+                assert ruling.status == ("pass" if used else "stale"), ruling
+                if not used:
+                    assert f"{side}.cache_dtype: fp8 -> auto on s0" in ruling.reason
+                cached = await ask(http, rt.url, prefix + " after")
+                assert (cached > 0) == used, (side, cache_dtype, cached)
 
     async def bounded() -> None:
         await asyncio.wait_for(body(), 90.0)

@@ -26,9 +26,10 @@ A verdict is also ``stale`` when it was measured under other cache settings than
 replicas of either side run now: the book keeps each replica's ``vllm:cache_config_info``
 labels (:meth:`VerdictBook.observe_cache`, fed by discovery) and compares the block-changing
 ones (``CACHE_POLICY_KEYS``: block size, KV dtype, prefix caching, hash algorithm...) with
-those the verdict recorded for that side, as ``kvroute gate allows`` does. A side the
-verdict recorded no cache settings for, and a replica whose settings are not read yet, are
-not compared (nothing to compare with).
+those the verdict recorded for that side, as ``kvroute gate allows`` does; a side whose
+version no replica runs now (a shared store still holds its blocks) is compared with the
+settings it last ran under. A side the verdict recorded no cache settings for, and a
+replica whose settings are not read yet, are not compared (nothing to compare with).
 
 Pure: the verdicts come in as a :class:`~kvroute.core.gate.VerdictStore` the shell loaded
 (and swaps on reload, :meth:`VerdictBook.load`); identities come from the router core's
@@ -78,20 +79,24 @@ _NATIVE: Final = Ruling("pass", "same weights: native state, no verdict needed")
 class VerdictBook:
     """Verdicts as the router reads them, against the replicas' identities now."""
 
-    __slots__ = ("_cache", "_store", "_versions")
+    __slots__ = ("_cache", "_last_by_version", "_store", "_versions")
 
     def __init__(self, versions: ReplicaVersions, store: VerdictStore | None = None) -> None:
         self._versions = versions
         self._store = store if store is not None else VerdictStore()
         self._cache: dict[ReplicaId, dict[str, str]] = {}
+        self._last_by_version: dict[str, tuple[ReplicaId, dict[str, str]]] = {}
 
     def observe_cache(self, replica: ReplicaId, cache_config: Mapping[str, str]) -> None:
         """Record ``replica``'s cache settings now (its ``vllm:cache_config_info`` labels;
         only ``CACHE_POLICY_KEYS`` are kept). An empty mapping (the engine does not report
         them) is not recorded."""
         if cache_config:
-            self._cache[replica] = {k: str(cache_config[k]) for k in CACHE_POLICY_KEYS
-                                    if k in cache_config}
+            settings = {k: str(cache_config[k]) for k in CACHE_POLICY_KEYS if k in cache_config}
+            self._cache[replica] = settings
+            version = self._versions.version(replica)
+            if version is not None:  # what wrote that version's blocks, once it runs nowhere
+                self._last_by_version[version] = (replica, settings)
 
     def forget_cache(self, replica: ReplicaId) -> None:
         """``replica`` left the fleet."""
@@ -104,15 +109,19 @@ class VerdictBook:
                     if k.startswith(side + ".") and k[len(side) + 1:] in CACHE_POLICY_KEYS}
         if not recorded:
             return None
-        for replica in self._versions.replicas_of(version):
-            now = self._cache.get(replica)
-            if now is None:
-                continue
+        running = self._versions.replicas_of(version)
+        seen = [(r, self._cache[r], "") for r in running if r in self._cache]
+        if not running and version in self._last_by_version:
+            # No replica runs it now (a shared store still holds what it wrote): the
+            # settings it last ran under are the ones its blocks were written with.
+            replica, settings = self._last_by_version[version]
+            seen = [(replica, settings, f" when it last ran {version}")]
+        for replica, now, when in seen:
             changed = sorted(k for k in recorded.keys() | now.keys()
                              if recorded.get(k) != now.get(k))
             if changed:
                 return ", ".join(f"{side}.{k}: {recorded.get(k)} -> {now.get(k)}"
-                                 for k in changed) + f" on {replica}"
+                                 for k in changed) + f" on {replica}{when}"
         return None
 
     def load(self, store: VerdictStore) -> None:

@@ -127,3 +127,15 @@ def test_a_verdict_measured_under_other_cache_settings_is_stale() -> None:
     bare, _ = book_with(verdict("w:2", "w:1", PD_PATH), a="w:1", b="w:2")
     bare.observe_cache(ReplicaId("b"), {"block_size": "128"})
     assert bare.allows("w:2", "w:1", PD_PATH).allowed
+
+
+def test_a_version_no_replica_runs_is_audited_against_the_settings_it_last_ran_under() -> None:
+    policy = {"source.cache_dtype": "fp8"}
+    key = PairKey("w:2", "t:1", "w:1", "t:1", PD_PATH)
+    book, versions = book_with(Verdict(key, True, "replay passed", cache_policy=policy),
+                               a="w:1")
+    book.observe_cache(ReplicaId("a"), {"cache_dtype": "auto"})
+    versions.observe(ReplicaId("a"), ident("w:2"))  # a hot update: w:1 runs nowhere now
+    stale = book.allows("w:2", "w:1", PD_PATH)
+    assert stale.status == "stale"
+    assert "source.cache_dtype: fp8 -> auto on a when it last ran w:1" in stale.reason
