@@ -36,7 +36,12 @@ def settings(**kw: Any) -> SampleSettings:
 def test_a_history_becomes_system_and_user_turns() -> None:
     c = conversation_of(chat("one", "two"), "s1", 64)
     assert c is not None
-    assert (c.key, c.system, c.turns, c.max_tokens) == ("s:s1", "Be brief.", ("one", "two"), 64)
+    assert (c.system, c.turns, c.max_tokens) == ("Be brief.", ("one", "two"), 64)
+    later = conversation_of(chat("one", "two", "three"), "s1", 64)
+    assert later is not None and later.key == c.key and c.key.startswith("s:s1:")
+    # One session id (e.g. a user name) with another opening: another conversation.
+    other_opening = conversation_of(chat("uno", "two"), "s1", 64)
+    assert other_opening is not None and other_opening.key != c.key
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
                                           {"type": "text", "text": "b"}]}]
     assert conversation_of(parts, None, None).turns == ("ab",)  # type: ignore[union-attr]

@@ -12,8 +12,9 @@ What is kept, and why it is bounded everywhere:
   conversation is keyed by (tenant, conversation), so two tenants' sessions never merge;
 * a conversation is sampled or not once, by a seeded hash of (tenant, conversation) against
   ``rate``, so every turn of it gets the same answer and the decision needs no state;
-* a conversation is known by its session id, else by a hash of its system prompt and first
-  user message; each successful answer replaces the held history with the longer one;
+* a conversation is known by its session id and a hash of its system prompt and first user
+  message (the opening alone without a session); each successful answer replaces the held
+  history with the longer one;
 * it is *finished* when no turn arrived for ``idle_s`` (or when the router stops), and is
   written only when it has at least ``min_turns`` user turns; only the first
   ``MAX_TURNS`` turns are kept (a replay starts at the first turn);
@@ -123,10 +124,10 @@ def conversation_of(messages: Sequence[Mapping[str, Any]], session: str | None,
             return None
     if not turns:
         return None
-    if session is not None:
-        key = "s:" + session
-    else:
-        key = "h:" + hashlib.sha256(json.dumps([system, turns[0]]).encode()).hexdigest()[:32]
+    opening = hashlib.sha256(json.dumps([system, turns[0]]).encode()).hexdigest()[:32]
+    # The opening is in the key with a session too: a session id may be a user name (the
+    # body's ``user``), under which one user's conversations would otherwise share a slot.
+    key = "h:" + opening if session is None else f"s:{session}:{opening}"
     return Conversation(key, system, tuple(turns[:MAX_TURNS]), max_tokens)
 
 
