@@ -91,6 +91,14 @@ def test_finished_conversations_of_an_opted_in_tenant_become_replayable_transcri
         assert transcript.system == "Answer briefly."
         assert transcript.workload == "assistant" and transcript.max_tokens == 4
         assert "conv-1" not in written  # the id is a hash, not the client's session id
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        counts = {line.split('outcome="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                  for line in metrics.splitlines()
+                  if line.startswith("kvroute_gate_sample_conversations{")}
+        # acme's four answers offered (beta is not opted in: never offered), two of its
+        # conversations taken, one line written so far.
+        assert (counts["offered"], counts["sampled"], counts["written"]) == (4.0, 2.0, 1.0)
         proc.send_signal(signal.SIGTERM)  # stopping writes what is still open: nothing new
         proc.wait(timeout=30)
         assert acme.read_text(encoding="utf-8") == written

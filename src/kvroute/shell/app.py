@@ -263,7 +263,9 @@ def build_app(
                           activity=activity,
                           sampler=(AuditSampler(config.audit_sample)
                                    if config.audit_sample is not None else None),
-                          transcripts=(TranscriptWriter(config.gate.sample)
+                          transcripts=(TranscriptWriter(
+                                           config.gate.sample,
+                                           on_counts=metrics.set_transcript_sample)
                                        if config.gate.sample is not None else None),
                           lora_loader=(LoraLoader(config, core, upstream,
                                                   replica_url=replica_url)

@@ -256,6 +256,13 @@ class RouterMetrics:
             "0 while it is configured but NATS is away (retried in the background).",
             namespace=ns, registry=r,
         )
+        self._transcript_sample = Gauge(
+            "gate_sample_conversations", "The live transcript sample (gate.sample) since "
+            "start, by outcome: offered (answers seen), sampled (conversations taken), "
+            "written (lines appended), too_short, dropped_open, dropped_rate, dropped_full, "
+            "duplicate (stopped by a bound); open: conversations held now.",
+            ["outcome"], namespace=ns, registry=r,
+        )
         self._kv_stream_relay = Gauge(
             "kv_stream_relay", "This router's relay into the durable KV-event stream, since "
             "start: batches published, resets written, publishes failed, batches dropped, "
@@ -454,6 +461,11 @@ class RouterMetrics:
 
     def set_replaying(self, replica: str, on: bool) -> None:
         self._replaying.labels(replica).set(1 if on else 0)
+
+    def set_transcript_sample(self, counts: dict[str, int]) -> None:
+        """The transcript sample's counts (``shell/transcript_sample.py``)."""
+        for outcome, value in counts.items():
+            self._transcript_sample.labels(outcome).set(value)
 
     def set_kv_stream(self, up: bool, relay: dict[str, int] | None) -> None:
         """The durable KV-event stream's state, and the relay's counters when this router

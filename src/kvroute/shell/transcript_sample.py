@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -63,7 +64,9 @@ class TranscriptWriter:
     """Offers successful chat answers to the sampler and appends what it returns."""
 
     def __init__(self, config: TranscriptSampleConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_counts: Callable[[dict[str, int]], None] | None = None) -> None:
+        """``on_counts``: told the counts (and ``open``) after every flush: ``/metrics``."""
         self.directory = Path(config.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.sampler = TranscriptSampler(SampleSettings(
@@ -77,6 +80,7 @@ class TranscriptWriter:
             if path.exists():
                 self.sampler.existing(tenant, _existing_ids(path), path.stat().st_size)
         self._clock = clock
+        self._on_counts = on_counts
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -106,6 +110,14 @@ class TranscriptWriter:
         if self._stopped:
             return 0
         lines = self.sampler.due(self._clock(), everything=everything)
+        try:
+            return self._append(lines)
+        finally:
+            if self._on_counts is not None:
+                self._on_counts({**dataclasses.asdict(self.sampler.counts),
+                                 "open": self.sampler.open})
+
+    def _append(self, lines: list[tuple[str, str]]) -> int:
         by_tenant: dict[str, list[str]] = {}
         for tenant, line in lines:
             by_tenant.setdefault(tenant, []).append(line)
