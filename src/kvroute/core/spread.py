@@ -35,7 +35,9 @@ When a copy is planned (every condition must hold):
 Among targets the lightest wins (the least resting context, then the fewest in flight, then
 the most free KV, then the one copied to longest ago): never list order. A copy always goes
 under the session's own tenant scope and cache salt (the walk builds it from the session's
-own request), so it can never be read by another tenant.
+own request), so it can never be read by another tenant. What the copy carries is the
+driver's: live, the prompt plus the answer as the next turn resends it (``wire/turn_copy.py``);
+in the simulator, the prompt alone.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any, Final, TypeVar
 from kvroute.config import RouteConfig, RouterConfig, Secrets
 from kvroute.core.router import RouteRequest, RoutingDecision
 from kvroute.core.session import session_key
+from kvroute.core.spread import SpreadSettings
 from kvroute.core.tokens import EstimateConfig
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.walk import (
@@ -80,6 +81,7 @@ from kvroute.wire.overflow import Overflow, overflow_numbers, parse_overflow
 from kvroute.wire.reasoning import expected_thinking, reasoning_fields, reasoning_tokens
 from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
 from kvroute.wire.relay import routing_text as render_routing_text
+from kvroute.wire.turn_copy import AnswerText, SessionTurn, answer_of
 
 __all__ = ["HDR_APPROX", "HDR_CACHED", "HDR_POOL", "HDR_PREFILL", "HDR_REPLICA", "Forwarder", "error_answer"]
 
@@ -155,6 +157,14 @@ def _streamed_overflow(reply: UpstreamReply) -> Overflow | None:
     if reply.response is None or b"error" not in reply.body:
         return None
     return parse_overflow(reply.status, reply.body)
+
+
+def _both(watcher: StreamWatcher, text: AnswerText) -> Callable[[bytes], None]:
+    """Feed each relayed piece to the usage watcher and to the answer's text reader."""
+    def feed(piece: bytes) -> None:
+        watcher.feed(piece)
+        text.feed(piece)
+    return feed
 
 
 def _is_connect_failure(error: UpstreamError) -> bool:
@@ -242,6 +252,8 @@ class Forwarder:
         record = None
         if session is not None and self.state is not None:
             record = await self.state.get_session(session_key(tenant, route.name, session))
+        turn = SessionTurn(parsed)
+        keep_answer = (session is not None and parsed.n == 1 and self._spreads(route))
         walk_request = WalkRequest(
             request_id=request_id, route=self._walk_route(route), tenant=tenant,
             session_id=session,
@@ -251,7 +263,7 @@ class Forwarder:
             prompt_token_ids=prompt_ids_from_body(parsed),
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
             adapter=adapter,
-            shadow_payload=parsed,
+            shadow_payload=turn,
             thinking_tokens=thinking_allowed(parsed, route),
         )
         alternates = self.pools.alternates(route) if route.scenarios.any else None
@@ -283,13 +295,18 @@ class Forwarder:
                     route.name, walk.arm, (time.perf_counter_ns() - request.received_ns) / 1e9)
             if reply.response is None:
                 reasons, usage = completion_of(reply.body)
+                if keep_answer and reasons and reasons[0] is not None:
+                    turn.answer = answer_of(reply.body, parsed.endpoint)
                 whole = routed(self._whole(reply), decision, self._shows(tenant))
                 self._router_time(request, reply, time.perf_counter_ns())
                 return whole
             watcher = StreamWatcher()
-            response = await self._stream(ex, reply, decision, watcher)
+            text = AnswerText(parsed.endpoint) if keep_answer else None
+            response = await self._stream(ex, reply, decision, watcher, text)
             self._router_time(request, reply, response.head_sent_ns)
             reasons, usage = watcher.finish_reasons, watcher.usage
+            if text is not None and reasons and reasons[0] is not None:
+                turn.answer = text.text
             return response
         finally:
             thinking = reasoning_tokens(usage)
@@ -309,6 +326,22 @@ class Forwarder:
                 self._spawn(self.state.put_session(write.key, write.record,
                                                    self.config.state.session_ttl_s))
             self._log(ex)
+
+    def _spreads(self, route: RouteConfig) -> bool:
+        """Whether a request of ``route`` may end in a spread-ahead copy (``core/spread.py``;
+        the walk plans none on routes with model-bound cache scenarios), so its answer's
+        text is worth keeping for the copy (``wire/turn_copy.py``)."""
+        if route.scenarios.any:
+            return False
+        core = self.walker.core
+        known = set(core.pool_names())
+        for name in route.pools:
+            pool = PoolName(name)
+            if pool in known:
+                settings = getattr(core.policy_of(pool), "spread", None)
+                if isinstance(settings, SpreadSettings) and settings.enabled:
+                    return True
+        return False
 
     def _walk_route(self, route: RouteConfig) -> WalkRoute:
         """The route's settings for the walk, built once per route (the config is frozen)."""
@@ -501,7 +534,7 @@ class Forwarder:
         return response
 
     async def _stream(self, ex: _Exchange, reply: UpstreamReply, decision: RoutingDecision,
-                      watcher: StreamWatcher) -> StreamResponse:
+                      watcher: StreamWatcher, text: AnswerText | None = None) -> StreamResponse:
         response = StreamResponse(status=reply.status)
         for key, value in reply.headers.items():
             response.headers[key] = value
@@ -513,7 +546,8 @@ class Forwarder:
 
         try:
             await relay_stream(reply, response, ex.request, replica=decision.replica,
-                               on_error=failed, on_chunk=watcher.feed)
+                               on_error=failed, on_chunk=watcher.feed if text is None
+                               else _both(watcher, text))
         except ConnectionResetError:
             ex.walk.outcome = "client_gone"
         return response

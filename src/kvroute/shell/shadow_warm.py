@@ -6,15 +6,17 @@ with ``max_tokens: 1`` copies of live sessions' latest prompts before they take 
 driver hands the note here. Each item is routed through ``RouterCore.route`` with the
 request the walker builds for it (``Walker.shadow_request``: the warmed version's replicas
 only, the version's salt when the route salts), sent with the session's own body
-(``wire.openai.warm_request_body``: same prompt, ``max_tokens: 1``, the salt the index was
-hashed with), and reported to the walker when it answered or failed, which is what an
+(``wire.turn_copy.turn_copy_body``: same prompt, ``max_tokens: 1``, the salt the index was
+hashed with; for a ``SessionTurn`` whose answer the forwarder read, the prompt plus that
+answer as the next turn will resend it), and reported to the walker when it answered or failed, which is what an
 upgrade waits for before the new version takes traffic.
 
 Items of one note are sent one after the other (a shadow warm-up must not queue a burst of
 prefills ahead of the engine's live traffic), each bounded by ``warm_ahead.timeout_s``; at
 most ``MAX_NOTES`` notes run at once, beyond which a note is dropped and counted (its items
-are reported done, so an upgrade is not held back by warm-ups never sent). Failures cost a
-counter and a log line, never a request.
+are reported done, so an upgrade is not held back by warm-ups never sent). Failures (an
+engine's error, a timeout, even an unexpected exception while building the copy) cost a
+counter and a log line, never a request: nothing is raised out of a note's task.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Final
 
 from kvroute.config import RouterConfig
@@ -34,7 +35,8 @@ from kvroute.core.walk import ShadowWarm, Walker
 from kvroute.shell.dp_headers import DpRankHeaders
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError
-from kvroute.wire.openai import ParsedRequest, warm_request_body
+from kvroute.wire.openai import ParsedRequest
+from kvroute.wire.turn_copy import SessionTurn, turn_copy_body
 
 __all__ = ["MAX_NOTES", "ShadowWarmSender"]
 
@@ -96,6 +98,10 @@ class ShadowWarmSender:
         for item in note.items:
             try:
                 ok = await self._send(note, item)
+            except Exception:  # a bug or bad session data: this copy fails, nothing else
+                log.exception("shadow warm-up of pool %r (%s) failed", note.pool,
+                              note.scenario)
+                ok = False
             finally:
                 self._walker.shadow_done(note)
             self._metrics.scenarios.shadow_warm(note.route, note.scenario,
@@ -103,8 +109,12 @@ class ShadowWarmSender:
                                                 item.tokens if ok else 0)
 
     async def _send(self, note: ShadowWarm, item: HotSession) -> bool:
-        parsed = item.payload
-        if not isinstance(parsed, ParsedRequest):
+        payload = item.payload
+        if isinstance(payload, SessionTurn):
+            parsed, answer = payload.request, payload.answer
+        elif isinstance(payload, ParsedRequest):
+            parsed, answer = payload, None
+        else:
             return False  # no body kept for this session (not a live request)
         core = self._walker.core
         self._sequence += 1
@@ -114,15 +124,12 @@ class ShadowWarmSender:
         except NoEligibleReplica as exc:
             log.warning("shadow warm-up of pool %r: %s", note.pool, exc)
             return False
-        salt = decision.request.cache_salt
-        body = warm_request_body(replace(parsed, body={**parsed.body, "cache_salt": salt}
-                                         if salt is not None else parsed.body,
-                                         cache_salt=salt),
-                                 model=self._config.pools[note.pool].model)
-        path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
-        base = (self._replica_url(decision.replica) if self._replica_url is not None
-                else self._config.replica(decision.replica).url)
         try:
+            body = turn_copy_body(parsed, answer, model=self._config.pools[note.pool].model,
+                                  cache_salt=decision.request.cache_salt)
+            path = "/v1/chat/completions" if parsed.endpoint == "chat" else "/v1/completions"
+            base = (self._replica_url(decision.replica) if self._replica_url is not None
+                    else self._config.replica(decision.replica).url)
             if base is None:  # it left the pool (Kubernetes scale-in)
                 return False
             url = base + path
