@@ -243,7 +243,8 @@ def test_checkpoints_give_the_whole_ids_of_grown_edited_and_cut_prompts(
     """A conversation that grows (the checkpoint's case), is edited anywhere (an earlier turn
     changed), cut, or replaced: every prompt's ids equal its whole encoding."""
     encode, split = _GROWING[name]
-    seg = SegmentEncoder(encode, split, verify_every=0, max_checkpoints=max_checkpoints)
+    seg = SegmentEncoder(encode, split, verify_every=0, max_checkpoints=max_checkpoints,
+                         min_checkpoint_tokens=0)
     assert seg.enabled
     text, seen = start, []
     for kind, piece, at in edits:
@@ -266,7 +267,7 @@ def test_a_growing_conversation_is_served_from_its_checkpoint() -> None:
     """Each turn of a growing chat starts with the one before: after the first, the encoder
     resumes from a checkpoint, and only the new turn's text is split and looked up."""
     encode, split = _TOKENIZERS["bundled_bpe"]
-    seg = SegmentEncoder(encode, split, verify_every=0)
+    seg = SegmentEncoder(encode, split, verify_every=0, min_checkpoint_tokens=0)
     text = "<s><|system|>\nYou are terse.<|end|>\n<|user|>\nquestion<|end|>\n<|assistant|>\n"
     for turn in range(30):  # the answer follows the last prompt's generation prompt
         text += f"answer {turn}<|end|>\n<|user|>\nquestion {turn}<|end|>\n<|assistant|>\n"
@@ -274,3 +275,22 @@ def test_a_growing_conversation_is_served_from_its_checkpoint() -> None:
     assert seg.checkpoint_hits == 29
     edited = text.replace("question 3", "question three")
     assert seg.encode(edited).tolist() == list(encode(edited))  # an earlier turn changed
+
+
+def test_short_prompts_leave_no_checkpoint_and_long_ones_do() -> None:
+    """Below ``min_checkpoint_tokens`` a prompt is encoded exactly but leaves no checkpoint
+    (unique short prompts must not crowd out a long session's); a growing prompt that passes
+    the bound is checkpointed and resumed from, still exact."""
+    encode, split = _TOKENIZERS["bundled_bpe"]
+    seg = SegmentEncoder(encode, split, verify_every=0, min_checkpoint_tokens=200)
+    for i in range(20):
+        short = f"<s><|system|>\nYou are terse.<|end|>\n<|user|>\nq{i} words<|end|>\n<|assistant|>\n"
+        assert seg.encode(short).tolist() == list(encode(short))
+    assert not seg._checkpoints and seg.checkpoint_hits == 0
+    text = "<s><|system|>\n" + "a long system prompt " * 60 + "<|end|>\n<|assistant|>\n"
+    for turn in range(5):
+        text += f"answer {turn}<|end|>\n<|user|>\nquestion {turn}<|end|>\n<|assistant|>\n"
+        assert seg.encode(text).tolist() == list(encode(text))
+    assert len(seg._checkpoints) == 1 and seg.checkpoint_hits == 4
+    with pytest.raises(ValueError, match="min_checkpoint_tokens=-1"):
+        SegmentEncoder(encode, split, min_checkpoint_tokens=-1)

@@ -29,6 +29,8 @@ CASES = {
     "bench_kv_subscriber.py": ["--messages", "200", "--gap-ms", "0.5"],
     "bench_kv_stream_catchup.py": ["--batches", "300", "--snapshot-every", "100"],  # NATS
     "bench_memo_churn.py": ["--bound", "64", "--calls", "50"],
+    "bench_mixed_checkpoints.py": ["--turn-chars", "2000", "--target-tokens", "9000",
+                                   "--shorts-between", "3", "--last", "2"],
     "bench_metrics.py": ["--calls", "100", "--repeats", "1"],
     "bench_router_path.py": ["--requests", "20", "--repeats", "1", "--no-engine"],
     "bench_wire_openai.py": ["--iterations", "50"],

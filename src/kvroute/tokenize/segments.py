@@ -51,8 +51,10 @@ marker at ``s`` reads only text before ``s + M``, which the two texts share, so 
 alike up to ``e``, and each piece's ids are a function of the piece and the marker before it.
 Scanning ``text[e:]`` alone is scanning ``text`` from ``e``. Checkpoints are found by content
 (``startswith`` against each, newest first; no session id is needed, and a wrong one cannot
-be taken), at most ``max_checkpoints`` of them within ``max_tokens`` ids in total; the serving
-checks compare their results like any other. The property tests compare prompts grown,
+be taken), at most ``max_checkpoints`` of them within ``max_tokens`` ids in total, and only
+for prompts of at least ``min_checkpoint_tokens`` ids up to the checkpoint (a short prompt's
+piece loop is cheaper than the search its checkpoint would add to every later prompt); the
+serving checks compare their results like any other. The property tests compare prompts grown,
 edited and cut against whole encodings.
 
 Output: ``encode`` returns an ``array('I')`` too, the cached pieces concatenated (an array
@@ -75,6 +77,7 @@ from typing import Final
 __all__ = [
     "DEFAULT_MAX_CACHED_TOKENS",
     "DEFAULT_MAX_CHECKPOINTS",
+    "DEFAULT_MIN_CHECKPOINT_TOKENS",
     "DEFAULT_VERIFY_EVERY",
     "CheckSubmit",
     "SegmentEncoder",
@@ -95,6 +98,14 @@ DEFAULT_VERIFY_EVERY: Final = 1024
 DEFAULT_MAX_CHECKPOINTS: Final = 64
 """Growing prompts remembered at once (module docstring, "Checkpoints"): each is probed with
 one ``startswith`` per prompt, which stops at the first differing character."""
+
+DEFAULT_MIN_CHECKPOINT_TOKENS: Final = 2048
+"""A prompt shorter than this leaves no checkpoint. What a checkpoint saves is the split and
+one lookup a piece (~1 µs each) up to it, a few µs on a short prompt; what it costs is a
+``startswith`` in every later prompt's search and a copy of the prompt's text and ids. On
+traffic of short unique prompts every prompt left one, so each request probed all 64 and a
+long session's checkpoint was pushed out within a fraction of a second
+(``docs/long-contexts.md``)."""
 """One call in this many is also encoded whole and compared (0: never)."""
 
 _PROBES: Final = (
@@ -124,6 +135,7 @@ class SegmentEncoder:
         verify_every: compare one call in this many against ``encode_whole`` (0: never).
         name: for log lines.
         max_checkpoints: growing prompts remembered at once (0: none; module docstring).
+        min_checkpoint_tokens: a prompt with fewer ids up to its checkpoint leaves none.
     """
 
     def __init__(
@@ -135,6 +147,7 @@ class SegmentEncoder:
         verify_every: int = DEFAULT_VERIFY_EVERY,
         name: str = "tokenizer",
         max_checkpoints: int = DEFAULT_MAX_CHECKPOINTS,
+        min_checkpoint_tokens: int = DEFAULT_MIN_CHECKPOINT_TOKENS,
     ) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens={max_tokens} must be >= 0 (0 turns the cache off)")
@@ -157,6 +170,10 @@ class SegmentEncoder:
         if max_checkpoints < 0:
             raise ValueError(f"max_checkpoints={max_checkpoints} must be >= 0 (0: none)")
         self._max_checkpoints = max_checkpoints
+        if min_checkpoint_tokens < 0:
+            raise ValueError(f"min_checkpoint_tokens={min_checkpoint_tokens} must be >= 0 "
+                             "(0: every prompt with a marker leaves a checkpoint)")
+        self._min_checkpoint_tokens = min_checkpoint_tokens
         self._checkpoints: OrderedDict[int, _Checkpoint] = OrderedDict()
         self._checkpoint_tokens = 0
         self._next_checkpoint = 0
@@ -255,7 +272,7 @@ class SegmentEncoder:
         start, end, marker, count = last
         if replaces is not None and replaces.end >= end:
             return  # nothing new past the checkpoint used
-        if count > self._max_tokens:
+        if count > self._max_tokens or count < self._min_checkpoint_tokens:
             return
         if replaces is not None:
             self._forget_checkpoint(replaces.key)

@@ -11,6 +11,7 @@ from kvroute.tokenize.hf import HFTokenizer, bundled_tokenizer_dir
 def test_cached_pieces_and_checkpoint_ids_are_untracked_and_counted() -> None:
     tok = HFTokenizer.from_dir(bundled_tokenizer_dir())
     seg = tok.pieces
+    seg._min_checkpoint_tokens = 0  # these prompts are short: checkpoint them all the same
     text = "<s><|system|>\nyou route requests<|end|>\n"
     for turn in range(6):  # a growing conversation: each prompt leaves a checkpoint
         text += f"<|user|>\nquestion {turn} about caches<|end|>\n<|assistant|>\n"
