@@ -310,37 +310,49 @@ def _check_messages(value: Any) -> list[dict[str, Any]]:
             param="messages",
         )
     for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad_type(where, "an object", message, '{"role": "user", "content": "Hi"}')
-        role = message.get("role")
-        if role is None:
-            raise RequestError(
-                f'{where} has no \'role\': every message needs one of "system", "user", '
-                '"assistant", "tool" (or "developer"), e.g. {"role": "user", "content": "Hi"}.',
-                param=f"{where}.role",
-            )
-        if not isinstance(role, str):
-            raise _bad_type(f"{where}.role", "a string", role, '"role": "user"')
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise _bad_type(
-                f"{where}.content",
-                "a string, a list of content parts or null",
-                content,
-                '"content": "Hi" or "content": [{"type": "text", "text": "Hi"}]',
-            )
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise _bad_type(
-                    f"{where}.content[{j}]",
-                    "a content part object with a string 'type'",
-                    part,
-                    '{"type": "text", "text": "Hi"}',
-                )
+        # The common message (a dict, a string role, text or no content) in a few C calls:
+        # a long conversation has hundreds, checked on every turn (docs/long-contexts.md).
+        if type(message) is dict:
+            role, content = message.get("role"), message.get("content")
+            if type(role) is str and (content is None or type(content) is str):
+                continue
+        _check_message(i, message)
     return value
+
+
+def _check_message(i: int, message: Any) -> None:
+    """``messages[i]`` as ``_check_messages`` requires it, or a ``RequestError`` saying what is
+    wrong (the slow path: content parts, and every message that fails)."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _bad_type(where, "an object", message, '{"role": "user", "content": "Hi"}')
+    role = message.get("role")
+    if role is None:
+        raise RequestError(
+            f'{where} has no \'role\': every message needs one of "system", "user", '
+            '"assistant", "tool" (or "developer"), e.g. {"role": "user", "content": "Hi"}.',
+            param=f"{where}.role",
+        )
+    if not isinstance(role, str):
+        raise _bad_type(f"{where}.role", "a string", role, '"role": "user"')
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise _bad_type(
+            f"{where}.content",
+            "a string, a list of content parts or null",
+            content,
+            '"content": "Hi" or "content": [{"type": "text", "text": "Hi"}]',
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _bad_type(
+                f"{where}.content[{j}]",
+                "a content part object with a string 'type'",
+                part,
+                '{"type": "text", "text": "Hi"}',
+            )
 
 
 def _all_token_ids(value: list[Any]) -> bool:
