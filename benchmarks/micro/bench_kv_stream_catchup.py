@@ -36,6 +36,8 @@ from kvroute.core.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from kvroute.core.index import PrefixIndex
 from kvroute.core.types import ReplicaId
 from kvroute.shell.kv_stream import KvStream
+from kvroute.shell.kv_stream_reader import StreamPosition, rebuild
+from kvroute.shell.kv_stream_relay import KvStreamRelay
 
 REPLICA = ReplicaId("bench-0")
 
@@ -58,7 +60,7 @@ async def one(n: int, snapshot_every: int, url: str) -> dict[str, Any]:
     if stream is None:
         raise SystemExit(f"NATS at {url} is not reachable")
     try:
-        relay = stream.relay(queue_size=n + 1)
+        relay = KvStreamRelay(stream, queue_size=n + 1)
         relay.start()
         batches = [batch(i) for i in range(n)]
         for b in batches:
@@ -85,7 +87,7 @@ async def one(n: int, snapshot_every: int, url: str) -> dict[str, Any]:
         results["idle_timer_late_max_ms"] = round(idle[-1] * 1e3, 2)
         for label, use_snapshot in (("whole_stream", False), ("snapshot_plus_tail", True)):
             index = PrefixIndex(clock=ManualClock())
-            reader = stream if use_snapshot else _NoSnapshot(stream)
+            reader = _WithSnapshot(stream) if use_snapshot else _NoSnapshot(stream)
             late: list[float] = []
             ticking = asyncio.get_running_loop().create_task(_tick(late))
             cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -127,23 +129,30 @@ async def _tick(late: list[float]) -> None:
         late.append(max(0.0, loop.time() - due))
 
 
-class _NoSnapshot:
-    """``KvStream`` with its snapshot bucket hidden: the rebuild reads the whole stream."""
+class _WithSnapshot:
+    """The rebuild a router runs: from the snapshot and the stream's tail."""
 
     def __init__(self, stream: KvStream) -> None:
         self._stream = stream
 
-    async def rebuild(self, *args: Any) -> Any:
-        original = self._stream._read_snapshot
+    async def rebuild(self, *args: Any) -> StreamPosition:
+        return await rebuild(self._stream, *args)
+
+
+class _NoSnapshot(_WithSnapshot):
+    """The rebuild with the snapshot bucket hidden: it reads the whole stream."""
+
+    async def rebuild(self, *args: Any) -> StreamPosition:
+        original = self._stream.read_snapshot
 
         async def none(replica: ReplicaId) -> None:
             return None
 
-        self._stream._read_snapshot = none  # type: ignore[method-assign]
+        self._stream.read_snapshot = none  # type: ignore[method-assign]
         try:
-            return await self._stream.rebuild(*args)
+            return await rebuild(self._stream, *args)
         finally:
-            self._stream._read_snapshot = original  # type: ignore[method-assign]
+            self._stream.read_snapshot = original  # type: ignore[method-assign]
 
 
 def main() -> None:
