@@ -749,8 +749,12 @@ class RouterCore:
             return moved
         return None
 
-    def on_first_token(self, replica: ReplicaId, request_id: RequestId) -> None:
-        self.load.on_first_token(replica, request_id, now_s=self._clock.now())
+    def on_first_token(self, replica: ReplicaId, request_id: RequestId, *,
+                       learn: bool = True) -> None:
+        """The request's first token on ``replica``; ``learn=False`` when its time since
+        dispatch is not a sample of that replica's prefill rate (a split's decode half: it
+        waited for another replica's prefill and the transfer)."""
+        self.load.on_first_token(replica, request_id, now_s=self._clock.now(), learn=learn)
         if self.announce is not None:
             self.announce(FirstToken(request_id, replica))
 

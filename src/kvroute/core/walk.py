@@ -964,7 +964,10 @@ class RequestWalk:
         """The current attempt answered (its first byte, or the engine's first token):
         the replica's load moves from prefill to decode, and the session is pinned to it."""
         decision = self._sent("answered")
-        self._walker.core.on_first_token(decision.replica, self.request.request_id)
+        # A split's decode half waited for the prefill replica and the transfer: its time
+        # to first token says nothing of the decode replica's prefill rate.
+        self._walker.core.on_first_token(decision.replica, self.request.request_id,
+                                         learn=decision.prefill_replica is None)
         self._phase = _Phase.ANSWERED
         self._record(f"answered {decision.replica}")
 

@@ -181,3 +181,43 @@ def test_idle_twin_prefill_replicas_take_turns() -> None:
              Candidate(ReplicaId("D"), idle())]
     choice = choose_split(policy(), ask(2_000), cands, roles, DisaggSpec("always"))
     assert choice.prefill == "P2"
+
+
+def test_a_split_decode_half_teaches_no_prefill_rate() -> None:
+    """The decode half of a split waits for the prefill replica and the transfer, so its
+    time to first token is no sample of the decode replica's prefill rate: it leaves D's
+    learned rate alone (the prefill half's first token teaches P's). Learned from, the
+    4,000 tokens queued ahead on D over the 10 s wait would drag D's rate to the clamp."""
+    from kvroute.core.tiers import TierPool
+    from kvroute.core.walk import Send, Walker, WalkRequest, WalkRoute, WalkSettings
+    from kvroute.core.warm import WarmPlanner
+
+    clock = ManualClock(100.0)
+    replicas = (ReplicaSpec(ReplicaId("p0"), RATE, role="prefill"),
+                ReplicaSpec(ReplicaId("d0"), RATE, role="decode"))
+    spec = PoolSpec(POOL, replicas, decode_timing=TIMING,
+                    disagg=DisaggSpec("always", FAST_LINK.link_s_per_token))
+    rng = random.Random(0)
+    core = RouterCore([spec], lambda: make_policy("kvroute", rng), clock=clock)
+    walker = Walker(core, WarmPlanner(enabled=False), WalkSettings(), clock)
+    d0 = ReplicaId("d0")
+    core.load.on_dispatch(d0, RequestId("ahead"), prefill_tokens=4_000, prompt_tokens=4_000,
+                          expected_output_tokens=64, now_s=100.0)
+    before = core.load.snapshot(d0, 100.0).prefill_rate_tps
+    tokens = list(range(1000, 5000))
+    walk = walker.start(WalkRequest(
+        request_id=RequestId("q"), route=WalkRoute("chat", proactive=False),
+        tenant=TenantName("t"), session_id=None, endpoint="completions", model="m",
+        body={"prompt": tokens}, max_tokens=64, prompt_token_ids=tokens,
+        routing_text=lambda: ""), [TierPool(POOL, window=32_768, window_fetched_at_s=100.0,
+                                            served_model="m")], None)
+    send = walk.begin()
+    assert isinstance(send, Send) and send.decision.prefill_replica == "p0"
+    assert send.decision.replica == d0
+    clock.advance(10.0)
+    walk.prefill_answered()
+    walk.answered()
+    after = core.load.snapshot(d0, 110.0)
+    assert after.num_decoding == 1  # the decode half did start decoding there
+    assert after.prefill_rate_tps == before
+
