@@ -42,6 +42,17 @@ its 30 streams 0.8 s each, ``harm_weight``·24 s = 12 s; split, it queues on an 
 20 ms each (0.3 s weighted) and would move 20,500 tokens it mostly has already, but its
 prefill on an idle P (with none of its prefix) costs 0.8 s: colocated.
 
+Prefill duty. In ``auto`` and ``always`` every decode, colocated or a split's decode half,
+is also charged ``decode_weight·m·step_with·d/(1 − d)``, ``d`` the replica's learned
+``prefill_duty`` (``core/load.py``: the share of the decodes that ended there which the
+replica spent on prefills sent to it meanwhile). A replica that keeps taking prefills runs
+a prefill chunk in most of its steps, so a stream decoding there is that much slower than
+the step model says. Without it, a pool of ``both`` replicas sorts itself into prefill hubs
+(the replicas with the fewest streams have the cheapest stall, so they get the splits'
+prefills) whose few remaining streams, colocated returns of the prefixes the hubs hold,
+decode at a prefill step's pace and make the E2E tail (docs/disaggregation.md). ``never``
+prices no duty: it is the ordinary fleet the modes are measured against.
+
 Modes (``DisaggSpec.mode``): ``auto`` (the comparison above; policies without the cost
 terms, the peers', always split), ``always`` and ``never`` (the baselines the comparison is
 measured against). ``never`` leaves prefill-only replicas idle.
@@ -141,6 +152,17 @@ class SplitChoice:
     refused_tokens: int = 0
 
 
+def duty_stretch_s(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate,
+                   scale: float) -> float:
+    """What the prefills a replica keeps taking add to a decode there (module docstring,
+    "Prefill duty"): ``decode_weight·m·step_with·duty/(1 − duty)``."""
+    duty = cand.load.prefill_duty
+    if duty <= 0.0:
+        return 0.0
+    own_decode, _ = policy.turn_terms_s(request, cand, 0.0, scale)
+    return policy.decode_weight * own_decode * duty / (1.0 - duty)
+
+
 def split_parts(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate, role: Role,
                 link_s_per_token: float, scale: float) -> SplitParts:
     """``prefill_part`` and ``decode_part`` of one candidate (module docstring)."""
@@ -166,6 +188,7 @@ def split_parts(policy: KvrouteCostPolicy, request: PolicyInput, cand: Candidate
         evicted = policy.evicted_resting_tokens(request, cand, prefill)
         decode_s = (load.outstanding_prefill_tokens / rate + link_s_per_token * pulled
                     + policy.decode_weight * own_decode + policy.harm_weight * harm
+                    + duty_stretch_s(policy, request, cand, scale)
                     + policy.inflight_cost_s * load.num_in_flight
                     + policy.pressure_weight * evicted / rate)
         if policy.return_weight > 0 and load.resting_sessions > 0:
@@ -221,6 +244,8 @@ def choose_split(policy: Policy, request: PolicyInput, candidates: Sequence[Cand
         return SplitChoice(colocated, prefill,
                            first.expected_cached_tokens.get(prefill, 0), refused=vetoed)
     scale = sum(c.load.itl_scale for c in candidates) / len(candidates)
+    colocated = _with_duty(policy, request, decoders, colocated, scale)
+    best_colocated = colocated.scores.get(colocated.replica, float("inf"))
     parts = {c.replica: split_parts(policy, request, c, roles.get(c.replica, "both"),
                                     spec.link_s_per_token, scale) for c in candidates}
     # Ties go to the fewest requests in flight, then the least recently chosen (never to
@@ -276,3 +301,17 @@ def _best_pair(by_prefill: Sequence[_Ranked], by_decode: Sequence[_Ranked],
                 best = (p_cost + d_cost, p, d)
             break
     return best
+
+
+def _with_duty(policy: KvrouteCostPolicy, request: PolicyInput, decoders: Sequence[Candidate],
+               colocated: Selection, scale: float) -> Selection:
+    """The colocated ranking with each replica's prefill duty priced into its decode (module
+    docstring, "Prefill duty"); the policy's own order among equal scores is kept."""
+    stretch = {c.replica: duty_stretch_s(policy, request, c, scale) for c in decoders}
+    if not any(stretch.values()):
+        return colocated
+    scores = {r: cost + stretch.get(r, 0.0) for r, cost in colocated.scores.items()}
+    order = {r: i for i, r in enumerate(colocated.ranking)}
+    ranking = tuple(sorted(colocated.ranking, key=lambda r: (scores[r], order[r])))
+    return Selection(ranking=ranking, expected_cached_tokens=colocated.expected_cached_tokens,
+                     scores=scores, reason=colocated.reason)

@@ -156,6 +156,13 @@ class ReplicaLoad(NamedTuple):
         overdue_tokens_left: what the decoding requests that outran their predictions will
             likely still make: the mean residual of recent answers that long
             (``AnswerLengths``).
+        prefill_duty: the share of the replica's time its recent prefills take: the prefill
+            tokens dispatched there (a split's prefill half included), each decayed by
+            ``exp(−age / PREFILL_DUTY_WINDOW_S)``, over ``PREFILL_DUTY_WINDOW_S`` seconds at
+            the learned rate; at most ``PREFILL_DUTY_MAX``. Prefill chunks share the engine's
+            steps with the decodes, so a stream there decodes about ``1 / (1 − duty)`` times
+            slower than the step model says; a disaggregated pool prices that
+            (``core/disagg.py``).
         waiting_context_tokens / waiting_output_tokens: the same for the requests still
             waiting for their first token (they will decode beside a request sent now).
         rate_age_s: seconds since ``prefill_rate_tps`` last learned from a sample (infinite
@@ -196,6 +203,15 @@ class ReplicaLoad(NamedTuple):
     resting_other_tokens: int = 0
     session_rest_s: float = SESSION_REST_PRIOR_S
     overdue_tokens_left: float = 0.0
+    prefill_duty: float = 0.0
+
+
+PREFILL_DUTY_WINDOW_S = 30.0
+"""The time constant of a replica's prefill duty: the prefill tokens dispatched there decay
+as ``exp(−age / window)``, so the duty is the recent prefill work over ``window`` seconds of
+the replica's rate."""
+PREFILL_DUTY_MAX = 0.9
+"""The most a duty sample counts (a stream is never priced as stalled for good)."""
 
 
 class AnswerLengths:
@@ -292,6 +308,23 @@ class _ReplicaRecord:
     resting: OrderedDict[str, tuple[int, float]] = field(default_factory=OrderedDict)
     """Sessions at rest here: session → (cached context tokens, end time), oldest first."""
     resting_tokens: int = 0
+    recent_prefill_tokens: float = 0.0
+    recent_prefill_at_s: float = 0.0
+
+    def recent_prefill(self, now_s: float | None) -> float:
+        """The prefill tokens dispatched here, each decayed by ``exp(−age / window)``."""
+        if now_s is None or not self.recent_prefill_tokens:
+            return self.recent_prefill_tokens
+        age = max(0.0, now_s - self.recent_prefill_at_s)
+        return self.recent_prefill_tokens * math.exp(-age / PREFILL_DUTY_WINDOW_S)
+
+    def duty(self, now_s: float | None) -> float:
+        """The share of the replica's time its recent prefills take (module docstring of
+        ``ReplicaLoad.prefill_duty``), at most ``PREFILL_DUTY_MAX``."""
+        tokens = self.recent_prefill(now_s)
+        if not tokens:
+            return 0.0
+        return min(PREFILL_DUTY_MAX, tokens / (PREFILL_DUTY_WINDOW_S * max(self.rate_tps, 1e-9)))
 
     def drop_resting(self, session: str) -> None:
         entry = self.resting.pop(session, None)
@@ -496,6 +529,8 @@ class LoadTracker:
         record.waiting_output_tokens += flight.predicted_output_tokens
         record.outstanding_prefill_tokens += prefill_tokens
         record.prefill_dispatched_total += prefill_tokens
+        record.recent_prefill_tokens = record.recent_prefill(now_s) + prefill_tokens
+        record.recent_prefill_at_s = now_s
         record.set_backlog(backlog, now_s)
         record.active_kv_tokens += kv_tokens
         record.num_prompts_seen += 1
@@ -661,7 +696,7 @@ class LoadTracker:
             left, record.itl_scale, record.waiting_context_tokens, record.waiting_output_tokens,
             float("inf") if now_s is None else now_s - record.rate_sampled_s,
             capacity, used, resting_tokens, others, other_tokens, self._rest_mean_s,
-            overdue,
+            overdue, record.duty(now_s),
         )
 
     def _forget_resting(self, record: _ReplicaRecord, now_s: float | None) -> int:

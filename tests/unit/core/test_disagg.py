@@ -221,3 +221,19 @@ def test_a_split_decode_half_teaches_no_prefill_rate() -> None:
     assert after.num_decoding == 1  # the decode half did start decoding there
     assert after.prefill_rate_tps == before
 
+
+def test_a_decode_avoids_a_replica_that_keeps_prefilling_for_others() -> None:
+    """D1 holds 2,000 of the prompt's 2,100 tokens, D2 none; both are idle now, but D1
+    spent 60% of its recent decodes prefilling other replicas' splits (its learned
+    ``prefill_duty``): 256 tokens there take 2.5 times the step model's time. Priced, the
+    request decodes on D2; without the duty term D1's prefix would win."""
+    roles: dict[ReplicaId, Role] = {ReplicaId("P"): "prefill", ReplicaId("D1"): "decode",
+                                    ReplicaId("D2"): "decode"}
+    busy = ReplicaLoad(prefill_rate_tps=RATE, prefill_duty=0.6)
+    cands = [Candidate(ReplicaId("P"), idle()),
+             Candidate(ReplicaId("D1"), busy, PrefixMatch(num_gpu_blocks=2_000 // 16)),
+             Candidate(ReplicaId("D2"), idle())]
+    choice = choose_split(policy(), ask(2_100), cands, roles, FAST_LINK)
+    assert choice.prefill is None and choice.selection.replica == "D2"
+    plain = choose_split(policy(), ask(2_100), cands, roles, DisaggSpec("never"))
+    assert plain.selection.replica == "D1"  # never: an ordinary fleet, no duty priced

@@ -110,3 +110,22 @@ def test_a_first_token_sooner_than_a_step_teaches_no_rate() -> None:
     dispatch(t, "a", prefill=400)
     t.on_first_token(R, RequestId("a"), now_s=0.002)
     assert t.snapshot(R, 0.002).prefill_rate_tps == 10_000.0
+
+
+
+def test_the_prefill_sent_to_a_replica_is_its_prefill_duty() -> None:
+    """150,000 prefill tokens sent at once to a replica of 10,000 tokens/s are 15 s of its
+    next 30 s: a duty of 0.5, decaying as ``exp(−age / PREFILL_DUTY_WINDOW_S)``, and never
+    above ``PREFILL_DUTY_MAX``."""
+    import math
+
+    from kvroute.core.load import PREFILL_DUTY_MAX, PREFILL_DUTY_WINDOW_S
+
+    t = tracker()
+    assert t.snapshot(R, 0.0).prefill_duty == 0.0
+    dispatch(t, "a", prompt=150_000, prefill=150_000, now=1.0)
+    assert t.snapshot(R, 1.0).prefill_duty == pytest.approx(0.5)
+    later = t.snapshot(R, 1.0 + PREFILL_DUTY_WINDOW_S).prefill_duty
+    assert later == pytest.approx(0.5 / math.e)
+    dispatch(t, "b", prompt=1_000_000, prefill=1_000_000, now=2.0)
+    assert t.snapshot(R, 2.0).prefill_duty == PREFILL_DUTY_MAX
