@@ -44,8 +44,8 @@ prefill on an idle P (with none of its prefix) costs 0.8 s: colocated.
 
 Prefill duty. In ``auto`` and ``always`` every decode, colocated or a split's decode half,
 is also charged ``decode_weight·m·step_with·d/(1 − d)``, ``d`` the replica's learned
-``prefill_duty`` (``core/load.py``: the share of the decodes that ended there which the
-replica spent on prefills sent to it meanwhile). A replica that keeps taking prefills runs
+``prefill_duty`` (``core/load.py``: the prefill tokens recently dispatched there, decayed
+over 30 s, as a share of 30 s of its prefill rate; at most 0.9). A replica that keeps taking prefills runs
 a prefill chunk in most of its steps, so a stream decoding there is that much slower than
 the step model says. Without it, a pool of ``both`` replicas sorts itself into prefill hubs
 (the replicas with the fewest streams have the cheapest stall, so they get the splits'
