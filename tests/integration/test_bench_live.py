@@ -263,6 +263,7 @@ ROUTER_KEYS = {
     "requests_per_replica", "max_replica_share", "router_cpu_s", "router_cpu_ms_per_req",
     "ready_s", "wall_s", "achieved_rps", "start_lag_p99_ms", "tcp_nodelay",
     "overhead_vs_direct", "command",
+    "itl_request_mean_ms", "itl_request_p99_ms", "slo_goodput_rps", "slo_goodput_fraction",
 }
 HOT_REQUESTS = 4 * 48
 
