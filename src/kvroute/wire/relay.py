@@ -20,6 +20,7 @@ from typing import Any, Final
 import msgspec
 
 from kvroute.wire.openai import ParsedRequest, encode_request
+from kvroute.wire.sse import data_payloads
 
 __all__ = [
     "StreamWatcher",
@@ -129,12 +130,7 @@ class StreamWatcher:
             self._read(tail)
 
     def _read(self, text: bytes) -> None:
-        for line in text.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if not data or data == b"[DONE]":
-                continue
+        for data in data_payloads(text):
             try:
                 doc = _JSON_DECODER.decode(data)
             except msgspec.DecodeError:

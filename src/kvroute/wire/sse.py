@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import codecs
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,6 +44,7 @@ __all__ = [
     "DONE_DATA",
     "SSEDecoder",
     "SSEEvent",
+    "data_payloads",
     "encode_comment",
     "encode_data",
     "encode_event",
@@ -56,6 +58,19 @@ DONE: Final = b"data: [DONE]\n\n"
 """The sentinel event, encoded exactly as vLLM and OpenAI send it."""
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def data_payloads(text: bytes) -> Iterator[bytes]:
+    """The non-empty ``data`` payloads of the whole lines in ``text``, the ``[DONE]``
+    sentinel left out: the quick read of an OpenAI stream's events when each sits on one
+    ``data:`` line (as vLLM writes them), for watchers that look at a relayed stream without
+    decoding its framing (``wire/relay.py``, ``wire/turn_copy.py``)."""
+    for line in text.splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data and data != b"[DONE]":
+            yield data
 _JSON_ENCODER = msgspec.json.Encoder()
 
 

@@ -36,6 +36,7 @@ from kvroute.wire.openai import (
     validate_cache_salt,
     warm_request_body,
 )
+from kvroute.wire.sse import data_payloads
 
 __all__ = ["MAX_ANSWER_CHARS", "AnswerText", "SessionTurn", "answer_of", "turn_copy_body"]
 
@@ -138,12 +139,7 @@ class AnswerText:
         self._tail = b""
 
     def _read(self, text: bytes) -> None:
-        for line in text.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if not data or data == b"[DONE]":
-                continue
+        for data in data_payloads(text):
             try:
                 doc = _DOC_DECODER.decode(data)
             except msgspec.DecodeError:

@@ -12,6 +12,7 @@ from kvroute.wire.sse import (
     DONE,
     SSEDecoder,
     SSEEvent,
+    data_payloads,
     encode_comment,
     encode_data,
     encode_event,
@@ -201,3 +202,9 @@ def test_round_trip_of_a_simulated_stream() -> None:
     events = both(raw)
     assert [e.json() for e in events[:-1]] == [json.loads(json.dumps(c)) for c in chunks]
     assert events[-1].is_done
+
+
+def test_data_payloads_keep_whole_data_lines_and_leave_out_done_and_the_rest() -> None:
+    text = (b'data: {"a":1}\n\n: keep-alive\nevent: x\ndata:{"b":2}\r\n\ndata: \n'
+            b"data: [DONE]\n\n")
+    assert list(data_payloads(text)) == [b'{"a":1}', b'{"b":2}']
