@@ -106,6 +106,39 @@ def test_a_placement_reaches_the_peer_and_its_end_releases_the_load() -> None:
     run(main())
 
 
+def test_seq_outbox_and_peer_seq_say_when_a_placement_has_reached_a_peer() -> None:
+    """The stats ``bench/several_routers.py`` paces sibling requests on: a placement sits in
+    the outbox until the publisher's turn, then goes out in batch ``seq``; the peer's
+    ``peer_seqs()`` reaches that number once it has applied the batch, and by then the
+    placement is in its core."""
+    async def main() -> None:
+        subject = f"kvroute.test.{secrets.token_hex(4)}"
+        a_core, b_core = make_core(1), make_core(2)
+        a = share(config(subject, "a"), a_core)
+        b = share(config(subject, "b"), b_core)
+        await a.start()
+        await b.start()
+        try:
+            await wait_for(lambda: "a" in b.view.peers(), "b to hear a")
+            before = a.stats()["seq"]
+            first = a_core.route(request("x", PROMPT + [1]))
+            assert a.stats()["outbox"] == 1  # queued; the publisher has not run yet
+            await wait_for(lambda: a.stats()["outbox"] == 0, "a's outbox to empty")
+            sent = int(a.stats()["seq"])
+            assert sent > before
+            await wait_for(lambda: b.peer_seqs().get("a", 0) >= sent, "b to apply a's batch")
+            assert b.view.in_flight("a") == 1
+            assert b.state()["peer_seq"] == b.peer_seqs()
+            sibling = b_core.route(request("y", PROMPT + [2]))
+            assert sibling.replica == first.replica
+            assert sibling.expected_cached_tokens == len(PROMPT)
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(main())
+
+
 def test_a_router_that_goes_silent_is_expired_with_its_load() -> None:
     async def main() -> None:
         subject = f"kvroute.test.{secrets.token_hex(4)}"

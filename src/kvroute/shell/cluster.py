@@ -10,7 +10,11 @@
 * every ``heartbeat_s`` it sends an empty batch if nothing else went out, and expires peers
   silent for ``peer_expiry_s`` (``PeerView.expire``): a dead router's load vanishes;
 * each batch received is merged into the local core by ``PeerView.apply``; a router that
-  stops says ``bye`` and its peers drop its load at once.
+  stops says ``bye`` and its peers drop its load at once;
+* batches are numbered (``seq``): ``stats()`` gives this router's last number and its outbox
+  (announcements not yet in a batch), ``peer_seqs()`` the last number applied per peer, so a
+  client can wait until one router's placement has reached another instead of guessing a
+  delay (``bench/several_routers.py`` paces sibling requests so).
 
 Core NATS publish/subscribe, not JetStream: these announcements are only worth anything for
 the seconds until the engines' own KV events confirm them, so nothing is stored, nothing is
@@ -134,7 +138,15 @@ class ClusterSharing:
             **self.stats(),
             "router_id": self.router_id,
             "peers": {peer: self.view.in_flight(peer) for peer in self.view.peers()},
+            "peer_seq": self.peer_seqs(),
         }
+
+    def peer_seqs(self) -> dict[str, int]:
+        """Per peer heard from (router id: not a secret), the ``seq`` of its last batch
+        applied here: with the peer's own ``seq`` stat, how a client tells that what a
+        router announced up to a point has reached another (``bench/several_routers.py``
+        paces sibling requests on it)."""
+        return dict(self._last_seq)
 
     def stats(self) -> dict[str, float]:
         """The counters ``kvroute_cluster{stat=...}`` exports."""
@@ -155,6 +167,11 @@ class ClusterSharing:
             "gaps": self.num_gaps,
             "bad": self.num_bad,
             "unknown_tenant": self.num_unknown_tenant,
+            # The last batch this router published (or tried to: a dropped one counts) and
+            # the announcements not yet in a batch: once ``outbox`` is 0, everything
+            # announced so far went out in a batch numbered at most ``seq``.
+            "seq": self._seq,
+            "outbox": len(self._outbox),
         }
 
     # -- sending ------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ replica_healthy                        gauge      replica
 pool_window_tokens                     gauge      pool
 state_errors_total                     counter    backend, op
 cluster                                gauge      stat (several routers: ``shell/cluster.py``)
+cluster_info                           gauge      router_id (1; this router's id on the bus)
+cluster_peer_seq                       gauge      peer (a peer router's last batch applied)
 warm_total                             counter    outcome, reason
 escalations_total                      counter    from_pool, to_pool, kind
 cut_short_total                        counter    pool
@@ -313,9 +315,21 @@ class RouterMetrics:
             "peer_requests (their requests counted as load here), published, dropped (not "
             "connected), received, applied, unknown (an end for a request never placed), "
             "unknown_replica, expired_peers, expired_requests, gaps (batches lost), bad "
-            "(foreign bytes on the subject); counts since start.",
+            "(foreign bytes on the subject), seq (this router's last batch published), "
+            "outbox (announcements not yet in a batch); counts since start.",
             ["stat"], namespace=ns, registry=r,
         )
+        self._cluster_info = Gauge(
+            "cluster_info", "1, labelled with this router's id on the cluster bus.",
+            ["router_id"], namespace=ns, registry=r,
+        )
+        self._cluster_peer_seq = Gauge(
+            "cluster_peer_seq",
+            "Per peer router heard within the expiry, the seq of its last batch applied here "
+            "(compare with that router's kvroute_cluster{stat=\"seq\"}).",
+            ["peer"], namespace=ns, registry=r,
+        )
+        self._peers_exported: set[str] = set()
         self._state_errors = self._deferred(Counter(
             "state_errors", "Shared-state operations that failed and degraded to no pin / "
             "no warm.", ["backend", "op"], namespace=ns, registry=r,
@@ -511,10 +525,22 @@ class RouterMetrics:
                             ("checks_failed", checks_failed)):
             self._piece_cache.labels(pool, stat).set(value)
 
-    def set_cluster(self, stats: dict[str, float]) -> None:
-        """Export ``ClusterSharing.stats()`` (``shell/cluster.py``)."""
+    def set_cluster(self, stats: dict[str, float], *, router_id: str = "",
+                    peer_seqs: dict[str, int] | None = None) -> None:
+        """Export ``ClusterSharing.stats()``, its router id and ``peer_seqs()``
+        (``shell/cluster.py``). A peer no longer heard (left, expired) loses its series:
+        router ids are few (the fleet's routers), but a restarted router under a default
+        ``<host>-<pid>`` id is a new one each time."""
         for stat, value in stats.items():
             self._cluster.labels(stat).set(value)
+        if router_id:
+            self._cluster_info.labels(router_id).set(1)
+        seqs = peer_seqs or {}
+        for peer in self._peers_exported - seqs.keys():
+            self._cluster_peer_seq.remove(peer)
+        for peer, seq in seqs.items():
+            self._cluster_peer_seq.labels(peer).set(seq)
+        self._peers_exported = set(seqs)
 
     def discovery(self, replica: str, outcome: str) -> None:
         self._discovery.add((replica, outcome), 1)

@@ -512,7 +512,8 @@ class RouterRuntime(Service):
             self.metrics.set_kv_stream(self.kv_stream is not None and self.kv_stream.connected,
                                        relay)
         if self.cluster is not None:
-            self.metrics.set_cluster(self.cluster.stats())
+            self.metrics.set_cluster(self.cluster.stats(), router_id=self.cluster.router_id,
+                                     peer_seqs=self.cluster.peer_seqs())
         for pool, local in self._local_tokenizers():
             pieces = local.pieces
             self.metrics.set_token_piece_cache(

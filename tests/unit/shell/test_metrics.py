@@ -164,3 +164,22 @@ def test_a_replica_that_left_exports_no_gauge() -> None:
     assert m.value("kvroute_replica_healthy", {"replica": "r0"}) is None
     assert m.value("kvroute_replica_healthy", {"replica": "r1"}) == 1
     assert b'replica="r0"' not in m.render()[0].split(b"kvroute_replica_healthy", 1)[1]
+
+
+def test_cluster_seq_outbox_and_peer_seqs_are_exported() -> None:
+    """What a client needs to tell that one router's announcements reached another: this
+    router's last batch and outbox, its id, and per peer the last batch applied; a peer no
+    longer heard loses its series."""
+    m = RouterMetrics()
+    m.set_cluster({"seq": 7, "outbox": 2}, router_id="r0", peer_seqs={"r1": 3, "r2": 5})
+    got = samples(m)
+    assert got[("kvroute_cluster", (("stat", "seq"),))] == 7
+    assert got[("kvroute_cluster", (("stat", "outbox"),))] == 2
+    assert got[("kvroute_cluster_info", (("router_id", "r0"),))] == 1
+    assert got[("kvroute_cluster_peer_seq", (("peer", "r1"),))] == 3
+    m.set_cluster({"seq": 8, "outbox": 0}, router_id="r0", peer_seqs={"r2": 6})
+    got = samples(m)
+    assert got[("kvroute_cluster", (("stat", "seq"),))] == 8
+    assert got[("kvroute_cluster", (("stat", "outbox"),))] == 0
+    assert got[("kvroute_cluster_peer_seq", (("peer", "r2"),))] == 6
+    assert ("kvroute_cluster_peer_seq", (("peer", "r1"),)) not in got
