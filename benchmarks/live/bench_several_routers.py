@@ -37,7 +37,9 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--only", default="", help="run only the runs whose name contains this")
-    parser.add_argument("--burst-gap-ms", type=float, default=200.0)
+    parser.add_argument("--burst-gap-ms", type=float, default=200.0,
+                        help="between siblings without the bus (the control); with the bus "
+                        "they are paced on the routers' cluster stats")
     parser.add_argument("--burst-words", type=int, default=5000)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--nats", default="nats://127.0.0.1:4222")

@@ -6,14 +6,17 @@ fresh placements and in-flight load on NATS, each run under its own namespace an
 and the bench's round-robin front (a refused connection is retried on the next router).
 
 * The same bounded session workload (16 sessions × 10 turns, three bursts of three siblings
-  sharing a 5,000-token prefix in one session, each sibling sent to a different router 200 ms
-  apart: ``kvroute.bench.several_routers.Workload``) through one router and through three:
-  every burst landed on one replica, the engines' own prefix-cache hit rate (their
+  sharing a 5,000-token prefix in one session, each sibling sent to a different router:
+  ``kvroute.bench.several_routers.Workload``) through one router and through three. With the
+  bus, a later sibling is sent once its router has applied the batch that announced the first
+  one's placement (read from the routers' ``/metrics``: ``kvroute_cluster{stat="seq"}``,
+  ``{stat="outbox"}``, ``kvroute_cluster_peer_seq``), so what is asserted does not depend on
+  the machine's speed: every burst landed on one replica, the engines' own prefix-cache hit rate (their
   ``vllm:prefix_cache_*`` counters, not a timing) of three routers at least 90% of one's
   (the 3% of issue #26 holds over rounds, not on every single run: see the test), every
   later sibling routed knowing the first one's placement (``x-kvroute-cached-tokens``), and,
-  as the control that shows the check can fail, three routers without the bus route some
-  later sibling blind. TTFT is only held to a generous bound (the machine is shared).
+  as the control that shows the check can fail, three routers without the bus (siblings
+  200 ms apart) route some later sibling blind. TTFT is only held to a generous bound (the machine is shared).
 * One router SIGKILLed a third of the way through: every request that had not reached it is
   answered (failed, hung = 0; a request it held when killed is ``cut``), and its peers drop
   its load once it is silent for ``peer_expiry_s``.
@@ -140,6 +143,10 @@ def test_three_routers_hit_and_co_locate_as_one(fleet: Fleet, routers: RoutersFa
             result.errors)
         assert result.queries > 0
     assert one.bursts == three.bursts == WORKLOAD.num_bursts
+    # Siblings paced on the bus when there is one (none waited past the bound), by the clock
+    # in the control and for one router (no cluster stats).
+    assert three.paced and three.unpaced == 0, three.unpaced_why
+    assert not one.paced and not control.paced
     assert one.bursts_together == one.bursts
     assert three.bursts_together == three.bursts, "siblings at different routers scattered"
     # One run of each varies by about ±3% on a loaded machine, one router's as much as three's
@@ -193,3 +200,8 @@ def test_a_router_killed_mid_run_fails_no_request_that_had_not_reached_it(
             metrics = resp.read().decode()
         assert 'kvroute_cluster{stat="peers"} 1.0' in metrics
         assert 'kvroute_cluster{stat="expired_peers"} 1.0' in metrics
+        # The dead router's last batch number left with it; the live peer's is there.
+        assert 'kvroute_cluster_peer_seq{peer="r1"}' not in metrics
+        other = "r2" if survivor is group[0] else "r0"
+        assert f'kvroute_cluster_peer_seq{{peer="{other}"}}' in metrics
+        assert state["peer_seq"].keys() == {other}  # type: ignore[attr-defined]

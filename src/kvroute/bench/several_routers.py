@@ -19,15 +19,29 @@ The workload (``Workload``; deterministic for a seed):
   (``system_words`` words) and every user message so far (``turn_words`` each);
 * before turns 1, 1 + ``burst_every``, ... of session 0 (not at the start, when every session's
   first turn arrives at once), a *sibling burst*: ``siblings`` requests that share
-  a fresh ``burst_words``-word prefix, each sent to a different router ``burst_gap_s`` apart,
-  which land together when every sibling reports the same ``x-kvroute-replica``. The gap
-  (200 ms) is far above the bus's latency (well under 1 ms) but leaves room for a busy
-  machine's scheduling (on a shared 2-core box at load average 20–27, 100 ms was not always
-  enough: a router's handling of a request, or of an announcement, was delayed longer); the
-  prefix (5,000 tokens, 500 ms of prefill at the engines' 10k tokens/s) is long enough that
-  without the bus no router learns of the first sibling from the engine's KV events before
-  the last one arrives. Siblings that reach different routers before the first one is placed
-  anywhere cannot be co-located by announcements; that case is not what this measures.
+  a fresh ``burst_words``-word prefix, each sent to a different router, which land together
+  when every sibling reports the same ``x-kvroute-replica``. How the later siblings are
+  paced depends on the run:
+
+  - *with the bus* (every router exports ``kvroute_cluster_info``), on what the routers say,
+    not on a clock: once the first sibling's response headers arrive (it is placed: the
+    router queues its ``Placed`` announcement before it calls the engine), the bench waits
+    until that router's outbox is empty (``kvroute_cluster{stat="outbox"}`` 0), reads its
+    last batch number ``S`` (``{stat="seq"}``), and sends each later sibling once that
+    sibling's router has applied batch ``S`` or later from it
+    (``kvroute_cluster_peer_seq{peer=...}``). A wait longer than ``pace_timeout_s`` sends
+    the sibling anyway and is counted in ``RoutersResult.unpaced`` (so is a router that
+    could not be read). What is measured is then whether an announcement that *arrived*
+    is used, whatever the machine's speed: with a fixed gap (200 ms before), a router
+    delayed longer on a loaded 2-core box (load average ~4 was enough once) placed a
+    sibling blind;
+  - *without the bus* (the control), ``burst_gap_s`` (200 ms) apart, as blind as they come:
+    the prefix (5,000 tokens, 500 ms of prefill at the engines' 10k tokens/s) is long enough
+    that no router learns of the first sibling from the engine's KV events before the last
+    one arrives.
+
+  Siblings that reach different routers before the first one is placed anywhere cannot be
+  co-located by announcements; that case is not what this measures.
 
 What is measured: the engines' prefix-cache hit rate (``vllm:prefix_cache_hits_total`` over
 ``..._queries_total``, read from every engine before and after: counted by the engines, not timed),
@@ -46,7 +60,7 @@ import secrets
 import signal
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,14 +69,16 @@ import aiohttp
 
 from kvroute.bench.live_routers import RouterSpec, RunningRouter, http_text, start_router
 from kvroute.sim.launcher import ReplicaHandle
-from kvroute.wire.prom import parse_vllm_metrics
+from kvroute.wire.prom import parse_vllm_metrics, wanted_samples
 
 __all__ = [
+    "ClusterReading",
     "RoundRobinFront",
     "RoutersResult",
     "Workload",
     "engine_prefix_counters",
     "kill_router",
+    "read_cluster",
     "reset_prefix_caches",
     "run_workload",
     "start_routers",
@@ -81,6 +97,9 @@ class Workload:
     siblings: int = 3
     burst_words: int = 5000
     burst_gap_s: float = 0.2
+    """Between siblings without the bus (the control); with it they are paced on the bus."""
+    pace_timeout_s: float = 10.0
+    """With the bus, the longest wait for an announcement before a sibling is sent anyway."""
     max_tokens: int = 8
     timeout_s: float = 30.0
     seed: int = 0
@@ -115,6 +134,12 @@ class RoutersResult:
     wall_s: float = 0.0
     load_avg: tuple[float, float, float] = (0.0, 0.0, 0.0)
     errors: list[str] = field(default_factory=list)
+    paced: bool = False
+    """Later siblings were paced on the bus (every router exported its cluster stats)."""
+    unpaced: int = 0
+    """Later siblings sent without their router having applied the first one's placement
+    (the wait timed out, or a router could not be read): ``unpaced_why`` says which."""
+    unpaced_why: list[str] = field(default_factory=list)
     burst_landings: list[list[str]] = field(default_factory=list)
     session_landings: dict[int, list[str]] = field(default_factory=dict)
     """Per session, each turn's ``replica:expected cached tokens``."""
@@ -136,7 +161,8 @@ class RoutersResult:
             "itl_ms": [round(mean(self.itl_s) * 1e3, 2), round(p99(self.itl_s) * 1e3, 2)],
             "e2e_ms": [round(mean(self.e2e_s) * 1e3, 1), round(p99(self.e2e_s) * 1e3, 1)],
             "wall_s": round(self.wall_s, 1), "load_avg": self.load_avg,
-            "errors": self.errors[:5], "burst_landings": self.burst_landings,
+            "errors": self.errors[:5], "paced": self.paced, "unpaced": self.unpaced,
+            "unpaced_why": self.unpaced_why[:5], "burst_landings": self.burst_landings,
             "session_landings": self.session_landings,
         }
 
@@ -166,15 +192,21 @@ class RoundRobinFront:
         return i
 
     async def stream(self, body: dict[str, Any], headers: dict[str, str], *,
-                     start: int | None = None) -> tuple[int, str, list[float], bytes]:
+                     start: int | None = None, on_headers: Callable[[int], None] | None = None
+                     ) -> tuple[int, str, list[float], bytes]:
         """POST ``body`` streamed to the router ``start`` (the next in turn when None),
         retrying refused connections on the others. Returns (status, ``replica:expected
-        cached tokens`` from the routing headers, arrival times of the chunks, whole body)."""
+        cached tokens`` from the routing headers, arrival times of the chunks, whole body).
+        ``on_headers`` is called with the answering router's index once its response
+        headers arrived."""
         first = self.pick() if start is None else start
         for k in range(len(self.targets)):
-            url = self.targets[(first + k) % len(self.targets)] + "/v1/chat/completions"
+            index = (first + k) % len(self.targets)
+            url = self.targets[index] + "/v1/chat/completions"
             try:
                 async with self.session.post(url, json=body, headers=headers) as resp:
+                    if on_headers is not None:
+                        on_headers(index)
                     times: list[float] = []
                     raw = bytearray()
                     async for chunk in resp.content.iter_any():
@@ -212,12 +244,104 @@ def _words(rng: random.Random, n: int, tag: str) -> str:
     return " ".join(f"{tag}{rng.getrandbits(36):x}" for _ in range(n))
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterReading:
+    """What a router's ``/metrics`` says of its side of the cluster bus."""
+
+    router_id: str
+    seq: int
+    """Its last batch published."""
+    outbox: int
+    """Its announcements not yet in a batch."""
+    peer_seq: dict[str, int]
+    """Per peer, the last batch applied from it."""
+
+
+async def read_cluster(session: aiohttp.ClientSession, target: str) -> ClusterReading | None:
+    """``target``'s cluster stats from its (open) ``/metrics``; None when it exports none
+    (no ``cluster.bus``)."""
+    async with session.get(target + "/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    samples, _ = wanted_samples(text, ("kvroute_cluster",))
+    router_id = ""
+    stats: dict[str, float] = {}
+    peer_seq: dict[str, int] = {}
+    for sample in samples:
+        if sample.name == "kvroute_cluster_info":
+            router_id = sample.labels.get("router_id", "")
+        elif sample.name == "kvroute_cluster":
+            stats[sample.labels.get("stat", "")] = sample.value
+        elif sample.name == "kvroute_cluster_peer_seq":
+            peer_seq[sample.labels.get("peer", "")] = int(sample.value)
+    if not router_id or "seq" not in stats or "outbox" not in stats:
+        return None
+    return ClusterReading(router_id, int(stats["seq"]), int(stats["outbox"]), peer_seq)
+
+
+class _Pacer:
+    """Holds a burst's later siblings until their routers have applied the first one's
+    placement (module docstring). Each wait is bounded by ``timeout_s``; a sibling sent
+    without it is counted in ``result.unpaced`` with the reason."""
+
+    POLL_S = 0.005
+
+    def __init__(self, session: aiohttp.ClientSession, targets: Sequence[str],
+                 result: RoutersResult, timeout_s: float) -> None:
+        self.session = session
+        self.targets = targets
+        self.result = result
+        self.timeout_s = timeout_s
+
+    def unpaced(self, why: str) -> None:
+        self.result.unpaced += 1
+        self.result.unpaced_why.append(why)
+
+    async def _read(self, router: int) -> ClusterReading | str:
+        try:
+            reading = await read_cluster(self.session, self.targets[router])
+        except aiohttp.ClientError as exc:
+            return f"router {router} unreadable: {type(exc).__name__}: {exc}"
+        return reading if reading is not None else f"router {router} exports no cluster stats"
+
+    async def announced(self, router: int) -> tuple[str, int] | str:
+        """(id, last batch) of ``router`` once everything it announced went out, or why not
+        within the bound."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            reading = await self._read(router)
+            if isinstance(reading, str):
+                return reading
+            if reading.outbox == 0:
+                return reading.router_id, reading.seq
+            if time.monotonic() > deadline:
+                return f"router {router}'s outbox not empty after {self.timeout_s} s"
+            await asyncio.sleep(self.POLL_S)
+
+    async def applied(self, router: int, peer: str, seq: int) -> str | None:
+        """None once ``router`` has applied batch ``seq`` or later from ``peer``, or why not
+        within the bound."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            reading = await self._read(router)
+            if isinstance(reading, str):
+                return reading
+            if reading.peer_seq.get(peer, -1) >= seq:
+                return None
+            if time.monotonic() > deadline:
+                return (f"router {router} had not applied {peer}'s batch {seq} "
+                        f"after {self.timeout_s} s")
+            await asyncio.sleep(self.POLL_S)
+
+
 async def _one(front: RoundRobinFront, result: RoutersResult, body: dict[str, Any],
-               headers: dict[str, str], timeout_s: float, start: int | None = None) -> str:
+               headers: dict[str, str], timeout_s: float, start: int | None = None,
+               on_headers: Callable[[int], None] | None = None) -> str:
     sent = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            status, replica, times, raw = await front.stream(body, headers, start=start)
+            status, replica, times, raw = await front.stream(body, headers, start=start,
+                                                             on_headers=on_headers)
     except TimeoutError:
         result.hung += 1
         return ""
@@ -251,7 +375,8 @@ async def run_workload(targets: Sequence[str], engines: Sequence[ReplicaHandle],
     """Run ``workload`` through a round-robin front over ``targets``.
 
     ``kill`` (called once, after ``kill_after`` requests have been answered) stops a router
-    mid-run.
+    mid-run. Bursts are paced on the bus when every router in ``targets`` exports its
+    cluster stats, else ``burst_gap_s`` apart (module docstring).
     """
     result = RoutersResult(routers=len(targets))
     rng = random.Random(workload.seed)
@@ -277,6 +402,9 @@ async def run_workload(targets: Sequence[str], engines: Sequence[ReplicaHandle],
     started = time.perf_counter()
     async with aiohttp.ClientSession(connector=connector) as session:
         front = RoundRobinFront(targets, session)
+        readings = [await read_cluster(session, target) for target in targets]
+        result.paced = all(reading is not None for reading in readings)
+        pacer = _Pacer(session, targets, result, workload.pace_timeout_s)
         systems = [_words(rng, workload.system_words, f"s{i}x") for i in range(workload.sessions)]
         turns = [[_words(rng, workload.turn_words, f"t{i}.{t}x") for t in range(workload.turns)]
                  for i in range(workload.sessions)]
@@ -288,15 +416,47 @@ async def run_workload(targets: Sequence[str], engines: Sequence[ReplicaHandle],
             prefix, tails = bursts[k]
             first = front.pick()
 
-            async def sibling(j: int) -> str:
-                await asyncio.sleep(j * workload.burst_gap_s)
+            async def sibling(j: int, on_headers: Callable[[int], None] | None = None) -> str:
                 replica = await _one(front, result, chat([
                     {"role": "system", "content": prefix}, {"role": "user", "content": tails[j]}]),
-                    {}, workload.timeout_s, start=(first + j) % len(targets))
+                    {}, workload.timeout_s, start=(first + j) % len(targets),
+                    on_headers=on_headers)
                 count()
                 return replica
 
-            landed = await asyncio.gather(*(sibling(j) for j in range(workload.siblings)))
+            async def after_gap(j: int) -> str:
+                await asyncio.sleep(j * workload.burst_gap_s)
+                return await sibling(j)
+
+            async def paced() -> list[str]:
+                answered: list[int] = []  # the router that placed the first sibling
+                placed = asyncio.Event()
+
+                def headers_arrived(index: int) -> None:
+                    answered.append(index)
+                    placed.set()
+
+                tasks = [asyncio.create_task(sibling(0, headers_arrived))]
+                waiter = asyncio.create_task(placed.wait())
+                await asyncio.wait([tasks[0], waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                announced = (await pacer.announced(answered[0]) if answered
+                             else "the first sibling got no response headers")
+                for j in range(1, workload.siblings):
+                    router = (first + j) % len(targets)
+                    if isinstance(announced, str):
+                        pacer.unpaced(announced)
+                    elif router != answered[0]:  # the same router knows its own placement
+                        why = await pacer.applied(router, *announced)
+                        if why is not None:
+                            pacer.unpaced(why)
+                    tasks.append(asyncio.create_task(sibling(j)))
+                return list(await asyncio.gather(*tasks))
+
+            if result.paced:
+                landed = await paced()
+            else:
+                landed = await asyncio.gather(*(after_gap(j) for j in range(workload.siblings)))
             result.bursts += 1
             result.burst_landings.append(landed)
             replicas = {where.split(":")[0] for where in landed}
