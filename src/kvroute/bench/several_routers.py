@@ -140,6 +140,8 @@ class RoutersResult:
     """Later siblings sent without their router having applied the first one's placement
     (the wait timed out, or a router could not be read): ``unpaced_why`` says which."""
     unpaced_why: list[str] = field(default_factory=list)
+    pace_wait_s: list[float] = field(default_factory=list)
+    """Per later sibling paced on the bus, from the first one's response headers to its send."""
     burst_landings: list[list[str]] = field(default_factory=list)
     session_landings: dict[int, list[str]] = field(default_factory=dict)
     """Per session, each turn's ``replica:expected cached tokens``."""
@@ -162,7 +164,10 @@ class RoutersResult:
             "e2e_ms": [round(mean(self.e2e_s) * 1e3, 1), round(p99(self.e2e_s) * 1e3, 1)],
             "wall_s": round(self.wall_s, 1), "load_avg": self.load_avg,
             "errors": self.errors[:5], "paced": self.paced, "unpaced": self.unpaced,
-            "unpaced_why": self.unpaced_why[:5], "burst_landings": self.burst_landings,
+            "unpaced_why": self.unpaced_why[:5],
+            "pace_wait_ms": [round(mean(self.pace_wait_s) * 1e3, 1),
+                             round(max(self.pace_wait_s, default=0.0) * 1e3, 1)],
+            "burst_landings": self.burst_landings,
             "session_landings": self.session_landings,
         }
 
@@ -440,6 +445,7 @@ async def run_workload(targets: Sequence[str], engines: Sequence[ReplicaHandle],
                 waiter = asyncio.create_task(placed.wait())
                 await asyncio.wait([tasks[0], waiter], return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
+                headers_at = time.perf_counter()
                 announced = (await pacer.announced(answered[0]) if answered
                              else "the first sibling got no response headers")
                 for j in range(1, workload.siblings):
@@ -450,6 +456,8 @@ async def run_workload(targets: Sequence[str], engines: Sequence[ReplicaHandle],
                         why = await pacer.applied(router, *announced)
                         if why is not None:
                             pacer.unpaced(why)
+                    if answered:
+                        result.pace_wait_s.append(time.perf_counter() - headers_at)
                     tasks.append(asyncio.create_task(sibling(j)))
                 return list(await asyncio.gather(*tasks))
 
