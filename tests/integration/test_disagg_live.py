@@ -136,17 +136,31 @@ def test_a_failed_prefill_is_colocated_and_a_failed_decode_retried(
             assert "x-kvroute-prefill-replica" not in headers and tokens == 6
             assert usage["prompt_tokens_details"]["cached_tokens"] == 0
             assert (await faults(session, prefill.url))["fired"]["requests_failed"] == 1
-            # D answers 503 before its first byte: another decode replica serves it
-            await faults(session, d1.url, {"fail_next": 1, "status": 503})
-            served: set[str] = set()
-            for _ in range(6):  # until d1 was chosen first and failed (bounded)
+            # D answers 503 before its first byte: another decode replica serves it. The
+            # fault is armed on the decode replica the router is expected to choose next:
+            # the one that served last for three requests (a replica that prefilled for
+            # itself carries a prefill duty for a while, so the other keeps winning), then
+            # the other one for three (were the choices to alternate).
+            decoders = {d1.name: d1, d2.name: d2}
+            last = headers["x-kvroute-replica"]
+            served: list[str] = []
+            for attempt in range(6):  # until the armed replica was chosen first (bounded)
+                armed = last if attempt < 3 else next(n for n in decoders if n != last)
+                other = next(n for n in decoders if n != armed)
+                await faults(session, decoders[other].url, {"fail_next": 0})
+                await faults(session, decoders[armed].url, {"fail_next": 1, "status": 503})
+                fired = (await faults(session, decoders[armed].url))["fired"]["requests_failed"]
                 headers, tokens, _ = await ask(session, rt.url, words(rng, 200))
-                served.add(headers["x-kvroute-replica"])
-                if (await faults(session, d1.url))["fired"]["requests_failed"]:
-                    assert headers["x-kvroute-replica"] == d2.name and tokens == 6
+                last = headers["x-kvroute-replica"]
+                served.append(last)
+                now = (await faults(session, decoders[armed].url))["fired"]["requests_failed"]
+                if now > fired:
+                    assert last == other and tokens == 6
                     break
             else:
-                pytest.fail(f"d1 was never chosen first in 6 requests (served by {served})")
+                pytest.fail(f"the armed decode replica was never chosen first (served {served})")
+            await faults(session, d1.url, {"fail_next": 0})
+            await faults(session, d2.url, {"fail_next": 0})
             # P dies: every request is still answered, colocated
             fleet.processes[0].send_signal(signal.SIGKILL)
             fleet.processes[0].wait()
