@@ -5,17 +5,20 @@ outlives the failure."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Self
 
 
-class Service:
+class Service(ABC):
     """A service with ``start`` and ``stop``; ``stop`` must be safe after a partial start."""
 
+    @abstractmethod
     async def start(self) -> None:
-        raise NotImplementedError
+        """Open what the service needs (sockets, tasks, subscriptions)."""
 
+    @abstractmethod
     async def stop(self) -> None:
-        raise NotImplementedError
+        """Close what ``start`` opened, whatever part of it ran."""
 
     async def __aenter__(self) -> Self:
         try:
