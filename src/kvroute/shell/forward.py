@@ -8,6 +8,10 @@ background (``shell/warm.py``), and the record written back once. Every decision
 walk's; this module turns its notes into Prometheus series and log lines, renders its
 refusals in OpenAI's error shape, and logs one ``kvroute.decision`` line per request.
 
+Two parts of a request live in modules of their own, each used only here: a split's
+prefill half (``shell/split_prefill.py``, disaggregation's first step) and the capture of
+the relayed answer for a spread-ahead copy (``shell/answer_capture.py``).
+
 See docs/architecture.md, "The request walk", for the steps and the module of each.
 """
 
@@ -24,7 +28,6 @@ from typing import Any, Final, TypeVar
 from kvroute.config import RouteConfig, RouterConfig, Secrets
 from kvroute.core.router import RouteRequest, RoutingDecision
 from kvroute.core.session import session_key
-from kvroute.core.spread import SpreadSettings
 from kvroute.core.tokens import EstimateConfig
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName
 from kvroute.core.walk import (
@@ -53,9 +56,9 @@ from kvroute.core.walk import (
     WarmNote,
     WindowLearned,
 )
-from kvroute.http.client import ConnectTimeout
 from kvroute.http.server import Answer, Request, Response, StreamResponse
 from kvroute.shell.activity import Activity
+from kvroute.shell.answer_capture import AnswerCapture, spreads
 from kvroute.shell.audit_sample import AuditSampler
 from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.dp_headers import DpRankHeaders
@@ -63,13 +66,13 @@ from kvroute.shell.lora_loader import LoraLoader
 from kvroute.shell.metrics import RouterMetrics
 from kvroute.shell.proxy import Upstream, UpstreamError, UpstreamReply, relay_stream
 from kvroute.shell.shadow_warm import ShadowWarmSender
+from kvroute.shell.split_prefill import send_prefill
 from kvroute.shell.state import SessionState
 from kvroute.shell.tenancy import routing_header_tenants
 from kvroute.shell.tier_pools import TierPools
 from kvroute.shell.transcript_sample import TranscriptWriter
 from kvroute.shell.warm import WarmSender
 from kvroute.tokenize.prompt import PromptTokenizer
-from kvroute.wire.disagg import TransferParamsError, prefill_body, transfer_params
 from kvroute.wire.openai import (
     ParsedRequest,
     encode_request,
@@ -81,7 +84,6 @@ from kvroute.wire.overflow import Overflow, overflow_numbers, parse_overflow
 from kvroute.wire.reasoning import expected_thinking, reasoning_fields, reasoning_tokens
 from kvroute.wire.relay import StreamWatcher, completion_of, forward_body, prompt_ids_from_body
 from kvroute.wire.relay import routing_text as render_routing_text
-from kvroute.wire.turn_copy import AnswerText, SessionTurn, answer_of
 
 __all__ = ["HDR_APPROX", "HDR_CACHED", "HDR_POOL", "HDR_PREFILL", "HDR_REPLICA", "Forwarder", "error_answer"]
 
@@ -157,21 +159,6 @@ def _streamed_overflow(reply: UpstreamReply) -> Overflow | None:
     if reply.response is None or b"error" not in reply.body:
         return None
     return parse_overflow(reply.status, reply.body)
-
-
-def _both(watcher: StreamWatcher, text: AnswerText) -> Callable[[bytes], None]:
-    """Feed each relayed piece to the usage watcher and to the answer's text reader."""
-    def feed(piece: bytes) -> None:
-        watcher.feed(piece)
-        text.feed(piece)
-    return feed
-
-
-def _is_connect_failure(error: UpstreamError) -> bool:
-    """No connection to the replica: refused, unreachable, or a connect (not read) timeout."""
-    if error.kind == "connect":
-        return True
-    return error.kind == "timeout" and isinstance(error.__cause__, ConnectTimeout)
 
 
 @dataclass(slots=True)
@@ -252,8 +239,8 @@ class Forwarder:
         record = None
         if session is not None and self.state is not None:
             record = await self.state.get_session(session_key(tenant, route.name, session))
-        turn = SessionTurn(parsed)
-        keep_answer = (session is not None and parsed.n == 1 and self._spreads(route))
+        capture = AnswerCapture(parsed, keep=session is not None and parsed.n == 1
+                                and spreads(self.walker.core, route))
         walk_request = WalkRequest(
             request_id=request_id, route=self._walk_route(route), tenant=tenant,
             session_id=session,
@@ -263,7 +250,7 @@ class Forwarder:
             prompt_token_ids=prompt_ids_from_body(parsed),
             routing_text=lambda: render_routing_text(parsed), cache_salt=salt,
             adapter=adapter,
-            shadow_payload=turn,
+            shadow_payload=capture.turn,
             thinking_tokens=thinking_allowed(parsed, route),
         )
         alternates = self.pools.alternates(route) if route.scenarios.any else None
@@ -295,18 +282,15 @@ class Forwarder:
                     route.name, walk.arm, (time.perf_counter_ns() - request.received_ns) / 1e9)
             if reply.response is None:
                 reasons, usage = completion_of(reply.body)
-                if keep_answer and reasons and reasons[0] is not None:
-                    turn.answer = answer_of(reply.body, parsed.endpoint)
+                capture.whole(reply.body, reasons)
                 whole = routed(self._whole(reply), decision, self._shows(tenant))
                 self._router_time(request, reply, time.perf_counter_ns())
                 return whole
             watcher = StreamWatcher()
-            text = AnswerText(parsed.endpoint) if keep_answer else None
-            response = await self._stream(ex, reply, decision, watcher, text)
+            response = await self._stream(ex, reply, decision, capture.on_chunk(watcher))
             self._router_time(request, reply, response.head_sent_ns)
             reasons, usage = watcher.finish_reasons, watcher.usage
-            if text is not None and reasons and reasons[0] is not None:
-                turn.answer = text.text
+            capture.streamed(reasons)
             return response
         finally:
             thinking = reasoning_tokens(usage)
@@ -326,22 +310,6 @@ class Forwarder:
                 self._spawn(self.state.put_session(write.key, write.record,
                                                    self.config.state.session_ttl_s))
             self._log(ex)
-
-    def _spreads(self, route: RouteConfig) -> bool:
-        """Whether a request of ``route`` may end in a spread-ahead copy (``core/spread.py``;
-        the walk plans none on routes with model-bound cache scenarios), so its answer's
-        text is worth keeping for the copy (``wire/turn_copy.py``)."""
-        if route.scenarios.any:
-            return False
-        core = self.walker.core
-        known = set(core.pool_names())
-        for name in route.pools:
-            pool = PoolName(name)
-            if pool in known:
-                settings = getattr(core.policy_of(pool), "spread", None)
-                if isinstance(settings, SpreadSettings) and settings.enabled:
-                    return True
-        return False
 
     def _walk_route(self, route: RouteConfig) -> WalkRoute:
         """The route's settings for the walk, built once per route (the config is frozen)."""
@@ -368,15 +336,22 @@ class Forwarder:
         if send.warm is not None:
             self._warm(ex, send)
         path = "/v1/chat/completions" if ex.parsed.endpoint == "chat" else "/v1/completions"
-        base = (self.replica_url(decision.replica) if self.replica_url is not None
-                else self.config.replica(decision.replica).url)
+        base = self._replica_base(decision.replica)
         if base is None:  # it left the pool (Kubernetes scale-in) since it was chosen
             return walk.failed("connect", retryable=True, unreachable=False,
                                detail=f"replica {decision.replica} left the pool")
         url = base + path
         transfer: Mapping[str, Any] | None = None
-        if decision.prefill_replica is not None:  # a split: the prefill half first
-            prefilled = await self._prefill(ex, send, path)
+        prefill = decision.prefill_replica
+        if prefill is not None:  # a split: the prefill half first (shell/split_prefill.py)
+            prefill_base = self._replica_base(prefill)
+            prefilled = await send_prefill(
+                walk, decision, ex.parsed.body,
+                url=None if prefill_base is None else prefill_base + path,
+                model=self._model(ex, decision.request.pool),
+                headers={"X-Request-Id": decision.prefill_request_id,
+                         **self.dp_rank_headers(prefill)},  # the prefill replica's rank
+                upstream=self.upstream, metrics=self.metrics)
             if not isinstance(prefilled, Mapping):
                 return prefilled  # the walk's next action: colocated on the decode replica
             transfer = prefilled
@@ -391,7 +366,7 @@ class Forwarder:
             if overflow is None:
                 ex.error = exc
                 return walk.failed(exc.kind, retryable=exc.retryable,
-                                   unreachable=_is_connect_failure(exc), detail=str(exc))
+                                   unreachable=exc.connect_failed, detail=str(exc))
         else:
             overflow = _streamed_overflow(reply)
             if overflow is None:
@@ -400,38 +375,17 @@ class Forwarder:
         self.metrics.upstream_error(decision.replica, "overflow")
         return walk.overflowed(overflow_numbers(overflow), detail=f"style {overflow.style}")
 
-    async def _prefill(self, ex: _Exchange, send: Send,
-                       path: str) -> Mapping[str, Any] | WalkAction:
-        """A split's prefill half (``wire/disagg.py``): the prompt with ``max_tokens: 1`` and
-        ``do_remote_decode`` to the prefill replica; its answer's ``kv_transfer_params``, or
-        the walk's next action when it failed (the request is then colocated)."""
-        walk, decision = ex.walk, send.decision
-        prefill = decision.prefill_replica
-        assert prefill is not None
-        base = (self.replica_url(prefill) if self.replica_url is not None
-                else self.config.replica(prefill).url)
-        if base is None:
-            return walk.prefill_failed("connect", detail=f"replica {prefill} left the pool")
-        pool = decision.request.pool
-        adapter = walk.request.adapter
-        body = prefill_body(ex.parsed.body,
-                            model=adapter if adapter is not None else self.config.pools[pool].model,
-                            cache_salt=decision.request.cache_salt)
-        headers = {"X-Request-Id": decision.prefill_request_id,
-                   **self.dp_rank_headers(prefill)}  # the prefill replica's rank
-        try:
-            reply = await self.upstream.open(base + path, body, stream=False, headers=headers)
-        except UpstreamError as exc:
-            self.metrics.upstream_error(prefill, exc.kind)
-            return walk.prefill_failed(exc.kind, unreachable=_is_connect_failure(exc),
-                                       detail=str(exc))
-        try:
-            params = transfer_params(reply.body)
-        except TransferParamsError as exc:
-            self.metrics.upstream_error(prefill, "protocol")
-            return walk.prefill_failed("protocol", detail=str(exc))
-        walk.prefill_answered()
-        return params
+    def _replica_base(self, replica: ReplicaId) -> str | None:
+        """Where ``replica`` is now (None: it left the pool since it was chosen)."""
+        if self.replica_url is not None:
+            return self.replica_url(replica)
+        return self.config.replica(replica).url
+
+    def _model(self, ex: _Exchange, pool: PoolName) -> str:
+        """The ``model`` a local pool's engine serves the request under: the request's LoRA
+        adapter, else the pool's model."""
+        adapter = ex.walk.request.adapter
+        return adapter if adapter is not None else self.config.pools[pool].model
 
     def _body(self, ex: _Exchange, send: Send,
               transfer: Mapping[str, Any] | None = None) -> bytes:
@@ -443,7 +397,6 @@ class Forwarder:
             return encode_request(ex.parsed, max_tokens=send.max_tokens,
                                   model=self.pools.upstream_model(ex.route, pool),
                                   remove_fields=("cache_salt",))
-        adapter = ex.walk.request.adapter
         config = self.config.pools[pool]
         reasoning = ex.route.reasoning
         fields = (reasoning_fields(ex.parsed.body, reasoning)
@@ -451,7 +404,7 @@ class Forwarder:
         if transfer is not None:  # a split's decode half: where to pull the KV from
             fields = {**(fields or {}), "kv_transfer_params": dict(transfer)}
         return forward_body(ex.raw, ex.parsed, max_tokens=send.max_tokens,
-                            model=adapter if adapter is not None else config.model,
+                            model=self._model(ex, pool),
                             cache_salt=send.decision.request.cache_salt,  # a version's salt
                             vllm_xargs=REPORT_HITS if config.report_hits else None,
                             set_fields=fields)
@@ -534,7 +487,7 @@ class Forwarder:
         return response
 
     async def _stream(self, ex: _Exchange, reply: UpstreamReply, decision: RoutingDecision,
-                      watcher: StreamWatcher, text: AnswerText | None = None) -> StreamResponse:
+                      on_chunk: Callable[[bytes], None]) -> StreamResponse:
         response = StreamResponse(status=reply.status)
         for key, value in reply.headers.items():
             response.headers[key] = value
@@ -546,8 +499,7 @@ class Forwarder:
 
         try:
             await relay_stream(reply, response, ex.request, replica=decision.replica,
-                               on_error=failed, on_chunk=watcher.feed if text is None
-                               else _both(watcher, text))
+                               on_error=failed, on_chunk=on_chunk)
         except ConnectionResetError:
             ex.walk.outcome = "client_gone"
         return response

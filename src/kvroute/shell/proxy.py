@@ -99,6 +99,14 @@ class UpstreamError(RouterError):
         self.body = body
         self.content_type = content_type
 
+    @property
+    def connect_failed(self) -> bool:
+        """No connection to the replica: refused, unreachable, or a connect (not read)
+        timeout (the walk then takes the replica out)."""
+        if self.kind == "connect":
+            return True
+        return self.kind == "timeout" and isinstance(self.__cause__, ConnectTimeout)
+
 
 @dataclass(slots=True)
 class UpstreamReply:

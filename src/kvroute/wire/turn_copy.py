@@ -20,7 +20,8 @@ prompt or an answer that did not finish: the copy is the prompt alone, as before
 keeps every other field of the session's request (tools, ``chat_template_kwargs``, the
 tenant's ``cache_salt``), so the engine hashes the same blocks the next turn will look up.
 
-No I/O: ``shell/forward.py`` feeds these and ``shell/shadow_warm.py`` sends the body.
+No I/O: ``shell/answer_capture.py`` feeds these for ``shell/forward.py``, and
+``shell/shadow_warm.py`` sends the body.
 """
 
 from __future__ import annotations
