@@ -673,7 +673,7 @@ class RouterCore:
             prefill_cached_tokens=prefill_cached,
             gate_refusal=refusal,
         )
-        self._commit(decision, entry, matches.get(selection.replica, NO_MATCH))
+        self._commit(decision, entry, session, matches.get(selection.replica, NO_MATCH))
         if prefill is not None:
             self._commit_prefill(decision, entry, matches.get(prefill, NO_MATCH))
         return decision
@@ -707,7 +707,7 @@ class RouterCore:
         self.on_complete(decision.replica, decision.request.request_id)
         moved = replace(decision, prefill_replica=None, prefill_cached_tokens=0,
                         reason="colocated")
-        self._commit(moved, self._pool(decision.request.pool))
+        self._commit(moved, self._pool(decision.request.pool), self._session_key(moved.request))
         return moved
 
     def prefill_done(self, decision: RoutingDecision) -> None:
@@ -745,7 +745,7 @@ class RouterCore:
                 scores=decision.scores,
                 cached_by_replica=decision.cached_by_replica,
             )
-            self._commit(moved, entry)
+            self._commit(moved, entry, self._session_key(request))
             return moved
         return None
 
@@ -802,10 +802,13 @@ class RouterCore:
                 request.num_prompt_tokens, 1, 1, None, tenant,
                 written if tenant is not None else (), decision.approximate))
 
-    def _commit(self, decision: RoutingDecision, entry: _Pool,
+    def _commit(self, decision: RoutingDecision, entry: _Pool, session: str | None,
                 held: PrefixMatch = NO_MATCH) -> None:
         """Record the dispatch: load, and predicted entries for the blocks the replica will
         store.
+
+        ``session`` is ``_session_key(decision.request)``, computed once by the caller (a
+        keyed pseudonym when routers share sessions: ``route`` has it already).
 
         ``held`` is how the chosen replica already holds the request's leading blocks. When
         that whole run is on the engine's GPU (confirmed by its events, no prediction, no
@@ -820,7 +823,6 @@ class RouterCore:
         prefill_tokens = (1 if decision.prefill_replica is not None  # a split: one token
                           else max(1, request.num_prompt_tokens
                                    - decision.expected_cached_tokens))
-        session = self._session_key(request)
         self.load.on_dispatch(
             decision.replica,
             request.request_id,

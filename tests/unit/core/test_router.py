@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,8 @@ from kvroute.core.events import BlockStored, EventBatch
 from kvroute.core.hashing import BlockHasher
 from kvroute.core.index import TenantScope
 from kvroute.core.peer_policies import make_policy
+from kvroute.core.peers import Announcement, Placed
+from kvroute.core.pseudonyms import Pseudonyms
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest, text_chunk_hashes
 from kvroute.core.types import PoolName, ReplicaId, RequestId, TenantName, to_wire_hash
 
@@ -235,3 +238,38 @@ def test_a_drifting_pool_routes_approximately_and_keeps_its_exact_shadow() -> No
     assert rc.exact_cached_tokens(decision.request, r1) == 320
     rc.set_pool_drifting(POOL, False)
     assert not rc.route(request("b", PROMPT + [8])).approximate
+
+
+class _CountingNames(Pseudonyms):
+    """Pseudonyms that count the session pseudonyms asked of them."""
+
+    __slots__ = ("sessions",)
+
+    def __init__(self, secret: str) -> None:
+        super().__init__(secret)
+        self.sessions = 0
+
+    def session(self, key: str) -> str:
+        self.sessions += 1
+        return super().session(key)
+
+
+def test_a_routed_session_is_named_once_and_the_name_reaches_the_load_and_the_bus() -> None:
+    """With shared sessions, ``route`` computes the session's keyed pseudonym once and
+    commits the dispatch under it (load tracker and the ``Placed`` announcement)."""
+    rc, _ = core()
+    secret = "s" * 32
+    names = rc.session_names = _CountingNames(secret)
+    placed: list[Announcement] = []
+    rc.announce = placed.append
+    decision = rc.route(replace(request("a", PROMPT), session_id="alice"))
+    assert names.sessions == 1
+    alias = Pseudonyms(secret).session("acme\x1falice")
+    (announced,) = placed
+    assert isinstance(announced, Placed) and announced.session == alias
+    assert rc.load.snapshot(decision.replica, 0.0).resting_sessions == 0
+    rc.on_complete(decision.replica, RequestId("a"))  # it now rests there, under its alias
+    assert rc.load_beside(decision.replica, replace(request("b", PROMPT), session_id="bob")
+                          ).resting_sessions == 1
+    assert rc.load_beside(decision.replica, replace(request("c", PROMPT), session_id="alice")
+                          ).resting_sessions == 0
