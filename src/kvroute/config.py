@@ -50,6 +50,7 @@ from kvroute.core.scenarios import (
     UpgradeSettings,
 )
 from kvroute.core.tokens import IMAGE_FAMILIES, IMAGE_PRESETS, ImageCost
+from kvroute.core.transcript_sample import SampleSettings
 from kvroute.core.types import PoolName, ReplicaId, TenantName
 from kvroute.wire.dp_rank import DpRankError, offset_endpoint_port
 from kvroute.wire.reasoning import THINK_SWITCHES, ReasoningSettings
@@ -582,27 +583,19 @@ class GateConfig:
     (the default): nothing is sampled."""
 
 
-@dataclass(frozen=True, slots=True)
-class TranscriptSampleConfig:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TranscriptSampleConfig(SampleSettings):
     """``gate.sample``: finished multi-turn conversations of opted-in tenants, written as
     shadow-replay transcripts (``core/transcript_sample.py``; docs/model-bound-caches.md).
 
     Off unless configured. Each tenant in ``tenants`` gets ``<directory>/<tenant>.jsonl``;
-    the other fields bound the sample (``core.transcript_sample.SampleSettings``). The
-    files hold prompts: turn it on only for tenants whose prompts may be written to disk.
+    the other fields bound the sample. They are ``core.transcript_sample.SampleSettings``'
+    own (this class adds only ``directory``), so the sampler takes the config as it is and
+    a bound is declared, with its default, in one place. The files hold prompts: turn it on
+    only for tenants whose prompts may be written to disk.
     """
 
     directory: str
-    tenants: tuple[str, ...]
-    rate: float = 0.05
-    idle_s: float = 300.0
-    min_turns: int = 2
-    max_open: int = 256
-    max_per_minute: int = 60
-    max_per_tenant: int = 1000
-    max_bytes_per_tenant: int = 10_000_000
-    max_tokens: int = 32
-    seed: str = "kvroute-transcripts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1618,9 +1611,8 @@ def _transcript_sample(data: Any, tenants: Sequence[TenantConfig]) -> Transcript
     if data is None:
         return None
     d = _mapping("gate.sample", data, _SAMPLE_EXAMPLE)
-    _check_keys("gate.sample", d, ("directory", "tenants", "rate", "idle_s", "min_turns",
-                                   "max_open", "max_per_minute", "max_per_tenant",
-                                   "max_bytes_per_tenant", "max_tokens", "seed"))
+    _check_keys("gate.sample", d, ("directory",
+                                   *(f.name for f in dataclasses.fields(SampleSettings))))
     base = TranscriptSampleConfig(directory="", tenants=())
     directory = _str("gate.sample.directory", d.get("directory"),
                      example="/var/lib/kvroute/transcripts")

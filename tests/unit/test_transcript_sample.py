@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ def chat(*turns: str, system: str | None = "Be brief.") -> list[dict[str, Any]]:
 
 
 def settings(**kw: Any) -> SampleSettings:
-    return SampleSettings(**{"tenants": frozenset({"acme"}), "rate": 1.0, "idle_s": 10.0,
+    return SampleSettings(**{"tenants": ("acme",), "rate": 1.0, "idle_s": 10.0,
                              **kw})
 
 
@@ -162,3 +163,22 @@ def test_the_config_is_opt_in_and_names_known_tenants() -> None:
     with pytest.raises(ConfigError, match="must be <= 1"):
         parse_config({**base, "gate": {"sample": {"directory": "/t", "tenants": ["default"],
                                                   "rate": 2}}}, env={})
+
+
+def test_the_config_is_the_samplers_settings_with_their_defaults_and_key_names() -> None:
+    base: dict[str, Any] = {"pools": {"p": {"model": "m", "replicas": [
+        {"name": "r0", "url": "http://127.0.0.1:9"}]}}, "routes": {"chat": {"pools": ["p"]}}}
+    cfg = parse_config({**base, "gate": {"sample": {"directory": "/tmp/t",
+                                                    "tenants": ["default"]}}}, env={})
+    sample = cfg.gate.sample
+    assert sample is not None and sample.directory == "/tmp/t"
+    defaults = SampleSettings(tenants=("default",))
+    assert TranscriptSampler(sample).settings.max_per_minute == defaults.max_per_minute
+    assert {f.name: getattr(sample, f.name) for f in fields(SampleSettings)} == {
+        f.name: getattr(defaults, f.name) for f in fields(SampleSettings)}
+    with pytest.raises(ConfigError, match=r"gate\.sample\.rte: unknown key 'rte'\. did you "
+                       r"mean 'rate'\? Allowed keys here: directory, tenants, rate, idle_s, "
+                       r"min_turns, max_open, max_per_minute, max_per_tenant, "
+                       r"max_bytes_per_tenant, max_tokens, seed\."):
+        parse_config({**base, "gate": {"sample": {"directory": "/t", "tenants": ["default"],
+                                                  "rte": 0.5}}}, env={})

@@ -48,10 +48,12 @@ _HASH_SPACE: Final = float(1 << 64)
 
 @dataclass(frozen=True, slots=True)
 class SampleSettings:
-    """The bounds of the live transcript sample (``config.TranscriptSampleConfig``).
+    """The bounds of the live transcript sample, declared here once:
+    ``config.TranscriptSampleConfig`` (``gate.sample``) is these plus the directory.
 
     Attributes:
-        tenants: the tenants whose conversations may be sampled (opt-in).
+        tenants: the tenants whose conversations may be sampled (opt-in; a few names, in
+            the order configured).
         rate: the share of their conversations sampled, in (0, 1].
         idle_s: a conversation with no turn for this long is finished.
         min_turns: fewer user turns than this: not written (one turn is not multi-turn).
@@ -63,7 +65,7 @@ class SampleSettings:
         seed: the sampling hash's seed (another seed samples other conversations).
     """
 
-    tenants: frozenset[str]
+    tenants: tuple[str, ...]
     rate: float = 0.05
     idle_s: float = 300.0
     min_turns: int = 2

@@ -26,7 +26,6 @@ from typing import Any
 from kvroute.config import TranscriptSampleConfig
 from kvroute.core.transcript_sample import (
     SampleCounts,
-    SampleSettings,
     TranscriptSampler,
     conversation_of,
 )
@@ -69,12 +68,7 @@ class TranscriptWriter:
         """``on_counts``: told the counts (and ``open``) after every flush: ``/metrics``."""
         self.directory = Path(config.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.sampler = TranscriptSampler(SampleSettings(
-            tenants=frozenset(config.tenants), rate=config.rate, idle_s=config.idle_s,
-            min_turns=config.min_turns, max_open=config.max_open,
-            max_per_minute=config.max_per_minute, max_per_tenant=config.max_per_tenant,
-            max_bytes_per_tenant=config.max_bytes_per_tenant, max_tokens=config.max_tokens,
-            seed=config.seed))
+        self.sampler = TranscriptSampler(config)  # the config is the sample's settings
         for tenant in sorted(config.tenants):
             path = tenant_file(self.directory, tenant)
             if path.exists():
