@@ -116,17 +116,12 @@ def pin_process_tree(pid: int, cpus: frozenset[int]) -> int:
         OSError: ``cpus`` names no CPU this process may use (``EINVAL``).
     """
     pinned = 0
-    for p in (pid, *descendants(pid)):
+    for tid in _tree_threads(pid):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
-        except FileNotFoundError:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
             continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except ProcessLookupError:
-                continue
-            pinned += 1
+        pinned += 1
     return pinned
 
 
@@ -136,17 +131,24 @@ def tree_cpus(pids: Iterable[int]) -> list[int]:
     while they are read is skipped)."""
     cpus: set[int] = set()
     for top in pids:
-        for p in (top, *descendants(top)):
+        for tid in _tree_threads(top):
             try:
-                tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
-            except FileNotFoundError:
+                cpus |= os.sched_getaffinity(tid)
+            except ProcessLookupError:
                 continue
-            for tid in tids:
-                try:
-                    cpus |= os.sched_getaffinity(tid)
-                except ProcessLookupError:
-                    continue
     return sorted(cpus)
+
+
+def _tree_threads(pid: int) -> Iterator[int]:
+    """The thread ids of ``pid`` and of its descendants, process by process (parents first);
+    a process that ends before its threads are listed is skipped. A thread may still end
+    before the caller acts on it (``ProcessLookupError``): the caller skips it."""
+    for p in (pid, *descendants(pid)):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+        except FileNotFoundError:
+            continue
+        yield from tids
 
 
 def parse_cpus(text: str) -> frozenset[int]:
