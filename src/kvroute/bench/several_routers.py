@@ -309,34 +309,34 @@ class _Pacer:
             return f"router {router} unreadable: {type(exc).__name__}: {exc}"
         return reading if reading is not None else f"router {router} exports no cluster stats"
 
-    async def announced(self, router: int) -> tuple[str, int] | str:
-        """(id, last batch) of ``router`` once everything it announced went out, or why not
-        within the bound."""
+    async def _until(self, router: int, ready: Callable[[ClusterReading], bool],
+                     late: str) -> ClusterReading | str:
+        """``router``'s first reading for which ``ready`` holds, read every ``POLL_S``; or
+        why not: it could not be read, or ``late`` once ``timeout_s`` has passed."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             reading = await self._read(router)
-            if isinstance(reading, str):
+            if isinstance(reading, str) or ready(reading):
                 return reading
-            if reading.outbox == 0:
-                return reading.router_id, reading.seq
             if time.monotonic() > deadline:
-                return f"router {router}'s outbox not empty after {self.timeout_s} s"
+                return late
             await asyncio.sleep(self.POLL_S)
+
+    async def announced(self, router: int) -> tuple[str, int] | str:
+        """(id, last batch) of ``router`` once everything it announced went out, or why not
+        within the bound."""
+        reading = await self._until(
+            router, lambda r: r.outbox == 0,
+            f"router {router}'s outbox not empty after {self.timeout_s} s")
+        return reading if isinstance(reading, str) else (reading.router_id, reading.seq)
 
     async def applied(self, router: int, peer: str, seq: int) -> str | None:
         """None once ``router`` has applied batch ``seq`` or later from ``peer``, or why not
         within the bound."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            reading = await self._read(router)
-            if isinstance(reading, str):
-                return reading
-            if reading.peer_seq.get(peer, -1) >= seq:
-                return None
-            if time.monotonic() > deadline:
-                return (f"router {router} had not applied {peer}'s batch {seq} "
-                        f"after {self.timeout_s} s")
-            await asyncio.sleep(self.POLL_S)
+        reading = await self._until(
+            router, lambda r: r.peer_seq.get(peer, -1) >= seq,
+            f"router {router} had not applied {peer}'s batch {seq} after {self.timeout_s} s")
+        return reading if isinstance(reading, str) else None
 
 
 async def _one(front: RoundRobinFront, result: RoutersResult, body: dict[str, Any],
