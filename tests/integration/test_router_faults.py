@@ -71,7 +71,7 @@ FleetFactory = Callable[..., Fleet]
 ConfigFor = Callable[..., RouterConfig]
 
 
-def run(coro: Any, timeout_s: float = 30.0) -> None:
+def run(coro: Any, timeout_s: float = 120.0) -> None:
     asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
@@ -86,8 +86,10 @@ def chat(content: str, *, model: str = ROUTE, stream: bool = False,
             "max_tokens": max_tokens, "stream": stream}
 
 
-async def wait_for(predicate: Callable[[], Any], timeout_s: float = 5.0,
+async def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0,
                    what: str = "condition") -> None:
+    """Polls until ``predicate`` holds. The bound is for a hung test, not a figure: on a
+    loaded 2-core machine a warm-up's events took over 5 s to arrive."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not await _maybe_await(predicate()):
@@ -481,12 +483,13 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(
             abort, _, running = await engine_counts(session, engine)
             return abort == abort0 + 1 and running == 0
 
-        # The natural end is >= 4.8 s after the start (4,000 steps of >= 1.2 ms), later under load.
-        await wait_for(aborted, timeout_s=4.0, what="the engine to abort the request")
+        # An abort shows in the engine's counts; a request that ran to its end instead would
+        # not count as aborted, and the length check below tells the two apart.
+        await wait_for(aborted, what="the engine to abort the request")
         _, length, _ = await engine_counts(session, engine)
         assert length == length0, "the request ran to its end instead of being aborted"
         await wait_for(lambda: rt.core.load.snapshot(ReplicaId(victim)).num_in_flight == 0
-                       and admission.in_flight == 0, timeout_s=2.0,
+                       and admission.in_flight == 0,
                        what="the router to release the request")
         load = rt.core.load.snapshot(ReplicaId(victim))
         assert load.num_decoding == 0 and load.outstanding_prefill_tokens == 0
@@ -700,7 +703,7 @@ def test_redis_stopped_and_started_under_traffic_fails_no_request(
 
     try:
         with caplog.at_level(logging.WARNING, logger="kvroute"):
-            run(main(), timeout_s=90.0)
+            run(main(), timeout_s=120.0)
     finally:
         client.close()
         _stop(server)
@@ -787,4 +790,4 @@ def test_a_router_restarted_under_load_finishes_its_streams_and_rebuilds_its_ind
                 assert status == 200 and headers["x-kvroute-replica"] == home
                 assert int(headers["x-kvroute-cached-tokens"]) >= 192
 
-    run(main(), timeout_s=60.0)
+    run(main())
