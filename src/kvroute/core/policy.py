@@ -144,7 +144,22 @@ a burst of about ten siblings of one prompt stays together, while distinct suffi
 shared system prompt spread as soon as their own queue builds up.
 
 Ties are broken by the session's pin, then the fewest requests in flight, then the most free
-KV, then least-recently-chosen, then randomly; never by list order (list order is how peers send every cold request at low load to the first worker).
+KV, then the rendezvous replica of the prompt's first block that no candidate holds (or is
+predicted to hold), then least-recently-chosen, then randomly; never by list order (list
+order is how peers send every cold request at low load to the first worker).
+
+Why the rendezvous step (``tie_hash``, on by default): several routers each break ties their
+own way (the least recently chosen is each router's history; the draw its own seed), so
+siblings of a new prefix that reach different routers before any of them is placed (nothing
+announced yet) split. The rendezvous weight (``core/rendezvous.py``) depends only on a block
+hash and a replica's name, so every router with the same view picks the same replica; the
+block is the first new one, so siblings share it while unrelated prompts behind one cached
+system prompt do not (keyed on block 0 they would all tie towards one replica), and two
+tenants' identical prompts, salted, do not either. On one router it replaces the least
+recently chosen only where everything before it ties: the agentic and Mooncake figures in
+virtual time are unchanged (docs/benchmarks.md, "Sibling ties"). ``tie_band`` (0: exact
+ties only) widens the tie to costs within a relative band where the rendezvous applies; 5%
+made the Mooncake trace's first tokens 6% slower, so it stays off.
 A replica whose prefill rate was not sampled for ``stale_rate_s`` (30 s, or never) is scored
 at the fastest candidate's rate: an estimate that has gone stale is re-sampled instead of
 keeping the replica out, so idle replicas share unique prompts sent one after another rather
@@ -163,6 +178,7 @@ from typing import NamedTuple, Protocol
 
 from kvroute.core.index import PrefixMatch
 from kvroute.core.load import DEFAULT_DECODE_TIMING, DecodeTiming, ReplicaLoad
+from kvroute.core.rendezvous import rendezvous_weight
 from kvroute.core.spread import DEFAULT_SPREAD, SpreadSettings
 from kvroute.core.types import ReplicaId, WireHash
 
@@ -305,13 +321,17 @@ def rank_by_cost(
     lower_is_better: bool = True,
     preferred: ReplicaId | None = None,
     spread: bool = False,
+    rendezvous: WireHash | None = None,
+    band: float = 0.0,
 ) -> tuple[ReplicaId, ...]:
     """Order replicas by cost; ties go to ``preferred`` (a session pin), then (``spread``)
-    to the fewest requests in flight and the most free KV, then to the least recently
-    chosen, then at random.
+    to the fewest requests in flight and the most free KV, then (``rendezvous``, a prompt's
+    first block hash) to the replica of highest rendezvous weight for it, then to the least
+    recently chosen, then at random.
 
-    The random key is drawn for every candidate so that the order never depends on the
-    candidates' list order.
+    Costs within ``TIE_TOLERANCE`` (float noise) or ``band`` (relative) of the lowest of their
+    run count as equal. The random key is drawn for every candidate so that the order never
+    depends on the candidates' list order.
     """
     sign = 1.0 if lower_is_better else -1.0
     # Plain tuples sort natively (no key function); the replica name at the end is never
@@ -320,21 +340,24 @@ def rank_by_cost(
         keyed = [(sign * costs[cand.replica], cand.replica != preferred,
                   cand.load.num_in_flight,
                   cand.load.kv_used_tokens - cand.load.kv_capacity_tokens,
+                  0 if rendezvous is None else -rendezvous_weight(rendezvous, cand.replica),
                   cand.load.last_chosen_s, rng.random(), cand.replica) for cand in candidates]
     else:
         keyed = [(sign * costs[cand.replica], cand.replica != preferred, 0, 0,
+                  0 if rendezvous is None else -rendezvous_weight(rendezvous, cand.replica),
                   cand.load.last_chosen_s, rng.random(), cand.replica) for cand in candidates]
     keyed.sort()
-    # Collapse float noise: costs equal within the tolerance compare as equal.
+    # Collapse float noise (or the band): costs within the tolerance compare as equal.
     collapsed = False
     for i in range(1, len(keyed)):
         prev, item = keyed[i - 1][0], keyed[i]
-        if item[0] != prev and abs(item[0] - prev) <= TIE_TOLERANCE * max(1.0, abs(prev)):
+        if item[0] != prev and abs(item[0] - prev) <= max(TIE_TOLERANCE * max(1.0, abs(prev)),
+                                                          band * abs(prev)):
             keyed[i] = (prev, *item[1:])
             collapsed = True
     if collapsed:
         keyed.sort()
-    return tuple(item[6] for item in keyed)
+    return tuple(item[7] for item in keyed)
 
 
 class KvrouteCostPolicy:
@@ -375,6 +398,9 @@ class KvrouteCostPolicy:
         spread_overlap: float = DEFAULT_SPREAD.overlap,
         spread_min_tokens: int = DEFAULT_SPREAD.min_tokens,
         spread_target_in_flight: int = DEFAULT_SPREAD.max_target_in_flight,
+        tie_hash: bool = True,
+        tie_hash_cold_only: bool = False,
+        tie_band: float = 0.0,
     ) -> None:
         if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
             raise ValueError(
@@ -382,7 +408,7 @@ class KvrouteCostPolicy:
                 f"{cpu_load_s_per_token}, storage_load_s_per_token={storage_load_s_per_token})")
         if min(work_weight, decode_slowdown, predicted_credit, step_tokens, inflight_cost_s,
                waiting_cost_s, decode_weight, harm_weight, stale_rate_s, pressure_weight,
-               return_weight, kv_wait_weight, residual_weight) < 0:
+               return_weight, kv_wait_weight, residual_weight, tie_band) < 0:
             raise ValueError(
                 "kvroute policy weights must be >= 0 (work_weight="
                 f"{work_weight}, decode_slowdown={decode_slowdown}, "
@@ -391,7 +417,7 @@ class KvrouteCostPolicy:
                 f"decode_weight={decode_weight}, harm_weight={harm_weight}, "
                 f"stale_rate_s={stale_rate_s}, pressure_weight={pressure_weight}, "
                 f"return_weight={return_weight}, kv_wait_weight={kv_wait_weight}, "
-                f"residual_weight={residual_weight})"
+                f"residual_weight={residual_weight}, tie_band={tie_band})"
             )
         self._rng = rng
         self.work_weight = work_weight
@@ -410,6 +436,18 @@ class KvrouteCostPolicy:
         self.lifetime_stall = lifetime_stall
         self.kv_wait_weight = kv_wait_weight
         self.residual_weight = residual_weight
+        self.tie_hash = tie_hash
+        """Ties go to the rendezvous replica of the prompt's first block no candidate holds
+        (``rank_by_cost``) before the least recently chosen: what every router computes
+        alike, so siblings that reach several routers at once land together (module
+        docstring, "Ties")."""
+        self.tie_hash_cold_only = tie_hash_cold_only
+        """Only for a prompt no candidate holds any block of (an option: the first design,
+        which almost never applies once a system prompt is cached somewhere)."""
+        self.tie_band = tie_band
+        """Where the rendezvous applies, costs within this relative band of the lowest
+        count as tied (0, the default: exact ties only; docs/benchmarks.md, "Sibling
+        ties")."""
         self.spread = SpreadSettings(
             enabled=spread_ahead, per_s=spread_per_s, budget_tokens=spread_budget_tokens,
             overlap=spread_overlap, min_tokens=spread_min_tokens,
@@ -630,10 +668,25 @@ class KvrouteCostPolicy:
             costs[cand.replica] = cost
             cached_tokens[cand.replica] = int(max(0.0, n - prefill))
         ranking = rank_by_cost(costs, candidates, self._rng, preferred=request.preferred_replica,
-                               spread=True)
+                               spread=True, rendezvous=self.tie_key(request, candidates),
+                               band=self.tie_band)
         return Selection(
             ranking=ranking, expected_cached_tokens=cached_tokens, scores=costs, reason="cost"
         )
+
+    def tie_key(self, request: PolicyInput, candidates: Sequence[Candidate]) -> WireHash | None:
+        """The hash whose rendezvous replica wins this request's ties: its first block that no
+        candidate holds or is predicted to hold (block 0 for a prompt cached nowhere). Every
+        router that sees the same index computes the same one, and siblings of one new
+        prefix share it while unrelated prompts behind a shared system prompt do not. None
+        (least recently chosen, then random) when the rule is off, every block is held
+        somewhere, or (``tie_hash_cold_only``) some block is."""
+        if not self.tie_hash:
+            return None
+        held = max(cand.match.num_blocks for cand in candidates)
+        if held >= len(request.block_hashes) or (held and self.tie_hash_cold_only):
+            return None
+        return request.block_hashes[held]
 
     def forget_replica(self, replica: ReplicaId) -> None:
         """Stateless across requests: nothing to forget."""
