@@ -42,7 +42,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, Self
@@ -190,14 +190,18 @@ def find_peer_routers(cache_dir: str | Path | None = None) -> PeerRouters:
 
 
 def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, model: str,
-                 seed: int = 0, tokenizer: str = "engine", extra: str = "") -> str:
+                 seed: int = 0, tokenizer: str = "engine", extra: str = "",
+                 policy_params: Mapping[str, float | int | bool] | None = None) -> str:
     """The ``kvroute serve`` config for one pool of ``engines`` with KV events wired.
 
     The route is named after the engines' model, so the same request bodies go to every
     router. Retries are off (as for the peers: failures must show), warm-ahead is off (one
     pool has no larger tier), admission is wide enough never to queue a benchmark's burst.
-    ``extra``: more top-level YAML lines (keys not set here, e.g. ``state:``), appended.
+    ``extra``: more top-level YAML lines (keys not set here, e.g. ``state:``), appended;
+    ``policy_params``: the policy's parameters (``policy.params``), when not its defaults.
     """
+    params = ("" if not policy_params else ", params: {" + ", ".join(
+        f"{key}: {json.dumps(value)}" for key, value in policy_params.items()) + "}")
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         "pools:",
@@ -217,7 +221,7 @@ def kvroute_yaml(engines: Sequence[ReplicaHandle], *, port: int, policy: str, mo
     lines += [
         "routes:",
         f"  {json.dumps(model)}: {{pools: [sim]}}",
-        f"policy: {{name: {policy}, seed: {seed}}}",
+        f"policy: {{name: {policy}, seed: {seed}{params}}}",
         "retries: {max_retries: 0}",
         "admission: {max_in_flight: 4096, max_queue: 4096, queue_timeout_s: 60}",
         "warm_ahead: {enabled: false}",
@@ -287,7 +291,8 @@ class RunningRouter:
 
 def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
              work_dir: Path, peers: PeerRouters | None, model: str, seed: int,
-             kvroute_extra: str) -> tuple[list[str], str, Callable[[], bool]]:
+             kvroute_extra: str, policy_params: Mapping[str, float | int | bool] | None = None,
+             ) -> tuple[list[str], str, Callable[[], bool]]:
     urls = [e.url for e in engines]
     base = f"http://127.0.0.1:{port}"
 
@@ -299,7 +304,8 @@ def _command(spec: RouterSpec, engines: Sequence[ReplicaHandle], *, port: int,
     if spec.kind == "kvroute":
         cfg = work_dir / f"{spec.name.replace(':', '-')}.yaml"
         cfg.write_text(kvroute_yaml(engines, port=port, policy=spec.policy, model=model,
-                                    seed=seed, tokenizer=spec.tokenizer, extra=kvroute_extra))
+                                    seed=seed, tokenizer=spec.tokenizer, extra=kvroute_extra,
+                                    policy_params=policy_params))
 
         def healthy() -> bool:
             body = _http_json(base + "/health")
@@ -348,6 +354,7 @@ def start_router(
     seed: int = 0,
     timeout_s: float = 60.0,
     kvroute_extra: str = "",
+    policy_params: Mapping[str, float | int | bool] | None = None,
 ) -> RunningRouter:
     """Start ``spec`` in front of ``engines`` and return once it lists them all.
 
@@ -360,6 +367,7 @@ def start_router(
         seed: kvroute's policy seed.
         timeout_s: how long start-up may take.
         kvroute_extra: more top-level lines for a kvroute router's YAML (``kvroute_yaml``).
+        policy_params: a kvroute router's policy parameters (``kvroute_yaml``).
 
     Raises:
         ConfigError: a peer router without an install (the message says why).
@@ -370,7 +378,8 @@ def start_router(
     work_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     cmd, base, ready = _command(spec, engines, port=port, work_dir=work_dir, peers=peers,
-                                model=model, seed=seed, kvroute_extra=kvroute_extra)
+                                model=model, seed=seed, kvroute_extra=kvroute_extra,
+                                policy_params=policy_params)
     log_path = work_dir / f"{spec.name.replace(':', '-')}.log"
     started = time.monotonic()
     with open(log_path, "wb") as log_file:

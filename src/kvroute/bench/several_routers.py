@@ -60,7 +60,7 @@ import secrets
 import signal
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -496,11 +496,14 @@ async def run_workload(targets: Sequence[str], engines: Sequence[ReplicaHandle],
 
 def start_routers(n: int, engines: Sequence[ReplicaHandle], *, work_dir: Path,
                   redis_url: str, nats_url: str | None, namespace: str,
-                  model: str = "sim-model", extra: str = "") -> list[RunningRouter]:
+                  model: str = "sim-model", extra: str = "",
+                  policy_params: Mapping[str, float | int | bool] | None = None,
+                  ) -> list[RunningRouter]:
     """``n`` ``kvroute serve`` processes in front of ``engines``: session records in Redis
     under ``namespace``; with ``nats_url``, sharing placements on subject ``namespace``.
     The routers share a cluster secret drawn for this call (written in their config files,
-    which live in ``work_dir``: a benchmark's throwaway fleet)."""
+    which live in ``work_dir``: a benchmark's throwaway fleet). ``policy_params``: the
+    policy's parameters when not its defaults (``live_routers.kvroute_yaml``)."""
     routers: list[RunningRouter] = []
     secret = json.dumps(secrets.token_hex(32))
     try:
@@ -516,7 +519,7 @@ def start_routers(n: int, engines: Sequence[ReplicaHandle], *, work_dir: Path,
             routers.append(start_router(
                 RouterSpec(f"{namespace}-r{i}", "kvroute", "kvroute"), engines,
                 work_dir=work_dir, model=model, seed=i,
-                kvroute_extra="\n".join(lines) + "\n" + extra))
+                kvroute_extra="\n".join(lines) + "\n" + extra, policy_params=policy_params))
     except BaseException:
         for router in routers:
             router.stop()
