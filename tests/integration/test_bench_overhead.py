@@ -402,3 +402,20 @@ def test_growing_sessions_run_as_a_phase_and_as_a_sweep(tmp_path: Path) -> None:
         assert all(c is None for c in cpu) if router == "direct" else all(c > 0 for c in cpu)
     assert (tmp_path / "sweep.png").stat().st_size > 0
     json.dumps(report)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_short_unique_prompts_run_as_a_closed_loop() -> None:
+    spec = OverheadSpec(routers=parse_overhead_routers("direct,kvroute-local"),
+                        phases=parse_phases("u4"), engines=2, phase_s=0.5, warmup_s=0.0,
+                        passes=1)
+    report = run_overhead_bench(spec)
+    rows = {row["router"]: row for row in report["results"]}
+    assert set(rows) == {"direct", "kvroute-local"}
+    for row in rows.values():
+        assert row["errors"] == {}, row
+        assert 0 < row["completed"] <= 750 and row["p50_ms"] > 0
+    assert rows["kvroute-local"]["router_cpu_ms_per_req"] > 0
+    assert report["config"]["unique_workload"]["user_words"] > 0
+    json.dumps(report)

@@ -17,7 +17,10 @@ Requests: chat completions of the ``generated_shared_prefix`` workload (32 group
 Phases, per router (``PHASES``): ``r<rate>`` fixed-rate non-streamed requests (request *i*
 starts at ``i / rate``), ``s<rate>`` fixed-rate streamed requests (time to the first text
 chunk), ``c<n>`` a closed loop of ``n`` workers (the saturation figures: achieved req/s and
-CPU per request). Each phase lasts ``phase_s`` seconds; a short warm-up precedes the first.
+CPU per request), ``u<n>`` the same closed loop of short unique prompts instead
+(``bench/overhead_short.py``: ~600-token chats nobody sent before, fresh for every router,
+pass and phase, so no router's or engine's cache of earlier requests helps; at most
+``_UNIQUE_MAX_RPS`` a second of phase are built, before the phase starts). Each phase lasts ``phase_s`` seconds; a short warm-up precedes the first.
 Before the first router, every engine is shown every prompt group once (``_warm_engines``), so
 the router measured first does not pay the engines' cold caches for the others.
 
@@ -92,6 +95,7 @@ from kvroute.bench.overhead_long import (
     plot_long_sweep,
     run_long_sweep,
 )
+from kvroute.bench.overhead_short import SHORT_SYSTEM, SHORT_WORDS, short_unique_requests
 from kvroute.bench.procfs import (
     apparatus_cpus,
     parse_cpus,
@@ -128,6 +132,10 @@ ROUTER_CHOICES: Final = ("direct", "passthrough", "kvroute", "kvroute-local", "k
 _WORKLOAD: Final = {"num_groups": 32, "prompts_per_group": 64, "system_prompt_len": 300,
                     "question_len": 24, "output_len": 8}
 _WARMUP_RATE: Final = 50.0
+_UNIQUE_MAX_RPS: Final = 1_500
+"""A ``u`` phase builds this many unique requests per second of phase (building and counting
+their tokens costs ~0.15 ms each); a router faster than that ends the phase early, which
+leaves its per-request figures right."""
 _LONG_TURNS_PER_S: Final = 1.0
 """Turns a second per session in a ``g`` phase."""
 _LONG_NEAR: Final = 0.75
@@ -138,7 +146,8 @@ _LONG_NEAR: Final = 0.75
 @dataclass(frozen=True, slots=True)
 class Phase:
     """One measured phase: ``kind`` r (fixed rate, whole), s (fixed rate, streamed), c
-    (closed loop, whole), g (growing agentic sessions, streamed at a fixed rate,
+    (closed loop, whole), u (closed loop of short unique prompts, whole,
+    ``bench/overhead_short.py``), g (growing agentic sessions, streamed at a fixed rate,
     ``bench/overhead_long.py``); ``value`` is the rate in req/s, the number of workers or
     the number of sessions at once."""
 
@@ -152,8 +161,8 @@ class Phase:
 
     @property
     def fixed_rate(self) -> bool:
-        """Requests arrive on a schedule (r, s), not from a closed loop (c)."""
-        return self.kind != "c"
+        """Requests arrive on a schedule (r, s, g), not from a closed loop (c, u)."""
+        return self.kind not in ("c", "u")
 
 
 def parse_phases(text: str) -> tuple[Phase, ...]:
@@ -167,12 +176,13 @@ def parse_phases(text: str) -> tuple[Phase, ...]:
             value = float(number)
         except ValueError:
             value = -1.0
-        if kind not in ("r", "s", "c", "g") or not value > 0 or (
-                kind in ("c", "g") and value != int(value)):
+        if kind not in ("r", "s", "c", "u", "g") or not value > 0 or (
+                kind in ("c", "u", "g") and value != int(value)):
             raise ConfigError(
                 f"phase {item!r} is not r<rate> (fixed-rate, whole responses), s<rate> "
-                "(fixed-rate, streamed), c<workers> (closed loop) or g<sessions> (growing "
-                "agentic sessions to 128K tokens, streamed), e.g. r400,s100,c32,g4")
+                "(fixed-rate, streamed), c<workers> (closed loop), u<workers> (closed loop of "
+                "short unique prompts) or g<sessions> (growing agentic sessions to 128K "
+                "tokens, streamed), e.g. r400,s100,c32,u32,g4")
         out.append(Phase(item, kind, value))
     if not out:
         raise ConfigError("give at least one phase, e.g. --phases r100,r400,s100,c32")
@@ -320,6 +330,14 @@ def _schedule(pool: Sequence[LiveRequest], phase: Phase, phase_s: float,
     return out
 
 
+def _unique_schedule(phase: Phase, spec: OverheadSpec, run: str) -> list[LiveRequest]:
+    """A ``u`` phase's requests: ``_UNIQUE_MAX_RPS`` a second of phase of short prompts
+    nobody sent before, drawn for ``run`` (a router and pass: what one router is sent, no
+    other router or pass is, so each meets engines that never saw its prompts either)."""
+    return short_unique_requests(max(1, int(_UNIQUE_MAX_RPS * spec.phase_s)),
+                                 model=spec.model, label=f"{run}-{phase.name}", seed=spec.seed)
+
+
 def _long_schedule(phase: Phase, spec: OverheadSpec) -> list[LiveRequest]:
     """A ``g`` phase's requests: every turn of ``phase.value`` sessions once, each session a
     turn every ``1 / _LONG_TURNS_PER_S`` s (faster by ``(K + 1) / K`` with a same-window
@@ -373,16 +391,16 @@ def _run_phase(router_targets: list[str], requests: list[LiveRequest], phase: Ph
     span_s = max((r.arrival_s for r in requests), default=0.0) if phase.kind == "g" else 0.0
     run = replay(
         router_targets, requests,
-        concurrency=int(phase.value) if phase.kind == "c" else None,
+        concurrency=None if phase.fixed_rate else int(phase.value),
         max_in_flight=spec.max_in_flight, request_timeout_s=spec.request_timeout_s,
         duration_s=max(spec.phase_s, span_s)
-        + (spec.request_timeout_s if phase.kind != "c" else 0.0),
+        + (spec.request_timeout_s if phase.fixed_rate else 0.0),
         control=control)
     router1, engines1, client1 = cpu(), _engine_cpu_s(fleet), time.process_time()
     own1 = _router_time_buckets(metrics_url)
     summary = summarize(run, control=None if control is None else False)
     errors = dict(summary["errors"])
-    if phase.kind == "c":
+    if not phase.fixed_rate:
         errors.pop("not_sent", None)  # a closed loop stops at its deadline by design:
         errors.pop("deadline", None)  # requests unsent or in flight then are not failures
     done = summary["completed"]
@@ -498,9 +516,12 @@ def run_overhead_bench(
                                 metrics_url, fleet.replicas, f"{router_spec.name}-{pass_no}",
                                 model=spec.model, request_timeout_s=spec.request_timeout_s)
                         for phase in spec.phases:
-                            requests = (long_pools[phase.name] if phase.kind == "g" else
-                                        _schedule(pools[phase.stream], phase, spec.phase_s,
-                                                  spec.same_window))
+                            requests = (
+                                long_pools[phase.name] if phase.kind == "g" else
+                                _unique_schedule(phase, spec, f"{router_spec.name}-p{pass_no}")
+                                if phase.kind == "u" else
+                                _schedule(pools[phase.stream], phase, spec.phase_s,
+                                          spec.same_window))
                             row = _run_phase(router.targets, requests, phase, spec,
                                              router.cpu_s, fleet, metrics_url)
                             row = {"router": router_spec.name, "pass": pass_no,
@@ -590,6 +611,10 @@ def _config(spec: OverheadSpec, pool: Sequence[LiveRequest],
         "phases": [p.name for p in spec.phases], "phase_s": spec.phase_s,
         "warmup_s": spec.warmup_s, "passes": spec.passes, "seed": spec.seed,
         "workload": {"generator": "generated_shared_prefix", **_WORKLOAD},
+        "unique_workload": {"generator": "bench/overhead_short.py", "user_words": SHORT_WORDS,
+                            "system_prompt": SHORT_SYSTEM, "output_len": 8,
+                            "requests_per_phase_s": _UNIQUE_MAX_RPS}
+        if any(p.kind == "u" for p in spec.phases) else None,
         "mean_body_bytes": round(sum(len(r.body) for r in pool) / len(pool)),
         "long_sessions": {"generator": "bench/overhead_long.py", "target_tokens":
                           spec.long_target_tokens, "turns_per_s_per_session": _LONG_TURNS_PER_S,

@@ -7,7 +7,7 @@ until the prompt passes ``target_tokens``. Token counts are *real*: the rendered
 encoded by the engines' own tokenizer (the bundled one, which the simulated engines serve),
 so "128K" means what an engine would count. Each turn asks for 8 output tokens (one can
 decode to no text, which the client counts as an error); TTFT is the figure read. The text is
-words of one random vocabulary drawn with Zipf weights (``_Language``); no two sessions or
+words of one random vocabulary drawn with Zipf weights (``Language``); no two sessions or
 turns share text beyond their own history. Each session names itself in the body's ``user``
 field, which kvroute reads as its session id and the peers pass through.
 
@@ -62,7 +62,7 @@ _MAX_TURNS: Final = 400
 _VOCABULARY: Final = 20_000
 
 
-class _Language:
+class Language:
     """Text as a tool or a person writes it, to the tokenizer's eye: words of a fixed
     vocabulary (``_VOCABULARY`` random lowercase words of 2-9 letters) drawn with Zipf
     weights, so common words recur and rare ones are new, as in prose and code. (Words of
@@ -98,7 +98,7 @@ class LongTurn:
     new_tokens: int
 
 
-def _session_turns(name: str, rng: random.Random, language: _Language,
+def _session_turns(name: str, rng: random.Random, language: Language,
                    tokenizer: HFTokenizer, *, model: str, turn_chars: int, target_tokens: int,
                    stream: bool, max_tokens: int) -> list[LongTurn]:
     words = language.text
@@ -139,7 +139,7 @@ def long_session_requests(sessions: int, *, model: str, seed: int = 0, rate: flo
                           f"turn_chars={turn_chars} and target_tokens={target_tokens} >= 1")
     tokenizer = HFTokenizer.from_dir(bundled_tokenizer_dir())
     rng = random.Random(seed)
-    language = _Language(seed)
+    language = Language(seed)
     per_session = [_session_turns(f"{prefix}-{seed}-{s}", rng, language, tokenizer, model=model,
                                   turn_chars=turn_chars, target_tokens=target_tokens,
                                   stream=stream, max_tokens=max_tokens)

@@ -27,7 +27,9 @@ def bench_overhead(
                                          "vllm-router; a kvroute one may name another of "
                                          "its policies: kvroute-auto:round_robin.")] = "direct,passthrough,kvroute,kvroute-local,sglang-router,vllm-router",
     phases: Annotated[str, typer.Option(help="r<rate> fixed-rate whole responses, s<rate> "
-                                        "streamed, c<workers> closed loop, g<sessions> growing "
+                                        "streamed, c<workers> closed loop, u<workers> closed "
+                                        "loop of short (~600-token) prompts nobody sent "
+                                        "before, g<sessions> growing "
                                         "agentic sessions to 128K tokens at once (streamed, "
                                         "one turn a second each).")] = "r100,r200,r400,s100,c32",
     engines: Annotated[int, typer.Option(help="Simulated engines (zero timing profile).")] = 8,
