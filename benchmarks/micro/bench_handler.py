@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python benchmarks/micro/bench_handler.py [--requests N] [--repeats R]
-        [--replicas 8] [--gap-ms G] [--json OUT]
+        [--replicas 8] [--gap-ms G] [--workload shared|unique] [--json OUT]
 
 What ``kvroute bench overhead``'s ``kvroute-local`` router does per request, minus the sockets:
 ``Router.handle`` (``shell/app.py``) of the real application (``build_app``) is called with
@@ -19,7 +19,9 @@ replica (as the engine would send it); that is timed separately (``events``).
 
 The workload is the overhead benchmark's: ``generated_shared_prefix`` with 32 groups of a
 ~2,200-character system prompt and a short question (~1,500 tokens with the bundled
-tokenizer's 1,024-token vocabulary, ~94 blocks of 16).
+tokenizer's 1,024-token vocabulary, ~94 blocks of 16); ``--workload unique`` sends its ``u``
+phases' short prompts instead (``bench/overhead_short.py``: ~600-token chats nobody sent
+before, every request of every series new).
 
 Hot and cold: by default the requests run back to back, so the CPU's caches and branch
 predictors hold the handler's code and data from one request to the next (the figure a
@@ -53,6 +55,7 @@ from typing import Any
 
 from kvroute.bench.live_client import build_live_requests
 from kvroute.bench.overhead import _WORKLOAD
+from kvroute.bench.overhead_short import short_unique_requests
 from kvroute.bench.workloads import WORKLOADS
 from kvroute.config import Secrets, parse_config
 from kvroute.core.events import BlockStored, EventBatch
@@ -109,7 +112,16 @@ def mocked(body: bytes) -> Request:
     return request
 
 
-async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0) -> dict[str, Any]:
+def _bodies(workload: str, count: int, label: str) -> list[bytes]:
+    if workload == "unique":
+        return [r.body for r in short_unique_requests(count, model="sim-model", label=label)]
+    pool = WORKLOADS["generated_shared_prefix"](**_WORKLOAD, seed=0, with_messages=True)
+    bodies = [r.body for r in build_live_requests(pool, model="sim-model")]
+    return [bodies[i % len(bodies)] for i in range(count)]
+
+
+async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0,
+              workload: str = "shared") -> dict[str, Any]:
     config = config_for(replicas)
     core = build_core(config, clock=MonotonicClock())
     metrics = RouterMetrics()
@@ -117,8 +129,6 @@ async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0) -> dict[
     app = build_app(config, core=core, upstream=CannedUpstream(),  # type: ignore[arg-type]
                     secrets=Secrets({}, None, {}), metrics=metrics, tokenizers={"sim": tokenizer})
     router = app.router
-    workload = WORKLOADS["generated_shared_prefix"](**_WORKLOAD, seed=0, with_messages=True)
-    bodies = [r.body for r in build_live_requests(workload, model="sim-model")]
     seq = dict.fromkeys((f"e{i}" for i in range(replicas)), 0)
 
     results: list[dict[str, float]] = []
@@ -132,10 +142,10 @@ async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0) -> dict[
 
     core.route = recording_route  # type: ignore[method-assign]
 
-    async def series(count: int) -> dict[str, float]:
+    async def series(count: int, label: str) -> dict[str, float]:
         samples: list[int] = []
         event_ns: list[int] = []
-        requests = [mocked(bodies[i % len(bodies)]) for i in range(count)]
+        requests = [mocked(body) for body in _bodies(workload, count, label)]
         gap_s = gap_ms / 1e3
         gc.collect()
         cpu0 = time.process_time()
@@ -165,9 +175,9 @@ async def run(n: int, repeats: int, replicas: int, gap_ms: float = 0.0) -> dict[
                 "events_mean_us": statistics.fmean(event_ns) / 1e3,
                 "cpu_us_per_request": cpu_us}
 
-    await series(min(n, 500))  # warm-up: caches, memo, index, learned rates
-    for _ in range(repeats):
-        results.append(await series(n))
+    await series(min(n, 500), "warm-up")  # caches, memo, index, learned rates
+    for k in range(repeats):
+        results.append(await series(n, f"series-{k}"))
     best = min(results, key=lambda r: r["cpu_us_per_request"])
     return {"best": best, "all": results}
 
@@ -180,21 +190,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle this many ms before each request (cold start; default 0: "
                              "back to back)")
+    parser.add_argument("--workload", choices=("shared", "unique"), default="shared",
+                        help="shared: the overhead benchmark's shared-prefix groups; unique: "
+                             "its u phases' ~600-token prompts nobody sent before")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.gap_ms < 0:
         parser.error(f"--gap-ms {args.gap_ms:g} must be >= 0 (0: back to back)")
-    report = asyncio.run(run(args.requests, args.repeats, args.replicas, args.gap_ms))
+    report = asyncio.run(run(args.requests, args.repeats, args.replicas, args.gap_ms,
+                             args.workload))
     best = report["best"]
     spacing = f"{args.gap_ms:g} ms idle before each" if args.gap_ms else "back to back"
-    print(f"kvroute handler, in process ({args.requests} requests {spacing}, best of "
+    print(f"kvroute handler, in process ({args.workload}: {args.requests} requests {spacing}, best of "
           f"{args.repeats} by CPU; {args.replicas} replicas, local bundled tokenizer)")
     for key, value in best.items():
         print(f"  {key:22} {value:9.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             **report, "requests": args.requests, "replicas": args.replicas,
-            "gap_ms": args.gap_ms,
+            "gap_ms": args.gap_ms, "workload": args.workload,
             "python": sys.version.split()[0], "machine": platform.machine()}, indent=2))
     return 0
 

@@ -7,12 +7,16 @@ Usage::
         --growth 1000 --out stages.txt
     PYTHONPATH=src .venv/bin/python benchmarks/live/stage_cpu/profile_live.py short \
         --requests 1000 --out stages.txt
+    PYTHONPATH=src .venv/bin/python benchmarks/live/stage_cpu/profile_live.py unique \
+        --requests 3000 --workers 32 --out stages.txt
 
 Two simulated engines (``zero`` profile, bundled tokenizer) and one ``kvroute serve`` (local
 tokenizer) with this directory's ``sitecustomize`` first on its ``PYTHONPATH``; after the
 KV-event catch-up the router is signalled to start timing, the workload runs (``long``:
 ``run_long_sweep``, one session per growth size to 131K tokens; ``short``: ~750-token chat
-prompts nobody sent before, one connection then eight), and the router writes its totals.
+prompts nobody sent before, one connection then eight; ``unique``: the overhead benchmark's
+``u`` phase, ~600-token prompts nobody sent before from a closed loop of ``workers``
+connections after 300 warm-up ones), and the router writes its totals.
 Also prints the router's user and system CPU over the workload (``/proc/<pid>/stat``).
 Bounded: the sweep's turns or ``requests`` per batch, 60 s a request; loopback only.
 """
@@ -29,9 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvroute.bench.live_client import replay
 from kvroute.bench.live_routers import start_router
 from kvroute.bench.overhead import parse_overhead_routers
 from kvroute.bench.overhead_long import LONG_MAX_MODEL_LEN, run_long_sweep
+from kvroute.bench.overhead_short import short_unique_requests
 from kvroute.bench.settle import settle_kvroute
 from kvroute.sim.launcher import ReplicaSpec, start_fleet
 from kvroute.tokenize.hf import bundled_tokenizer_dir
@@ -70,7 +76,8 @@ def _short(base: str, n: int, clients: int, seed: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("workload", choices=("long", "short"))
+    parser.add_argument("workload", choices=("long", "short", "unique"))
+    parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--growth", default="1000")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)
@@ -101,6 +108,17 @@ def main() -> None:
                 rows = run_long_sweep(base, router.pid, model="sim-model",
                                       growth_chars=tuple(int(g) for g in args.growth.split(",")))
                 count = len(rows)
+            elif args.workload == "unique":
+                count = 0
+                for label, n in (("warm-up", 300), ("measured", args.requests)):
+                    run = replay([base], short_unique_requests(n, model="sim-model",
+                                                               label=label),
+                                 concurrency=args.workers, request_timeout_s=60,
+                                 duration_s=600)
+                    failed = [r.error for r in run.results if r.error is not None]
+                    if failed:
+                        raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
+                    count += n
             else:
                 _short(base, 50, 1, seed=10_000)
                 for clients in (1, 8):
