@@ -289,6 +289,27 @@ def test_clearing_a_replica_drops_its_predictions(index: PrefixIndex) -> None:
     assert index.stats().num_predicted == 0
 
 
+def test_expiry_keeps_what_others_predicted_and_what_was_refreshed(clock: ManualClock) -> None:
+    # A write's expiry removes exactly its own entries: not another replica's prediction of
+    # the same block, not one a later write refreshed; a key listed twice counts once.
+    index = PrefixIndex(clock=clock, predicted_ttl_s=2.0)
+    index.add_predicted(A, hs(1, 2, 2, 3), T1)  # new keys, one listed twice
+    index.add_predicted(B, hs(2, 4), T1)  # 2 is A's too
+    clock.advance(1.0)
+    index.add_predicted(A, hs(3), T1)  # refreshes A's 3
+    assert index.stats().num_predicted == 5
+    clock.advance(1.0)  # the first two writes expire
+    assert match(index, [1]) == {}
+    assert match(index, [2]) == {}
+    assert match(index, [3]) == {A: PrefixMatch(num_predicted_blocks=1)}
+    assert index.stats().num_predicted == 1
+    index.add_predicted(B, hs(5, 6), T1)
+    index.add_predicted(A, hs(5, 6), T1)  # the same keys on a second replica
+    clock.advance(2.0)
+    assert match(index, [3]) == match(index, [5]) == {}
+    assert index.stats().num_predicted == 0
+
+
 def test_add_predicted_with_no_hashes_registers_the_replica(index: PrefixIndex) -> None:
     index.add_predicted(A, (), T1)
     assert index.replicas == (A,)
