@@ -471,6 +471,28 @@ class LoadTracker:
         record.mean_prompt_tokens = 0.0
         record.num_prompts_seen = 0
 
+    def move_resting(self, session: str, replica: ReplicaId) -> bool:
+        """``session``'s next request is expected on ``replica`` now (a spread-ahead copy of
+        its context went there, ``core/spread.py``): it rests there instead of where it
+        ended, with the same context and end time, so other placements see it coming back
+        there (the return and pressure terms) and its old replica looks as crowded as it
+        will be. False, changing nothing, when it rests nowhere or ``replica`` is unknown."""
+        home = self._resting_on.get(session)
+        target = self._replicas.get(replica)
+        home_record = self._replicas.get(home) if home is not None else None
+        if home_record is None or target is None or home == replica:
+            return False
+        entry = home_record.resting.get(session)
+        if entry is None:
+            return False
+        home_record.drop_resting(session)
+        target.drop_resting(session)
+        target.resting[session] = entry
+        target.resting_tokens += entry[0]
+        self._resting_on[session] = replica
+        self._forget_resting(target, None)
+        return True
+
     def replicas(self) -> list[ReplicaId]:
         return list(self._replicas)
 

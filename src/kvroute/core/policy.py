@@ -401,6 +401,7 @@ class KvrouteCostPolicy:
         tie_hash: bool = True,
         tie_hash_cold_only: bool = False,
         tie_band: float = 0.0,
+        spread_rest_on_copy: bool = DEFAULT_SPREAD.rest_on_copy,
     ) -> None:
         if min(cpu_load_s_per_token, storage_load_s_per_token) < 0:
             raise ValueError(
@@ -451,7 +452,7 @@ class KvrouteCostPolicy:
         self.spread = SpreadSettings(
             enabled=spread_ahead, per_s=spread_per_s, budget_tokens=spread_budget_tokens,
             overlap=spread_overlap, min_tokens=spread_min_tokens,
-            max_target_in_flight=spread_target_in_flight)
+            max_target_in_flight=spread_target_in_flight, rest_on_copy=spread_rest_on_copy)
         """Spread-ahead (``core/spread.py``): copies of resting sessions' contexts to idle
         replicas, planned by the walk when a session's request ends; on by default."""
 

@@ -773,6 +773,12 @@ class RouterCore:
         out of the sessions resting there (spread-ahead reads a session's home this way)."""
         return self.load.snapshot(replica, self._clock.now(), self._session_key(request))
 
+    def rest_on_copy(self, request: RouteRequest, replica: ReplicaId) -> bool:
+        """``request``'s session rests on ``replica`` from now on: a spread-ahead copy of its
+        context is on its way there (``LoadTracker.move_resting``)."""
+        session = self._session_key(request)
+        return session is not None and self.load.move_resting(session, replica)
+
     # -- internals ------------------------------------------------------------------------
 
     def _commit_prefill(self, decision: RoutingDecision, entry: _Pool,

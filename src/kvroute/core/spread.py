@@ -37,7 +37,12 @@ the most free KV, then the one copied to longest ago): never list order. A copy 
 under the session's own tenant scope and cache salt (the walk builds it from the session's
 own request), so it can never be read by another tenant. What the copy carries is the
 driver's: live, the prompt plus the answer as the next turn resends it (``wire/turn_copy.py``);
-in the simulator, the prompt alone.
+in the simulator, the prompt alone (a replayed trace's next turn never resends the tokens the
+simulated engine answered, so home holds no more of it than the copy).
+
+Once a copy is planned, the walk moves the session's rest to the target
+(``LoadTracker.move_resting``, ``rest_on_copy``): its next turn is expected there, so other
+requests' return and pressure terms, and the next copy's choice of target, count it there.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class SpreadSettings:
     """The shortest context worth copying."""
     max_target_in_flight: int = 0
     """A target's requests in flight at most (0: idle)."""
+    rest_on_copy: bool = True
+    """Count the session as resting on the copy's target, not its home, once a copy is
+    planned (``LoadTracker.move_resting``)."""
 
     def __post_init__(self) -> None:
         if (self.per_s < 0 or self.burst < 1 or self.budget_tokens < 0

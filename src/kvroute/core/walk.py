@@ -1477,7 +1477,8 @@ class RequestWalk:
         """Step 6b: the session now rests where it was served; when that replica is crowded
         with other resting sessions, a copy of its prompt to an idle replica with KV room is
         asked for (``core/spread.py``), as a ``ShadowWarm`` of scenario ``spread`` under the
-        session's own tenant scope and salt. Not for routes with model-bound cache scenarios
+        session's own tenant scope and salt, and the session rests on the copy's target from
+        then on (``SpreadSettings.rest_on_copy``). Not for routes with model-bound cache scenarios
         (their versions and salts move sessions themselves), LoRA adapters, external pools
         or split prefills."""
         decision = self.decision
@@ -1507,6 +1508,8 @@ class RequestWalk:
             now_s=self._walker.clock.now())
         if not isinstance(plan, SpreadCopy):
             return
+        if settings.rest_on_copy:
+            core.rest_on_copy(request, plan.target)
         self._notes.append(ShadowWarm(self.request.route.name, "spread", pool, None, (HotSession(
             key=self.key or "", pool=pool, tokens=request.num_prompt_tokens,
             token_ids=request.prompt_token_ids, tenant=self.request.tenant,

@@ -128,3 +128,31 @@ def test_the_mean_rest_is_learned_from_sessions_that_come_back() -> None:
         end = (end + 8.0 if i else 0.0) + 1.0
     assert t.session_rest_s == pytest.approx(8.0, rel=1e-3)
     assert t.snapshot(R1, end).session_rest_s == t.session_rest_s
+
+
+def test_a_session_copied_ahead_rests_on_the_copys_replica_not_its_home() -> None:
+    """Spread-ahead copied s1's context to R1: its next turn is expected there, so R1 counts
+    it among the sessions coming back (and its tokens among the KV to keep) and R0 no longer
+    does; its return still teaches the mean rest."""
+    t = tracker()
+    turn(t, R0, "a", "s1", start=0.0, end=1.0, prompt=10_000, output=100)
+    turn(t, R0, "b", "s2", start=0.0, end=2.0, prompt=20_000, output=200)
+    assert t.move_resting("s1", R1)
+    home, copy = t.snapshot(R0, 3.0), t.snapshot(R1, 3.0)
+    assert (home.resting_sessions, home.resting_session_tokens) == (1, 20_200)
+    assert (copy.resting_sessions, copy.resting_session_tokens) == (1, 10_100)
+    assert t.snapshot(R1, 3.0, session="s1").resting_sessions == 0  # its own return
+    t.on_dispatch(R1, RequestId("c"), prefill_tokens=100, prompt_tokens=10_200,
+                  expected_output_tokens=100, now_s=9.0, session="s1")
+    assert t.snapshot(R1, 9.0).resting_sessions == 0
+    assert t.session_rest_s < SESSION_REST_PRIOR_S  # a rest of 8 s was learned
+
+
+def test_moving_a_session_that_rests_nowhere_or_to_its_home_changes_nothing() -> None:
+    t = tracker()
+    assert not t.move_resting("s1", R1)  # never seen
+    turn(t, R0, "a", "s1", start=0.0, end=1.0)
+    assert not t.move_resting("s1", R0)  # already there
+    assert not t.move_resting("s1", ReplicaId("gone"))
+    assert t.snapshot(R0, 2.0).resting_sessions == 1
+    assert t.snapshot(R1, 2.0).resting_sessions == 0

@@ -219,3 +219,26 @@ def test_no_copy_when_every_other_replica_is_out() -> None:
     crowd_p0(walker, clock, [("t", "a"), ("t", "b")])
     _, notes = turn(walker, 9, "s")  # p1 and p2 still down at its end: nowhere to copy
     assert not [n for n in notes if isinstance(n, ShadowWarm)]
+
+
+@pytest.mark.parametrize("rest_on_copy", [True, False])
+def test_a_copied_session_rests_on_the_copys_target_from_the_plan_on(rest_on_copy: bool) -> None:
+    """Once its copy is planned the session is expected back on the target: other requests
+    (and the next copy's choice of target) see it resting there, and no longer at home."""
+    walker, clock = make(spread_ahead=True, spread_overlap=0.2,
+                         spread_rest_on_copy=rest_on_copy)
+    crowd_p0(walker, clock, [("t", "a"), ("t", "b")])
+    _, notes = _serve_then_heal(walker, "s", tenant="t", salt=None)
+    (copy,) = [n for n in notes if isinstance(n, ShadowWarm)]
+    (target,) = copy.replicas or ()
+    load = walker.core.load
+    now = clock.now()
+    home_resting = load.snapshot(ReplicaId("p0"), now).resting_sessions
+    target_resting = load.snapshot(target, now)
+    if rest_on_copy:
+        assert home_resting == 2  # a and b
+        assert target_resting.resting_sessions == 1
+        assert target_resting.resting_session_tokens == CTX + 2_000  # its prompt and answer
+    else:
+        assert home_resting == 3
+        assert target_resting.resting_sessions == 0
