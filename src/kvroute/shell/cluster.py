@@ -29,13 +29,15 @@ Tested with a private ``nats-server`` started late and SIGKILLed mid-traffic
 (``tests/integration/test_cluster_outage.py``, docs/reliability.md).
 
 What goes on the subject names no tenant, session or request in clear: each is a keyed
-BLAKE2b pseudonym under the cluster secret (``core/pseudonyms.py``; ``cluster.secret`` or
-``cluster.secret_env``, required with ``bus: nats``). The core itself keys its sessions by
-their pseudonyms (``RouterCore.session_names``), so a peer's session and the same session
-arriving here are one key; a tenant's pseudonym is mapped back to one of the configured
-tenants on arrival (one it cannot map, e.g. from a router with another secret or tenants,
-writes no predicted entries and is counted in ``unknown_tenant``). A subscriber without the
-secret sees replica names, sizes and block hashes, never who sent what
+BLAKE2b pseudonym under the cluster secret (``core/pseudonyms.py``, applied to announcements
+by ``core/peer_names.py``, which the simulator of several routers, ``sim/routers.py``, runs
+too; ``cluster.secret`` or ``cluster.secret_env``, required with ``bus: nats``). The core
+itself keys its sessions by their pseudonyms (``RouterCore.session_names``), so a peer's
+session and the same session arriving here are one key; a tenant's pseudonym is mapped back
+to one of the configured tenants on arrival (one it cannot map, e.g. from a router with
+another secret or tenants, writes no predicted entries and is counted in
+``unknown_tenant``). A subscriber without the secret sees replica names, sizes and block
+hashes, never who sent what
 (``tests/integration/test_cluster_bus.py::test_the_bus_carries_no_tenant_session_or_request_id``).
 
 Ordering: NATS keeps one publisher's messages in order on one connection, so a request's
@@ -53,12 +55,12 @@ import os
 import re
 import socket
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
 from kvroute.config import ClusterConfig
 from kvroute.core.clock import Clock
-from kvroute.core.peers import Announcement, Done, FirstToken, PeerView, Placed
+from kvroute.core.peer_names import conceal, reveal
+from kvroute.core.peers import Announcement, PeerView
 from kvroute.core.pseudonyms import Pseudonyms
 from kvroute.core.router import RouterCore
 from kvroute.core.types import TenantName
@@ -195,32 +197,18 @@ class ClusterSharing:
                                                     [self._conceal(item) for item in items]))
 
     def _conceal(self, item: Announcement) -> Announcement:
-        """``item`` as it goes on the bus: its request id and tenant as pseudonyms (its
-        session key is one already: ``RouterCore.session_names``)."""
-        rid = self.names.request(item.request_id)
-        if type(item) is Placed:
-            tenant = None if item.tenant is None else TenantName(self.names.tenant(item.tenant))
-            return replace(item, request_id=rid, tenant=tenant)
-        if type(item) is FirstToken:
-            return FirstToken(rid, item.replica)
-        assert type(item) is Done
-        return Done(rid, item.replica, item.output_tokens)
+        """``item`` as it goes on the bus (``core/peer_names.py``)."""
+        return conceal(self.names, item)
 
     def _reveal(self, items: list[Announcement]) -> list[Announcement]:
-        """A peer's announcements with tenant pseudonyms mapped back to tenant names."""
-        out: list[Announcement] = []
-        for item in items:
-            if type(item) is Placed and item.tenant is not None:
-                tenant = self.names.tenant_of(item.tenant)
-                if tenant is None:
-                    self.num_unknown_tenant += 1
-                    if self.num_unknown_tenant == 1:
-                        log.warning("cluster: a peer's placement names a tenant unknown here; "
-                                    "do all routers share the cluster secret and the tenants?")
-                    item = replace(item, tenant=None, hashes=())
-                else:
-                    item = replace(item, tenant=tenant)
-            out.append(item)
+        """A peer's announcements with tenant pseudonyms mapped back to tenant names
+        (``core/peer_names.py``); a tenant unknown here is counted and warned of once."""
+        out, unknown = reveal(self.names, items)
+        if unknown:
+            if self.num_unknown_tenant == 0:
+                log.warning("cluster: a peer's placement names a tenant unknown here; "
+                            "do all routers share the cluster secret and the tenants?")
+            self.num_unknown_tenant += unknown
         return out
 
     async def _heartbeat(self) -> None:
