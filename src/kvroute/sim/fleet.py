@@ -649,6 +649,8 @@ class _Flight:
     digests: list[BlockHash]
     wire: tuple[WireHash, ...]
     salt: str | None
+    walker: Walker
+    """The router this request reached (its walker; ``walker.core`` routes it)."""
     rejection: str | None = None
     """The engine's own word for a rejection the walk does not retry."""
 
@@ -725,16 +727,8 @@ class FleetSimulation:
                                                              timing.context_token_s)))
         self.names = tuple(self.engines)
         self.router_names = tuple(self._ranks)
-        rng = random.Random(config.seed)
-        self.router = RouterCore(
-            specs,
-            lambda: make_policy(config.policy, rng, **config.policy_params),
-            clock=self.clock,
-            track_recency=config.track_recency,
-        )
-        if config.report_hits:
-            for name in self.router_names:
-                self.router.set_hit_reports(name, True)
+        self._specs = specs
+        self.router = self._new_router(random.Random(config.seed))
         needs_text = self.router._pools[self.pool_names[0]].policy.needs_text
         self.workload = list(workload)
         self._progress = progress
@@ -771,15 +765,13 @@ class FleetSimulation:
             enabled=self._mode is TierMode.PROACTIVE_WARM,
             rewarm_fraction=config.warm_rewarm_fraction,
         )
-        self.walker = Walker(self.router, self.planner,
-                             WalkSettings(window_ttl_s=math.inf, policy_needs_text=needs_text),
-                             self.clock)
+        self._walk_settings = WalkSettings(window_ttl_s=math.inf, policy_needs_text=needs_text)
+        self.walker = self._new_walker(self.router)
+        self.walkers: list[Walker] = [self.walker]
+        """Every router of the fleet (its walker and, as ``walker.core``, its core): one here;
+        several with ``sim/routers.py``. Each sees every engine's KV events and metrics."""
         self._sessions = SessionTable(ttl_s=math.inf)
-        if config.scenarios is not None:
-            self.walker.set_scenarios(ROUTE, config.scenarios)
-        if config.scenarios is not None or config.restarts:
-            for name, pool_name in self.pool_of.items():
-                self.router.set_identity(name, self._identity(pool_name, FIRST_VERSION))
+        """The session records, shared by every router (as Redis shares them live)."""
         self._shadow: dict[str, ShadowWarm] = {}
         self._spread_to: dict[str, ReplicaId] = {}
         """Session → the engine its last spread-ahead copy went to (``spread_copies_used``)."""
@@ -787,10 +779,49 @@ class FleetSimulation:
         self._event_counts: Counter[str] = Counter()
         self._warm_skips: Counter[str] = Counter()
         self._warm: dict[str, RequestRecord] = {}
+        self._copy_walker: dict[str, Walker] = {}
+        """Warm-up and shadow copies in flight → the router that placed them."""
         self._landed: set[str] = set()
         self._probes: dict[int, EngineModel] = {}
         self._prefills: dict[str, tuple[_Flight, Send]] = {}
         """Split requests whose prefill half runs, by the prefill's engine request id."""
+
+    def _new_router(self, rng: random.Random) -> RouterCore:
+        """A router core over the fleet's pools, its policy drawing on ``rng``."""
+        config = self.config
+        router = RouterCore(
+            self._specs,
+            lambda: make_policy(config.policy, rng, **config.policy_params),
+            clock=self.clock,
+            track_recency=config.track_recency,
+        )
+        if config.report_hits:
+            for name in self.router_names:
+                router.set_hit_reports(name, True)
+        if config.scenarios is not None or config.restarts:
+            for name, pool_name in self.pool_of.items():
+                router.set_identity(name, self._identity(pool_name, FIRST_VERSION))
+        return router
+
+    def _new_walker(self, router: RouterCore) -> Walker:
+        """The walker of ``router``'s requests (one per router, as live)."""
+        walker = Walker(router, self.planner, self._walk_settings, self.clock)
+        if self.config.scenarios is not None:
+            walker.set_scenarios(ROUTE, self.config.scenarios)
+        return walker
+
+    def _walker_for(self, request: WorkloadRequest) -> Walker:
+        """The router a new request reaches (one router here; ``sim/routers.py``'s front
+        chooses among several)."""
+        return self.walker
+
+    def _routers(self) -> list[RouterCore]:
+        return [walker.core for walker in self.walkers]
+
+    def _on_event(self, kind: int, data: object) -> None:
+        """An event of a kind this module does not define (``sim/routers.py`` adds its
+        bus)."""
+        raise AssertionError(f"unknown simulation event kind {kind}")
 
     # -- driving ----------------------------------------------------------------------
 
@@ -831,7 +862,8 @@ class FleetSimulation:
                 flight, send = cast("tuple[_Flight, Send]", data)
                 self._act(flight, send)
             elif kind == _HEAL:
-                self.router.set_healthy(cast("ReplicaId", data), True)
+                for router in self._routers():
+                    router.set_healthy(cast("ReplicaId", data), True)
                 self._observe_failovers()
             elif kind == _RESTART:
                 self._restart(*cast("tuple[Restart, int]", data))
@@ -846,15 +878,19 @@ class FleetSimulation:
                 replica, batch = cast("tuple[ReplicaId, EventBatch]", data)
                 self._count_events(batch)
                 started = time.thread_time_ns()
-                self.router.apply_events(replica, batch)
+                for router in self._routers():
+                    router.apply_events(replica, batch)
                 self._event_counts["event_apply_ns"] += time.thread_time_ns() - started
             elif kind == _RESET:
-                for name in self.router_names:
-                    self.router.reset_replica_index(name)
+                for router in self._routers():
+                    for name in self.router_names:
+                        router.reset_replica_index(name)
             elif kind == _SAMPLE:
                 self._sample()
                 if done + self._num_rejected() < open_requests:
                     self._push(when + self.config.sample_interval_s, _SAMPLE, None)
+            else:
+                self._on_event(kind, data)
         by_replica = {name: engine.metrics() for name, engine in self.engines.items()}
         metrics = list(by_replica.values())
         per_pool: dict[str, tuple[int, int]] = {}
@@ -916,7 +952,8 @@ class FleetSimulation:
         if session is not None:
             stored = self._sessions.get(session_key(tenant, ROUTE, session), now)
         chat = request.messages is not None
-        walk = self.walker.start(WalkRequest(
+        walker = self._walker_for(request)
+        walk = walker.start(WalkRequest(
             request_id=RequestId(rid), route=self._route, tenant=tenant, session_id=session,
             endpoint="chat" if chat else "completions", model=self._model,
             body={"messages": request.messages, "max_tokens": request.output_tokens}
@@ -927,7 +964,7 @@ class FleetSimulation:
             routing_text=partial(tokens_as_text, tokens), cache_salt=salt,
             shadow_payload=request,
         ), self._tier_pools, stored, alternates=self._alternates)
-        flight = _Flight(request, record, walk, digests, wire, salt)
+        flight = _Flight(request, record, walk, digests, wire, salt, walker)
         self._flights[rid] = flight
         self._act(flight, walk.begin())
 
@@ -1102,21 +1139,22 @@ class FleetSimulation:
             elif isinstance(note, ArmServed):
                 record.arm = note.arm
             elif isinstance(note, ShadowWarm):
-                self._shadow_warm(note)
+                self._shadow_warm(note, flight.walker)
 
-    def _shadow_warm(self, warm: ShadowWarm) -> None:
+    def _shadow_warm(self, warm: ShadowWarm, walker: Walker) -> None:
         """Each ``max_tokens: 1`` copy of a session's latest prompt to the warmed pool's
-        chosen replica, at once (kept out of the workload's records, like warm-ahead)."""
+        chosen replica, at once (kept out of the workload's records, like warm-ahead), by
+        the router (``walker``) whose walk asked for it."""
         now = self.clock.now()
         for item in warm.items:
             request = cast("WorkloadRequest", item.payload)
             wid = f"{SHADOW_PREFIX}{warm.scenario}-{self._counter}-{request.request_id}"
             self._counter += 1
             try:
-                decision = self.router.route(self.walker.shadow_request(warm, item,
-                                                                        RequestId(wid)))
+                decision = walker.core.route(walker.shadow_request(warm, item,
+                                                                   RequestId(wid)))
             except NoEligibleReplica:
-                self.walker.shadow_done(warm)
+                walker.shadow_done(warm)
                 self._counters[f"shadow_warms_failed_{warm.scenario}"] += 1
                 continue
             salt = decision.request.cache_salt
@@ -1127,13 +1165,14 @@ class FleetSimulation:
                 request_id=wid, prompt_token_ids=request.prompt_token_ids, max_tokens=1,
                 output_length=1, cache_salt=salt, prompt_block_hashes=digests, arrival_s=now))
             if isinstance(admission, Rejection):
-                self.router.on_complete(replica, RequestId(wid))
-                self.walker.shadow_done(warm)
+                walker.core.on_complete(replica, RequestId(wid))
+                walker.shadow_done(warm)
                 self._counters[f"shadow_warms_failed_{warm.scenario}"] += 1
                 continue
             self._counters[f"shadow_warms_{warm.scenario}"] += 1
             self._counters[f"shadow_warm_tokens_{warm.scenario}"] += item.tokens
             self._shadow[wid] = warm
+            self._copy_walker[wid] = walker
             if warm.scenario == "spread" and request.session_id is not None:
                 self._spread_to[request.session_id] = engine
             self._warm[wid] = RequestRecord(
@@ -1149,7 +1188,8 @@ class FleetSimulation:
         engine = self.engines[replica]
         if phase == 0:
             self._counters["restarts"] += 1
-            self.router.set_healthy(replica, False)
+            for router in self._routers():
+                router.set_healthy(replica, False)
             phase = 1
         if phase == 1:
             if engine.has_work() or not engine.reset_prefix_cache():
@@ -1158,20 +1198,23 @@ class FleetSimulation:
             engine.take_events()  # its old blocks are gone with the process
             self._push(now + restart.down_s, _RESTART, (restart, 2))
             return
-        self.router.set_identity(replica, self._identity(self.pool_of[replica], restart.version))
-        self.router.set_healthy(replica, True)
+        for router in self._routers():
+            router.set_identity(replica, self._identity(self.pool_of[replica], restart.version))
+            router.set_healthy(replica, True)
 
     def _observe_failovers(self) -> None:
         """A replica's health changed: the failover switches see it now, as the live
         router's do after each health round (``Walker.observe_failovers``)."""
-        self.walker.observe_failovers(self.clock.now())
+        for walker in self.walkers:
+            walker.observe_failovers(self.clock.now())
 
     def _take_out(self, replica: ReplicaId) -> None:
         """A replica refused a connection: out of routing until its outage ends (what the
         live router's discovery does until ``/health`` answers again)."""
         now = self.clock.now()
         self._counters["replicas_taken_out"] += 1
-        self.router.set_healthy(replica, False)
+        for router in self._routers():  # each router's discovery sees the replica go
+            router.set_healthy(replica, False)
         self._observe_failovers()
         ends = [o.end_s for o in self.config.outages if o.covers(replica, now)]
         if ends and math.isfinite(max(ends)):
@@ -1196,7 +1239,8 @@ class FleetSimulation:
         route_request = flight.walk.route_request(
             PoolName(fire.target_pool_name), RequestId(wid), request.prompt_token_ids,
             flight.wire, expected_output_tokens=1)
-        decision = self.router.route(route_request)
+        router = flight.walker.core
+        decision = router.route(route_request)
         replica = decision.replica
         engine = self._engine_for(replica)
         admission = self.engines[engine].add_request(EngineRequest(
@@ -1205,9 +1249,10 @@ class FleetSimulation:
             arrival_s=now,
         ))
         if isinstance(admission, Rejection):
-            self.router.on_complete(replica, RequestId(wid))
+            router.on_complete(replica, RequestId(wid))
             self._counters["warms_rejected"] += 1
             return
+        self._copy_walker[wid] = flight.walker
         self._counters["warms_fired"] += 1
         self._warm[wid] = RequestRecord(
             wid, now, replica=engine, num_prompt_tokens=len(request.prompt_token_ids),
@@ -1286,7 +1331,8 @@ class FleetSimulation:
                     record.first_token_s = now
                     record.num_cached_tokens = out.num_cached_tokens
                     if warm:
-                        self.router.on_first_token(replica, RequestId(out.request_id))
+                        self._copy_walker[out.request_id].core.on_first_token(
+                            replica, RequestId(out.request_id))
                     else:
                         self._flights[out.request_id].walk.answered()
                 elif record.last_token_s is not None:
@@ -1301,10 +1347,11 @@ class FleetSimulation:
                 record.finish_s = now
                 record.finish_reason = out.finish_reason
                 if warm:
-                    self.router.on_complete(replica, RequestId(out.request_id))
+                    walker = self._copy_walker.pop(out.request_id)
+                    walker.core.on_complete(replica, RequestId(out.request_id))
                     shadow = self._shadow.pop(out.request_id, None)
                     if shadow is not None:
-                        self.walker.shadow_done(shadow)
+                        walker.shadow_done(shadow)
                     continue
                 self._end(self._flights[out.request_id], now, out.finish_reason,
                           {"prompt_tokens": out.num_prompt_tokens,
@@ -1321,11 +1368,12 @@ class FleetSimulation:
             self._scraped_at[replica] = now
             # one rank's series, or (rank-blind) the server's: summed, usage the mean
             ranks = [self.engines[name].metrics() for name in self._ranks[replica]]
-            self.router.on_engine_metrics(
-                replica, running=sum(m.num_requests_running for m in ranks),
-                waiting=sum(m.num_requests_waiting for m in ranks),
-                kv_usage=sum(m.kv_cache_usage_perc for m in ranks) / len(ranks),
-            )
+            for router in self._routers():
+                router.on_engine_metrics(
+                    replica, running=sum(m.num_requests_running for m in ranks),
+                    waiting=sum(m.num_requests_waiting for m in ranks),
+                    kv_usage=sum(m.kv_cache_usage_perc for m in ranks) / len(ranks),
+                )
         self._start_step(engine)
         return finished
 
