@@ -18,6 +18,13 @@ What each figure means is ``sim.fleet.FleetResult.summary``'s docstring: ``itl_*
 token gap, ``itl_request_*`` summarise each request's own mean gap, ``slo_goodput_*`` count
 requests within both the TTFT and the ITL objective. ``config.policy_params`` records the
 overrides each policy ran with (``--policy-param``, ``bench.policy_params``).
+
+Several routers (``routers`` > 1, ``sim/routers.py``): each policy runs three times side by
+side on the same workload, as one router (row ``POLICY``), as ``routers`` routers sharing
+their placements on a bus (``POLICY/N routers, bus D ms``) and as ``routers`` routers sharing
+nothing but the engines' events and the session records (``POLICY/N routers, no bus``), all
+behind the same front. ``group_replicas_mean`` is the mean number of replicas a workload
+group's requests (siblings sharing a prefix by construction) ran on.
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ from kvroute.core.hashing import BlockHasher
 from kvroute.core.peer_policies import POLICY_NAMES, make_policy
 from kvroute.sim.fleet import DigestCache, FleetConfig, FleetResult, FleetSimulation
 from kvroute.sim.profiles import TimingProfile, get_profile
+from kvroute.sim.routers import (
+    DEFAULT_BUS_DELAY_S,
+    RoutersConfig,
+    SeveralRoutersSimulation,
+    group_replicas_mean,
+)
 from kvroute.sim.workload import WorkloadRequest
 
 HEADLINE_METRICS = (
@@ -54,7 +67,7 @@ HEADLINE_METRICS = (
     "slo_goodput_rps", "slo_goodput_fraction", "throughput_rps", "output_tokens_per_s",
     "preemptions", "requests", "completed", "rejected", "unfinished", "load_imbalance_mean",
     "idle_while_overloaded", "split_fraction", "spread_copies", "spread_copy_tokens",
-    "spread_copies_used", "prompt_tokens",
+    "spread_copies_used", "prompt_tokens", "group_replicas_mean",
 )
 
 
@@ -92,6 +105,10 @@ class SimBenchSpec:
             summing to ``replicas``); empty: an ordinary colocated fleet.
         split: the split mode of a ``pd`` fleet (``auto``, ``always``, ``never``).
         link_gbps: the P→D KV link's bandwidth, GB/s (with ``kv_bytes_per_token``).
+        routers: routers in front of the fleet; more than 1 runs each policy as one router,
+            as that many with the bus and as that many without (module docstring).
+        bus_delay_s / bus_batch_s / front: the several routers' bus and front
+            (``sim.routers.RoutersConfig``).
     """
 
     workload: str = "trace"
@@ -120,6 +137,20 @@ class SimBenchSpec:
     pd: str = ""
     split: str = "auto"
     link_gbps: float = 12.5
+    routers: int = 1
+    bus_delay_s: float = DEFAULT_BUS_DELAY_S
+    bus_batch_s: float = 0.0
+    front: str = "round_robin"
+
+    def router_arrangements(self) -> tuple[RoutersConfig | None, ...]:
+        """What each policy runs behind: one router (None: the ordinary simulation), then
+        with ``routers`` > 1 that many with the bus and that many without."""
+        if self.routers == 1:
+            return (None,)
+        return tuple([None] + [
+            RoutersConfig(self.routers, bus=bus, bus_delay_s=self.bus_delay_s,
+                          batch_s=self.bus_batch_s, front=self.front)
+            for bus in (True, False)])
 
     def roles(self) -> tuple[Role, ...]:
         """Each replica's role from ``pd`` (empty without one)."""
@@ -236,6 +267,12 @@ class SimBenchSpec:
             raise ConfigError(f"--link-gbps must be > 0, got {self.link_gbps}")
         self.roles()
         self.disagg()
+        if self.routers < 1:
+            raise ConfigError(f"--routers must be >= 1, got {self.routers}")
+        if self.routers > 1 and len(self.dp_routing) > 1:
+            raise ConfigError("--routers > 1 runs three arrangements per policy; give one "
+                              "--dp-routing mode with it")
+        self.router_arrangements()
 
 
 DP_ROUTING_MODES: Final = ("aware", "blind")
@@ -281,8 +318,12 @@ def run_sim_bench(
         for seed in spec.seeds:
             workload = build_workload(spec, rate_scale=rate, seed=seed)
             digests = DigestCache(BlockHasher("sha256", profile.block_size))
-            for policy, mode in ((p, m) for p in spec.policies for m in spec.dp_routing):
+            for policy, mode, routers in ((p, m, r) for p in spec.policies
+                                          for m in spec.dp_routing
+                                          for r in spec.router_arrangements()):
                 label = policy if mode == "aware" else f"{policy}/rank-blind"
+                if routers is not None:
+                    label = f"{label}/{routers.label()}"
                 if on_run_start is not None:
                     on_run_start(label, rate, seed, len(workload))
                 config = FleetConfig(num_replicas=spec.replicas, profile=profile, policy=policy,
@@ -295,11 +336,16 @@ def run_sim_bench(
                                      rank_blind=mode == "blind",
                                      roles=spec.roles(), disagg=spec.disagg())
                 started = time.perf_counter()
-                result = FleetSimulation(config, workload, digests=digests,
-                                         progress=on_progress).run()
+                simulation = (
+                    FleetSimulation(config, workload, digests=digests, progress=on_progress)
+                    if routers is None else
+                    SeveralRoutersSimulation(config, workload, routers, digests=digests,
+                                             progress=on_progress))
+                result = simulation.run()
                 wall = time.perf_counter() - started
                 results[(label, rate, seed)] = result
-                summary = result.summary()
+                summary = {**result.summary(),
+                           "group_replicas_mean": group_replicas_mean(workload, result.records)}
                 runs.append({"policy": label, "rate_scale": rate, "seed": seed,
                              "wall_s": round(wall, 3), **summary})
     report = {
@@ -375,6 +421,9 @@ def _config_block(spec: SimBenchSpec, *, profile_source: str) -> dict[str, Any]:
                "shared_store_blocks": spec.shared_store_blocks(),
                "shared_gbps": spec.shared_gbps if spec.shared_store else None,
                "kv_bytes_per_token": spec.kv_bytes_per_token},
+        "routers": ({"count": spec.routers, "bus_delay_s": spec.bus_delay_s,
+                     "bus_batch_s": spec.bus_batch_s, "front": spec.front}
+                    if spec.routers > 1 else None),
         "pd": ({"layout": spec.pd.upper(), "split": spec.split, "link_gbps": spec.link_gbps}
                if spec.pd else None),
         "git_sha": git_sha(), "python": sys.version.split()[0], "machine": platform.machine(),
@@ -426,6 +475,12 @@ def format_table(report: dict[str, Any], *, compact: bool = False) -> list[list[
             share = copied / m["prompt_tokens"] if m.get("prompt_tokens") else 0.0
             row.insert(-2, f"{m.get('spread_copies', 0)} ({copied / 1e6:.1f}M tok, "
                            f"{share:.1%})")
+    if report["config"].get("routers") and any(
+            m.get("group_replicas_mean", 0.0) for m in report["policies"].values()):
+        # several routers on a workload of sibling groups: how far each group scattered
+        rows[0].insert(-2, "replicas/group")
+        for row, m in zip(rows[1:], report["policies"].values()):
+            row.insert(-2, f"{m.get('group_replicas_mean', 0.0):.2f}")
     if compact:
         keep = [i for i, head in enumerate(rows[0]) if head in COMPACT_COLUMNS]
         rows = [[row[i] for i in keep] for row in rows]
@@ -438,7 +493,9 @@ def table_title(report: dict[str, Any]) -> str:
     name = c["trace"] if c["workload"] == "trace" else c["workload"]
     dp = c.get("data_parallel_size", 1)
     ranks = f" x {dp} DP ranks" if dp > 1 else ""
-    return (f"{name}: {c['replicas']} replicas{ranks}, {c['profile']}, "
+    routers = c.get("routers")
+    front = f", {routers['front'].replace('_', '-')} front" if routers else ""
+    return (f"{name}: {c['replicas']} replicas{ranks}{front}, {c['profile']}, "
             f"rate x{c['rate_scales'][0]:g}, "
             f"SLO TTFT <= {c['ttft_slo_s']:g} s and ITL/req <= {c['itl_slo_s'] * 1e3:g} ms")
 

@@ -288,11 +288,14 @@ def sibling_fanout(
     seed: int = 0,
     *,
     with_messages: bool = False,
+    sibling_gap_s: float = 0.0,
 ) -> list[WorkloadRequest]:
     """Each of ``num_prompts`` prompts sent ``fanout`` times at once (parallel sampling, agents).
 
     Prompt ``p`` arrives at ``p * interval_s`` as ``fanout`` identical requests (one tuple),
-    group ``fan{p}``. Prompts have distinct first tokens, so only siblings share a prefix: the
+    group ``fan{p}``; with ``sibling_gap_s``, sibling ``s`` arrives ``s * sibling_gap_s`` after
+    the first (several routers: siblings closer than the bus delay reach their routers before
+    any sibling's placement does, ``sim/routers.py``). Prompts have distinct first tokens, so only siblings share a prefix: the
     race where event-driven indexes scatter siblings before the first ``BlockStored`` arrives.
     """
     _positive_int("num_prompts", num_prompts)
@@ -303,6 +306,10 @@ def sibling_fanout(
         math.isfinite(interval_s) and interval_s >= 0,
         f"interval_s must be a finite number >= 0, got {interval_s}",
     )
+    _require(
+        math.isfinite(sibling_gap_s) and sibling_gap_s >= 0,
+        f"sibling_gap_s must be a finite number >= 0, got {sibling_gap_s}",
+    )
     rng = random.Random(seed)
     heads = _distinct_heads(rng, num_prompts, "sibling_fanout")
     requests = []
@@ -312,7 +319,7 @@ def sibling_fanout(
         for s in range(fanout):
             requests.append(
                 WorkloadRequest(
-                    arrival_s=p * interval_s,
+                    arrival_s=p * interval_s + s * sibling_gap_s,
                     request_id=f"fan-{p}-s{s}",
                     prompt_token_ids=prompt,
                     output_tokens=output_tokens,

@@ -111,6 +111,17 @@ def bench_sim(
     split: Annotated[str, typer.Option(help="With --pd: split each request by the cost "
                                        "model (auto), always, or never.")] = "auto",
     link_gbps: Annotated[float, typer.Option(help="With --pd: the P->D KV link, GB/s.")] = 12.5,
+    routers: Annotated[int, typer.Option(help="Routers in front of the fleet; above 1, each "
+                                         "policy runs as one router, as this many sharing "
+                                         "placements on a bus, and as this many without "
+                                         "(sim.routers).")] = 1,
+    bus_delay_ms: Annotated[float, typer.Option(help="With --routers: a batch's delay from "
+                                                "one router to the others, ms.")] = 1.0,
+    bus_batch_ms: Annotated[float, typer.Option(help="With --routers: how long a router "
+                                                "gathers announcements before sending them "
+                                                "as one batch, ms (0: at once).")] = 0.0,
+    front: Annotated[str, typer.Option(help="With --routers: 'round_robin' over requests, or "
+                                       "'session' (a session's turns reach one router).")] = "round_robin",
 ) -> None:
     """Replay a workload through a simulated fleet once per policy, in virtual time."""
     params: dict[str, Any] = {}
@@ -132,7 +143,8 @@ def bench_sim(
             cpu_tier=cpu_tier, cpu_gbps=cpu_gbps, shared_store=shared_store,
             shared_gbps=shared_gbps, data_parallel_size=data_parallel_size,
             dp_routing=tuple(m.strip() for m in dp_routing.split(",") if m.strip()),
-            pd=pd, split=split, link_gbps=link_gbps, **kv,
+            pd=pd, split=split, link_gbps=link_gbps, routers=routers,
+            bus_delay_s=bus_delay_ms / 1e3, bus_batch_s=bus_batch_ms / 1e3, front=front, **kv,
         )
         spec.validate()
     if bounds:
