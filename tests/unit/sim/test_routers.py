@@ -3,7 +3,9 @@
 The claim of docs/reliability.md's "Several routers" row, asserted where the machine's
 queueing cannot move it: three routers sharing their placements and in-flight load on a bus
 (1 ms) route a loaded shared-prefix workload within 3% of one router's hit rate and mean
-TTFT, and three routers sharing nothing but the engines' events measurably worse.
+TTFT, and three routers sharing nothing but the engines' events measurably worse. And its
+limit: siblings that reach different routers closer together than the bus delay are placed
+before any of them is announced, as without the bus.
 """
 
 from __future__ import annotations
@@ -112,3 +114,24 @@ def test_a_group_counts_the_replicas_its_requests_ran_on() -> None:
 def test_bad_router_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         RoutersConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_siblings_closer_than_the_bus_delay_are_placed_as_without_the_bus() -> None:
+    # 8 bursts of 3 siblings sharing a 5,000-token prompt, each sibling at the next router
+    # of the round robin; the bus takes 1 ms. 0.5 ms apart, a later sibling reaches its
+    # router before the first one's placement does: nothing is announced yet, so each is
+    # placed exactly as without the bus. 2 ms apart, the bus has told every router, and
+    # they place the burst as one router does.
+    digests = _digests()
+
+    def placed(gap_s: float, routers: RoutersConfig | None) -> tuple[list[str], float]:
+        workload = sibling_fanout(num_prompts=8, fanout=3, prompt_tokens=5000,
+                                  interval_s=2.0, sibling_gap_s=gap_s)
+        records = _run(workload, routers, digests).records
+        return [r.replica for r in records], group_replicas_mean(workload, records)
+
+    bus, none = RoutersConfig(3, bus_delay_s=0.001), RoutersConfig(3, bus=False)
+    assert placed(0.0005, bus) == placed(0.0005, none)
+    one, informed, blind = placed(0.002, None), placed(0.002, bus), placed(0.002, none)
+    assert informed[1] == one[1] != blind[1]
+    assert informed[0] != blind[0]
