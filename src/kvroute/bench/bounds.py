@@ -44,7 +44,9 @@ StepTiming``; other requests in the step only add to it), so its TTFT is at leas
 output tokens runs ``d = o − 1`` decode steps; at the least-loaded batch (no other request on
 its engine) step ``j`` costs ``fixed + b + c·(n + j)`` (one sequence decoding, attention
 reading its ``n + j`` computed tokens: ``engine.model.EngineModel.step``), and any other
-request in the step only adds to it. So its end-to-end latency is at least
+request in the step only adds to it (``b`` stands for ``min(b, 2a)``: a token recomputed
+after a preemption can be priced as a prefill, ``bench.itl_floors.lone_step_s``; the same in
+the GPU profiles). So its end-to-end latency is at least
 
     TTFT floor + d·(fixed + b) + c·(d·n + d(d+1)/2)
 
@@ -63,6 +65,12 @@ bounds bounds the same percentile of the real values):
   values, which are lower bounds too). Also strict, and tighter; no p99 (the ``opt`` total
   cannot be split per request).
 
+**ITL floors** (``bench.itl_floors``): each request's gaps decoded alone, as the E2E floor
+times them, give floors of the ITL mean, the p99 over every gap and the p99 (and mean) over
+each request's own mean gap; a second row, an estimate, adds the decodes no router can avoid
+sharing a step with, spread as evenly as whole requests allow over the replicas. Both are
+``ItlRow`` values in ``BoundsReport.itl_rows``, printed as their own table.
+
 Pure: takes workload requests and a profile, does no I/O.
 """
 
@@ -74,6 +82,13 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
+from kvroute.bench.itl_floors import (
+    DecodeFigures,
+    decode_steps,
+    lone_itl_floors,
+    lone_step_s,
+    spread_itl_estimate,
+)
 from kvroute.bench.traces import BlockTokens
 from kvroute.core.errors import ConfigError
 from kvroute.core.stats import mean, percentile
@@ -84,9 +99,11 @@ from kvroute.sim.workload import WorkloadRequest
 __all__ = [
     "BoundRow",
     "BoundsReport",
+    "ItlRow",
     "compute_bounds",
     "decode_floor_s",
     "format_bounds_table",
+    "format_itl_table",
     "lru_hits",
     "opt_hit_total",
     "prompt_blocks",
@@ -302,8 +319,8 @@ def decode_floor_s(num_tokens: int, output_tokens: int, timing: StepTiming,
                    max_model_len: int | None = None) -> float:
     """The least time from a prompt of ``num_tokens``'s first token to its last of
     ``output_tokens`` (module docstring, "E2E floor"): ``d = o − 1`` lone decode steps,
-    ``d·(fixed + b) + c·(d·n + d(d+1)/2)``, with ``o`` capped at ``max_model_len − n`` (where
-    the engine stops) and at least 1.
+    ``d·(fixed + min(b, 2a)) + c·(d·n + d(d+1)/2)``, with ``o`` capped at
+    ``max_model_len − n`` (where the engine stops) and at least 1.
 
     Raises:
         ConfigError: a negative count.
@@ -317,7 +334,7 @@ def decode_floor_s(num_tokens: int, output_tokens: int, timing: StepTiming,
         output_tokens = min(output_tokens, max_model_len - num_tokens)
     d = max(output_tokens, 1) - 1
     context = d * num_tokens + d * (d + 1) // 2
-    return d * (timing.fixed_s + timing.decode_seq_s) + timing.context_token_s * context
+    return d * lone_step_s(timing) + timing.context_token_s * context
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +362,23 @@ class BoundRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ItlRow:
+    """One line of the inter-token table.
+
+    Attributes:
+        name: what the row is (``itl: own decode alone``...).
+        kind: ``bound`` (no router can do better) or ``estimate``.
+        figures: the ITL figures (and E2E, for the estimate) with the simulator's keys.
+        note: how it was computed, in a few words.
+    """
+
+    name: str
+    kind: str
+    figures: DecodeFigures
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
 class BoundsReport:
     """The bounds of one workload on one fleet shape."""
 
@@ -354,6 +388,7 @@ class BoundsReport:
     capacity_blocks: int
     block_size: int
     rows: tuple[BoundRow, ...]
+    itl_rows: tuple[ItlRow, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -364,6 +399,13 @@ class BoundsReport:
                       "ttft_mean_s": r.ttft_mean_s, "ttft_p99_s": r.ttft_p99_s,
                       "e2e_mean_s": r.e2e_mean_s, "e2e_p99_s": r.e2e_p99_s, "note": r.note}
                      for r in self.rows],
+            "itl_rows": [{"name": r.name, "kind": r.kind, "itl_mean_s": r.figures.itl_mean_s,
+                          "itl_p99_s": r.figures.itl_p99_s,
+                          "itl_request_mean_s": r.figures.itl_request_mean_s,
+                          "itl_request_p99_s": r.figures.itl_request_p99_s,
+                          "e2e_mean_s": r.figures.e2e_mean_s,
+                          "e2e_p99_s": r.figures.e2e_p99_s, "note": r.note}
+                         for r in self.itl_rows],
         }
 
 
@@ -444,7 +486,39 @@ def compute_bounds(requests: Sequence[WorkloadRequest], profile: TimingProfile, 
     if tier or shared_blocks:
         rows += _tier_rows(blocks, profile, replicas, per_engine, shared_blocks, floors, e2e,
                            decodes, lru, unb_total, with_opt=with_opt)
-    return BoundsReport(count, n_total, replicas, per_engine, bs, tuple(rows))
+    return BoundsReport(count, n_total, replicas, per_engine, bs, tuple(rows),
+                        _itl_rows(requests, blocks.num_tokens, floors, profile, replicas))
+
+
+def _itl_rows(requests: Sequence[WorkloadRequest], prompts: Sequence[int],
+              floors: Sequence[float], profile: TimingProfile,
+              replicas: int) -> tuple[ItlRow, ...]:
+    """The lone-decode ITL floors and the spread estimate (``bench.itl_floors``); none when
+    no request decodes past its first token."""
+    steps = [decode_steps(n, r.output_tokens, profile.max_model_len)
+             for n, r in zip(prompts, requests)]
+    if sum(steps) == 0:
+        return ()
+    timing = profile.timing
+    # The zero-queue timeline: a closed-loop turn starts its think time after its
+    # predecessor's last token there (``bench.workloads.release_time``).
+    ends: dict[str, float] = {}
+    releases: list[float] = []
+    for r, n, d, f in zip(requests, prompts, steps, floors):
+        release = r.arrival_s
+        if r.depends_on is not None and r.depends_on in ends:
+            release = ends[r.depends_on] + (r.think_time_s or 0.0)
+        releases.append(release)
+        ends[r.request_id] = release + f + decode_floor_s(n, d + 1, timing)
+    lone = lone_itl_floors(prompts, steps, timing)
+    spread = spread_itl_estimate(releases, floors, prompts, steps, timing, replicas)
+    return (
+        ItlRow("itl: own decode alone", "bound", lone,
+               "every gap one lone decode step reading the request's own context"),
+        ItlRow(f"itl: decodes in flight spread evenly ({replicas} replicas)", "estimate",
+               spread, "zero-queue timeline; each gap shares its step with an even share "
+               "of the other decodes then (prefills left out)"),
+    )
 
 
 def _tier_rows(blocks: PromptBlocks, profile: TimingProfile, replicas: int, per_engine: int,
@@ -505,4 +579,23 @@ def format_bounds_table(report: BoundsReport) -> list[list[str]]:
             r.name, r.kind, f"{r.token_hit_rate:.3f}", seconds(r.ttft_mean_s),
             seconds(r.ttft_p99_s), seconds(r.e2e_mean_s), seconds(r.e2e_p99_s), r.note,
         ])
+    return rows
+
+
+def format_itl_table(report: BoundsReport) -> list[list[str]]:
+    """Rows of the printed inter-token table (header first; only the header without ITL
+    rows)."""
+    def ms(value: float) -> str:
+        return f"{value * 1e3:.2f}ms"
+
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3f}s"
+
+    rows = [["inter-token", "kind", "ITL mean", "ITL p99", "ITL/req mean", "ITL/req p99",
+             "E2E mean", "E2E p99", "how"]]
+    for r in report.itl_rows:
+        f = r.figures
+        rows.append([r.name, r.kind, ms(f.itl_mean_s), ms(f.itl_p99_s),
+                     ms(f.itl_request_mean_s), ms(f.itl_request_p99_s), seconds(f.e2e_mean_s),
+                     seconds(f.e2e_p99_s), r.note])
     return rows

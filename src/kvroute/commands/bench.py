@@ -191,7 +191,7 @@ def _kv_from_plan(kv_plan: str | None, profile: str) -> dict[str, Any]:
 
 def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -> None:
     """``kvroute bench sim --bounds``: the bounds table per seed (and JSON if asked)."""
-    from kvroute.bench.bounds import format_bounds_table
+    from kvroute.bench.bounds import format_bounds_table, format_itl_table
     from kvroute.bench.sim_bench import run_bounds
 
     with exit_on_router_error(console):
@@ -202,6 +202,10 @@ def _print_bounds(spec: SimBenchSpec, console: Console, json_out: Path | None) -
         out.print(rows_table(f"{name}: what no router can beat, {report.requests} requests, "
                              f"{spec.replicas} x {spec.profile}, seed {run_seed}",
                              format_bounds_table(report), left=("bound", "kind", "how")))
+        if report.itl_rows:
+            out.print(rows_table(f"{name}: inter-token latency no router can beat, seed "
+                                 f"{run_seed}", format_itl_table(report),
+                                 left=("inter-token", "kind", "how")))
     if json_out is not None:
         payload = {"bounds": {str(k): v.as_dict() for k, v in reports.items()},
                    "config": {"workload": spec.workload, "trace": spec.trace,

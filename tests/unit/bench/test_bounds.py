@@ -98,12 +98,16 @@ def test_ttft_floor_by_hand() -> None:
 
 
 def test_decode_floor_by_hand() -> None:
-    timing = StepTiming(fixed_s=1.0, prefill_token_s=0.1, decode_seq_s=5.0, context_token_s=0.01)
+    timing = StepTiming(fixed_s=1.0, prefill_token_s=3.0, decode_seq_s=5.0, context_token_s=0.01)
     # 4 output tokens: the first comes with the prefill, then 3 lone decode steps whose
     # attention reads 11, 12 and 13 tokens.
     assert decode_floor_s(10, 4, timing) == pytest.approx(3 * (1.0 + 5.0) + 0.01 * 36)
     # The engine stops at its window: 12 - 10 = 2 output tokens, one decode step.
     assert decode_floor_s(10, 4, timing, max_model_len=12) == pytest.approx(6.0 + 0.01 * 11)
+    # Two prefill tokens cost less than one decode here (2a = 0.2 < b = 5): a recompute after
+    # a preemption could give the token at that price, so the floor takes it.
+    cheap = dataclasses.replace(timing, prefill_token_s=0.1)
+    assert decode_floor_s(10, 4, cheap) == pytest.approx(3 * (1.0 + 0.2) + 0.01 * 36)
     assert decode_floor_s(10, 1, timing) == decode_floor_s(10, 0, timing) == 0.0
     with pytest.raises(ConfigError, match="output_tokens >= 0"):
         decode_floor_s(10, -1, timing)
