@@ -28,6 +28,10 @@ is priced ``a`` a token rather than ``b``; the floors therefore use ``min(b, 2a)
 * each request's own mean gap is at least ``(Σ_j g_j) / d``
   ``= fixed + b + c·(n + (d + 1)/2)``, hence the mean and p99 over requests too.
 
+The pairing needs every request to make its ``o`` tokens, as a simulated run does (it runs
+every request to its end; a prompt the engine rejects has ``d = 0`` here too); a run cut
+short has fewer gaps than the floors count.
+
 The p99 over every gap is exact and cheap: ``g`` grows with the context ``n + j``, so it is
 ``fixed + b + c·T`` with ``T`` the nearest-rank p99 of the contexts ``{n_i + 1 .. n_i + d_i}``
 of every request, found by bisection on ``T`` (counting, per request, the contexts ≤ ``T``).
