@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from kvroute.tokenize.sim_vocab import BuiltinTokenizer
 from kvroute.tokenize.words import to_text
 from kvroute.wire import openai as oa
 from kvroute.wire.overflow_styles import STYLES, check_overflow, style_rejects_overlong_total
-from kvroute.wire.prom import parse_vllm_metrics
+from kvroute.wire.prom import parse_exposition, parse_vllm_metrics
 from kvroute.wire.sse import SSEDecoder
 from kvroute.wire.vllm_events import (
     ReplayBatch,
@@ -869,3 +870,29 @@ def test_eos_after_wins_over_natural_lengths() -> None:
         assert out["usage"]["completion_tokens"] == 7
 
     run(config(answer_lengths=AnswerLengths(), eos_after_tokens=7), body)
+
+
+# ------------------------------------------------------------------------------ own stalls
+
+
+def test_a_stalled_loop_shows_as_late_steps_on_metrics() -> None:
+    # Steps of 10 ms; once the first token is out, the server's loop is blocked for 150 ms
+    # (what a collection or a descheduled process does): the step due meanwhile runs at
+    # least 140 ms late, which /metrics reports in kvroute_sim_step_lateness_seconds.
+    async def body(server: SimServer, s: aiohttp.ClientSession) -> None:
+        req = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 30, "stream": True}
+        async with s.post(server.url + "/v1/completions", json=req) as resp:
+            await resp.content.readline()
+            asyncio.get_running_loop().call_soon(time.sleep, 0.15)
+            await resp.read()
+        async with s.get(server.url + "/metrics") as resp:
+            text = await resp.text()
+        late = {smp.labels["le"]: smp.value
+                for smp in parse_exposition(text, names=("kvroute_sim_step_",)).samples
+                if smp.name == "kvroute_sim_step_lateness_seconds_bucket"}
+        assert late["+Inf"] >= 30  # one observation a step
+        assert late["+Inf"] - late["0.1"] >= 1  # the stalled one
+        # vLLM's series are still served beside it.
+        assert parse_vllm_metrics(text, "tiny").num_malformed == 0
+
+    run(config(timing=StepTiming(fixed_s=0.01)), body)

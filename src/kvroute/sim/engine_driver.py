@@ -128,6 +128,9 @@ class EngineDriver:
             None drops them.
         clock: monotonic seconds (``time.monotonic`` in production; injectable for tests).
         sleep_scale: multiplies every modelled step duration (1.0 = real time).
+        on_step_late: called after every step with how long after it was due the loop ran
+            again (due: the step's modelled end, or the end of its computation when that
+            took longer), e.g. ``EngineStalls.step_lateness.observe`` (``sim/stalls.py``).
     """
 
     def __init__(
@@ -137,11 +140,13 @@ class EngineDriver:
         publish: Callable[[Sequence[KVEvent]], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep_scale: float = 1.0,
+        on_step_late: Callable[[float], None] | None = None,
     ) -> None:
         self.engine = engine
         self._publish = publish
         self._clock = clock
         self._sleep_scale = sleep_scale
+        self._on_step_late = on_step_late
         self._tracks: dict[str, _Track] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -249,10 +254,10 @@ class EngineDriver:
             result = engine.step()
             self.num_steps += 1
             duration = result.duration_s * scale
+            due = max(t0 + duration, clock())
             if duration > 0.0:
                 self.busy_s += duration
-                delay = t0 + duration - clock()
-                await asyncio.sleep(max(0.0, delay))
+                await asyncio.sleep(max(0.0, due - clock()))
             elif result.num_scheduled_reqs == 0 and not result.events:
                 # Work is queued but nothing could be scheduled: wait for a change.
                 wake.clear()
@@ -261,6 +266,8 @@ class EngineDriver:
                 continue
             else:
                 await asyncio.sleep(0)
+            if self._on_step_late is not None:
+                self._on_step_late(max(0.0, clock() - due))
             if result.events and self._publish is not None:
                 self._publish(result.events)
             if result.outputs:

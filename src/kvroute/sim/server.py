@@ -106,6 +106,7 @@ from kvroute.sim.answer_lengths import AnswerLengths
 from kvroute.sim.engine_driver import EngineDriver, RequestStream, Submitted
 from kvroute.sim.kv_publisher import KVEventPublisher, vllm_pub_binds
 from kvroute.sim.profiles import get_profile
+from kvroute.sim.stalls import EngineStalls
 from kvroute.tokenize.sim_vocab import (
     BuiltinTokenizer,
     ChatTemplateError,
@@ -654,6 +655,8 @@ class SimServer:
         self._ids = itertools.count()
         self._in_flight = 0
         self.port = 0
+        self.stalls = EngineStalls()
+        """This process's step lateness and collections, on ``/metrics`` (``sim/stalls.py``)."""
         self.faults = SimFaults()
         """The armed faults (``/sim/faults``); in-process tests may arm them directly."""
         mcpt = config.max_chars_per_token
@@ -741,7 +744,8 @@ class SimServer:
                 pub.start()
                 self._publishers.append(pub)
                 publish = self._publish_for(pub)
-            driver = EngineDriver(engine, publish=publish, sleep_scale=cfg.sleep_scale)
+            driver = EngineDriver(engine, publish=publish, sleep_scale=cfg.sleep_scale,
+                                  on_step_late=self.stalls.step_lateness.observe)
             driver.stats.engine = cfg.data_parallel_rank if single else rank
             driver.start()
             self.drivers.append(driver)
@@ -1426,6 +1430,7 @@ class SimServer:
                 f'running_lora_adapters="{",".join(running)}",'
                 f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}\n'
             )
+        text += self.stalls.render()
         return Response(body=text.encode("utf-8"), content_type="text/plain; charset=utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
@@ -1505,9 +1510,15 @@ def run_sim_server(
             loop.add_signal_handler(sig, stop.set)
         async with server:
             freeze_startup_heap()  # as the router does: no full collection walks start-up
-            if on_ready is not None:
-                on_ready(server)
-            await stop.wait()
+            # The process is this server's alone: its collections are the server's pauses
+            # (not watched for in-process servers, which share a process with others).
+            server.stalls.watch_gc()
+            try:
+                if on_ready is not None:
+                    on_ready(server)
+                await stop.wait()
+            finally:
+                server.stalls.stop()
 
     if use_uvloop:
         try:
