@@ -28,6 +28,7 @@ cached_tokens_total                    counter    pool (expected cached prefix t
 routing_latency_seconds                histogram  pool
 router_time_seconds                    histogram  stage (before_engine, after_engine, total)
 gc_pause_seconds                       histogram  generation (0, 1, 2: a full collection)
+event_loop_lag_seconds                 histogram  - (how late the loop woke for a 20 ms timer)
 upstream_errors_total                  counter    replica, kind
 retries_total                          counter    replica
 admission_rejects_total                counter    reason
@@ -204,6 +205,12 @@ class RouterMetrics:
         )
         self._gc_pause = tuple(LatencyTally(gc_pause.labels(str(g)), _GC_PAUSE_BOUNDS)
                                for g in range(3))
+        self._loop_lag = LatencyTally(Histogram(
+            "event_loop_lag_seconds", "How late the router's event loop woke for a 20 ms "
+            "timer: stalls of the whole loop (collections, waiting for a CPU, blocking calls, "
+            "long callbacks), which router_time_seconds does not see while requests wait in "
+            "sockets or on engines.",
+            namespace=ns, registry=r, buckets=GC_PAUSE_BUCKETS), _GC_PAUSE_BOUNDS)
         self._divergence = Histogram(
             "prefix_divergence_block", "Per routed request with exact hashes, the first block "
             "of its prompt that no replica holds (as the index sees it): where prefix reuse "
@@ -366,6 +373,7 @@ class RouterMetrics:
             stage.flush()
         for generation in self._gc_pause:
             generation.flush()
+        self._loop_lag.flush()
         for divergence in self._divergence_by_route.values():
             divergence.flush()
         for reasoning in self._reasoning_by_route.values():
@@ -430,6 +438,10 @@ class RouterMetrics:
         whichever thread collects: a tally (two list updates, no lock to wait on, nothing
         tracked allocated), moved into the histogram when it is read, as the latencies are."""
         self._gc_pause[generation].observe(seconds)
+
+    def loop_lag(self, seconds: float) -> None:
+        """How late one of the event loop's timer wake-ups came (``heap.watch_loop_lag``)."""
+        self._loop_lag.observe(seconds)
 
     def router_time(self, before_engine_s: float, after_engine_s: float) -> None:
         """Record the router's own time in one answered request (``router_time_seconds``):

@@ -65,7 +65,7 @@ from kvroute.shell.cache_feedback import CacheFeedback
 from kvroute.shell.cluster import ClusterSharing
 from kvroute.shell.discovery import Discovery
 from kvroute.shell.gate_store import GateStoreError
-from kvroute.shell.heap import watch_gc_pauses
+from kvroute.shell.heap import watch_gc_pauses, watch_loop_lag
 from kvroute.shell.k8s_members import KubernetesMembers, kubernetes_pools
 from kvroute.shell.kv_stream import KvStream
 from kvroute.shell.kv_stream_reader import StreamPosition, rebuild
@@ -188,6 +188,7 @@ class RouterRuntime(Service):
         self.cluster: ClusterSharing | None = None
         """Fresh placements shared with the other routers (None: ``cluster.bus: none``)."""
         self._stop_gc_watch: Callable[[], None] | None = None
+        self._loop_lag_task: asyncio.Task[None] | None = None
         self.tokenizers: dict[str, PromptTokenizer] = {}
         self.tokenizer_checks: dict[str, TokenizerCheck] = {}
         self._check_tasks: dict[str, asyncio.Task[None]] = {}
@@ -249,6 +250,8 @@ class RouterRuntime(Service):
         )
         self.discovery.round_observers.append(self.app.router.forwarder.observe_failovers)
         self._stop_gc_watch = watch_gc_pauses(self.metrics.gc_pause)
+        self._loop_lag_task = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag),
+                                                  name="kvroute-loop-lag")
         self.port = await self.app.start(config.listen.host, config.listen.port)
         self.url = f"http://{config.listen.host}:{self.port}"
         log.info("kvroute listening on %s (policy %s, %d pools, %d replicas)", self.url,
@@ -267,6 +270,10 @@ class RouterRuntime(Service):
         if self._stop_gc_watch is not None:
             self._stop_gc_watch()
             self._stop_gc_watch = None
+        if self._loop_lag_task is not None:
+            self._loop_lag_task.cancel()
+            await asyncio.gather(self._loop_lag_task, return_exceptions=True)
+            self._loop_lag_task = None
         if self.app is not None:
             await step(self.app.close())
             self.app = None

@@ -82,6 +82,16 @@ def test_gc_pauses_by_generation() -> None:
     assert value("kvroute_gc_pause_seconds_count", {"generation": "1"}) == 0
 
 
+def test_event_loop_lag_is_a_histogram_of_wake_ups() -> None:
+    m = RouterMetrics()
+    for late in (0.0002, 0.0003, 0.120):
+        m.loop_lag(late)
+    value = m.value
+    assert value("kvroute_event_loop_lag_seconds_count") == 3
+    assert value("kvroute_event_loop_lag_seconds_bucket", {"le": "0.05"}) == 2
+    assert value("kvroute_event_loop_lag_seconds_sum") == pytest.approx(0.1205)
+
+
 def test_fleet_gauges() -> None:
     m = RouterMetrics()
     assert m.approximate("p") is None

@@ -1,11 +1,15 @@
 """``kvroute serve`` freezes its start-up heap so full collections stay short while serving,
-and its runtime reports every collection's pause (``heap.watch_gc_pauses``)."""
+and its runtime reports every collection's pause (``heap.watch_gc_pauses``) and how late its
+event loop wakes (``heap.watch_loop_lag``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import time
 
-from kvroute.shell.heap import freeze_startup_heap, watch_gc_pauses
+from kvroute.shell.heap import freeze_startup_heap, watch_gc_pauses, watch_loop_lag
 
 
 def test_the_startup_heap_is_moved_out_of_the_collectors_reach() -> None:
@@ -37,3 +41,20 @@ def test_gc_pauses_are_reported_by_generation_until_the_watch_stops() -> None:
     assert len(gc.callbacks) == before
     gc.collect()
     assert len(seen) == 2
+
+
+def test_a_blocked_loop_is_reported_as_one_late_wake_up() -> None:
+    lags: list[float] = []
+
+    async def main() -> None:
+        watch = asyncio.create_task(watch_loop_lag(lags.append, period_s=0.01))
+        await asyncio.sleep(0.05)
+        time.sleep(0.15)  # noqa: ASYNC251 - the loop blocked on purpose: its timer fires late
+        await asyncio.sleep(0.05)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+    asyncio.run(main())
+    assert len(lags) >= 2 and all(lag >= 0 for lag in lags)
+    assert max(lags) >= 0.14
