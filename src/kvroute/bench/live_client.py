@@ -399,6 +399,7 @@ async def run_client(
     duration_s: float = 300.0,
     on_done: Callable[[int], None] | None = None,
     control: ControlLane | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> ClientRun:
     """Send ``requests`` once each and measure them (see the module docstring for bounds).
 
@@ -415,6 +416,8 @@ async def run_client(
         control: send one request in ``control.every`` straight to ``control.targets``
             instead (marked ``control`` in the results); each lane takes its targets round
             robin among its own requests.
+        on_start: called once every request's result slot exists, before the first is
+            sent (``bench soak`` freezes the collector's view of them there).
 
     Returns:
         Per-request results in ``requests`` order, the wall time, the TCP_NODELAY check.
@@ -436,6 +439,8 @@ async def run_client(
     nodelay: list[bool | None] = []
     client = EngineClient(connect_timeout_s=request_timeout_s,
                           total_timeout_s=request_timeout_s)
+    if on_start is not None:
+        on_start()
     started = time.perf_counter()
     deadline = started + duration_s
 

@@ -21,11 +21,26 @@ HELP = ("A long steady run of kvroute in front of simulated engines, with sessio
 _HEADS = ["t s", "finished", "req/s", "p50 ms", "p99 ms", "max ms", "own p99 ms", "errors",
           "RSS MB", "CPU ms/decision", "router cores", "router run-queue ms", "load 1 min",
           "client lag max ms", "engines' cores", "index entries", "piece-cache tokens",
-          "GC ms", "full GC ms", "GCs > 50 ms", "KV gaps", "KV resets"]
+          "GC ms", "full GC ms", "GCs > 50 ms", "KV gaps", "KV resets",
+          "p99 from intended send ms", "client stall max ms", "client GC max ms",
+          "client run-queue ms", "engines' run-queue ms", "engine step late max <= ms",
+          "engine steps > 50 ms late", "engines' GC ms", "router loop late max <= ms",
+          "steal ms by CPU", "iowait ms by CPU"]
 _KEYS = ["t_s", "finished", "rps", "p50_ms", "p99_ms", "max_ms", "own_p99_ms", "errors",
          "rss_mb", "cpu_ms_per_decision", "router_cores", "router_runq_ms", "load_1m",
          "start_lag_max_ms", "engines_cores", "index_entries", "piece_cache_tokens",
-         "gc_ms", "gc_full_ms", "gc_over_50ms", "kv_gaps", "kv_resets"]
+         "gc_ms", "gc_full_ms", "gc_over_50ms", "kv_gaps", "kv_resets", "p99_intended_ms",
+         "client_stall_max_ms", "client_gc_max_ms", "client_runq_ms", "engines_runq_ms",
+         "engine_late_max_le_ms", "engine_steps_late_over_50ms", "engine_gc_ms",
+         "router_loop_late_max_le_ms", "steal_ms", "iowait_ms"]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):  # per CPU: "cpu0/cpu1/..."
+        return "/".join(f"{value[k]:g}" for k in sorted(value, key=int))
+    return str(value)
 
 
 def bench_soak(
@@ -55,6 +70,14 @@ def bench_soak(
         help="Run the router on these CPUs (e.g. 1) and the engines and the load generator "
              "on the others, as a router deployed on a core of its own would be; the report "
              "records the CPUs each side had. Default: all share every CPU.")] = None,
+    engine_nice: Annotated[int, typer.Option(
+        help="Nice value of the simulated engines (0..19): above 0 the load generator is "
+             "served first when both want the same core.")] = 0,
+    client_gc: Annotated[str, typer.Option(
+        help="The load generator's collector during the run: freeze (its stream out of the "
+             "collector's walks), python (as it is) or off.")] = "freeze",
+    client_loop: Annotated[str, typer.Option(
+        help="The load generator's event loop: asyncio or uvloop.")] = "asyncio",
 ) -> None:
     """A long steady run (see ``kvroute.bench.soak``)."""
     from kvroute.bench.procfs import parse_cpus
@@ -71,10 +94,10 @@ def bench_soak(
                         sample_s=sample_seconds, max_pins=max_pins,
                         num_gpu_blocks=num_gpu_blocks, seed=seed, log_dir=log_dir,
                         policy=policy, long_sessions=long_sessions, long_rate=long_rate,
-                        router_cpus=parse_cpus(router_cpus) if router_cpus else None)
+                        router_cpus=parse_cpus(router_cpus) if router_cpus else None,
+                        engine_nice=engine_nice, client_gc=client_gc, client_loop=client_loop)
         report = run_soak(spec, on_sample=on_sample)
-    rows = [[("-" if w.get(k) is None else str(w[k])) for k in _KEYS]
-            for w in report["windows"]]
+    rows = [[_cell(w.get(k)) for k in _KEYS] for w in report["windows"]]
     wide_console(200).print(rows_table(
         f"soak: {rate:g} req/s for {minutes:g} min, {engines} engines, policy {policy}", [_HEADS, *rows]))
     console.print(json.dumps(report["summary"]))

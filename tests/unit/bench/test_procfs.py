@@ -12,6 +12,7 @@ import pytest
 
 from kvroute.bench.procfs import (
     apparatus_cpus,
+    cpu_wait_s,
     descendants,
     parse_cpus,
     pin_process_tree,
@@ -19,6 +20,7 @@ from kvroute.bench.procfs import (
     process_cpu_s,
     process_run_delay_s,
     process_tree_cpu_s,
+    renice_process_tree,
     stat_fields,
     tree_cpus,
 )
@@ -116,3 +118,33 @@ def test_pinned_self_moves_this_process_and_gives_its_cpus_back() -> None:
     assert frozenset(os.sched_getaffinity(0)) == before
     with pinned_self(None):
         assert frozenset(os.sched_getaffinity(0)) == before
+
+
+def test_steal_and_iowait_are_read_per_cpu_in_seconds() -> None:
+    stat = ("cpu  100 0 50 900 30 0 1 12 0 0\n"
+            "cpu0 60 0 30 400 10 0 1 2 0 0\n"
+            "cpu1 40 0 20 500 20 0 0 10 0 0\n"
+            "intr 12345\nctxt 999\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert cpu_wait_s(stat) == {"0": {"steal": 2 / tick, "iowait": 10 / tick},
+                                "1": {"steal": 10 / tick, "iowait": 20 / tick}}
+    live = cpu_wait_s()
+    assert set(live) == {str(c) for c in range(os.cpu_count() or 1)}
+    assert all(v["steal"] >= 0 and v["iowait"] >= 0 for v in live.values())
+
+
+def test_a_process_tree_is_reniced_thread_by_thread() -> None:
+    child = subprocess.Popen([sys.executable, "-c", ("import threading, time; "
+                              "threading.Thread(target=time.sleep, args=(30,)).start(); "
+                              "time.sleep(30)")])
+    try:
+        for _ in range(200):
+            if len(os.listdir(f"/proc/{child.pid}/task")) == 2:
+                break
+            time.sleep(0.01)
+        assert renice_process_tree(child.pid, 7) == 2
+        assert {os.getpriority(os.PRIO_PROCESS, int(tid))
+                for tid in os.listdir(f"/proc/{child.pid}/task")} == {7}
+    finally:
+        child.kill()
+        child.wait()

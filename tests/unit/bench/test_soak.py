@@ -127,7 +127,8 @@ def test_the_verdict_is_the_worst_window_over_the_median_and_the_rss_slope() -> 
     assert verdict["rss_slope_mb_per_min"] is not None
     assert abs(verdict["rss_slope_mb_per_min"]) < 0.5 and verdict["rss_ok"] and verdict["ok"]
     assert verdict["rss_second_half_mb"] == [260.0, 260.3]
-    assert "3.0x (bound 3x): ok" in verdict_line(verdict)
+    line = verdict_line(verdict)
+    assert "3.0x (bound 3x)" in line and "the others' worst 36.0 ms = 3.0x: ok" in line
 
 
 def test_a_window_over_three_times_the_median_fails_and_is_listed_with_its_causes() -> None:
@@ -193,3 +194,129 @@ def test_the_command_refuses_router_cpus_it_cannot_use_before_starting_anything(
                                           "--router-cpus", bad])
         assert result.exit_code == 2, result.output
         assert says in " ".join((result.stdout + result.stderr).split())
+
+
+def _judged(*over: dict, n: int = 5) -> list[dict]:
+    """``n`` ordinary windows at 12 ms p99 (the median), then ``over``."""
+    return [_window(10 * (i + 1), 12.0, client_stall_max_ms=3.0, steal_ms={"0": 0.0, "1": 0.0})
+            for i in range(n)] + list(over)
+
+
+def test_a_window_over_the_bound_by_the_generators_own_stall_is_the_machines_and_shown() -> None:
+    # 120 ms against a 12 ms median (bound 36 ms); the load generator's loop stalled 100 ms
+    # in that window, so at most 20 ms of it need be the router's or the engines'.
+    stalled = _window(60, 120.0, client_stall_max_ms=100.0, steal_ms={"0": 0.0, "1": 0.0})
+    verdict = soak_verdict(_judged(stalled), _samples([100] * 7))
+    [over] = verdict["over_bound"]
+    assert over["t_s"] == 60 and over["category"] == "machine"
+    assert over["machine_stall_ms"] == 100.0
+    assert verdict["machine_windows"] == 1 and verdict["machine_windows_allowed"] == 1
+    # Not dropped: the raw ratio still counts it; the others' worst is the judged one.
+    assert verdict["p99_ratio"] == 10.0 and verdict["system_p99_ratio"] == 1.0
+    assert verdict["p99_result"] == "ok" and verdict["p99_ok"] and verdict["ok"]
+    line = verdict_line(verdict)
+    assert "the machine's windows 1 (allowed 1)" in line and "machine stall 100.0 ms" in line
+    # The same window without the generator's figures is the system's, and fails.
+    bare = {**stalled, "client_stall_max_ms": None, "steal_ms": None}
+    verdict = soak_verdict(_judged(bare), _samples([100] * 7))
+    assert verdict["over_bound"][0]["category"] == "system"
+    assert verdict["p99_result"] == "fail" and not verdict["ok"]
+    # A stall shorter than the excess explains part of it only: the system's, and fails.
+    short = {**stalled, "client_stall_max_ms": 50.0}
+    verdict = soak_verdict(_judged(short), _samples([100] * 7))
+    assert verdict["over_bound"][0]["category"] == "system" and not verdict["p99_ok"]
+    assert verdict["system_p99_ratio"] == 10.0
+
+
+def test_steal_on_any_cpu_counts_as_the_machines_stall() -> None:
+    stolen = _window(60, 60.0, client_stall_max_ms=5.0, steal_ms={"0": 10.0, "1": 40.0})
+    verdict = soak_verdict(_judged(stolen), _samples([100] * 7))
+    assert verdict["over_bound"][0]["machine_stall_ms"] == 40.0
+    assert verdict["over_bound"][0]["category"] == "machine" and verdict["p99_ok"]
+
+
+def test_the_engines_and_the_routers_stalls_are_never_set_apart() -> None:
+    # The engines' steps ran 250 ms late and their collector ran 100 ms: what users of the
+    # router would feel, so the window is the system's whatever the engines' reason.
+    engines = _window(60, 120.0, client_stall_max_ms=5.0, steal_ms={"0": 0.0, "1": 0.0},
+                      engine_late_max_le_ms=250.0, engine_gc_ms=100.0)
+    verdict = soak_verdict(_judged(engines), _samples([100] * 7))
+    [over] = verdict["over_bound"]
+    assert over["category"] == "system" and over["engine_late_max_le_ms"] == 250.0
+    assert verdict["p99_result"] == "fail" and not verdict["ok"]
+
+
+def test_too_many_of_the_machines_windows_make_the_run_inconclusive() -> None:
+    stalls = [_window(60 + 10 * i, 120.0, client_stall_max_ms=100.0, steal_ms={"0": 0.0})
+              for i in range(2)]
+    verdict = soak_verdict(_judged(*stalls), _samples([100] * 8))
+    assert verdict["machine_windows"] == 2 and verdict["machine_windows_allowed"] == 1
+    assert verdict["system_p99_ratio"] == 1.0
+    assert verdict["p99_result"] == "inconclusive" and not verdict["p99_ok"]
+    assert "INCONCLUSIVE" in verdict_line(verdict)
+    # 5% of the judged windows may be the machine's: two of 40 are.
+    verdict = soak_verdict(_judged(*stalls, n=40), _samples([100] * 43))
+    assert verdict["machine_windows_allowed"] == 2 and verdict["p99_result"] == "ok"
+
+
+def test_windows_carry_the_generators_the_machines_and_the_engines_stalls() -> None:
+    def done(start: float, e2e: float, lag: float) -> RequestResult:
+        return RequestResult("r", start_s=start, e2e_s=e2e, lag_s=lag)
+
+    run = ClientRun([done(0.2, 0.010, 0.0), done(0.5, 0.020, 0.030), done(1.5, 0.010, 0.001)],
+                    wall_s=2.0, tcp_nodelay=True)
+
+    def stalls(late: dict[str, float], gc_sum: float) -> dict:
+        return {"kvroute_sim_step_lateness_seconds": late,
+                "kvroute_sim_gc_pause_seconds": {"0.05": 3.0, "+Inf": 3.0 + gc_sum * 10,
+                                                 "sum": gc_sum}}
+
+    samples = [
+        {"t_s": 0.0, "client_runq_s": 1.0, "engines_runq_s": 2.0, "client_cpu_s": 1.0,
+         "router_stalls": {"kvroute_event_loop_lag_seconds": {"0.05": 10.0, "0.1": 10.0,
+                                                              "+Inf": 10.0}},
+         "cpu_wait": {"0": {"steal": 1.0, "iowait": 5.0}, "1": {"steal": 2.0, "iowait": 5.0}},
+         "engine_stalls": stalls({"0.01": 90.0, "0.05": 99.0, "0.1": 100.0, "+Inf": 100.0},
+                                 0.0)},
+        {"t_s": 1.0, "client_stall_max_s": 0.0421, "client_gc_s": 0.003,
+         # The router's loop woke once between 50 and 100 ms late.
+         "router_stalls": {"kvroute_event_loop_lag_seconds": {"0.05": 59.0, "0.1": 60.0,
+                                                              "+Inf": 60.0}},
+         "client_gc_max_s": 0.002, "client_runq_s": 1.25, "engines_runq_s": 2.5,
+         "client_cpu_s": 1.1,
+         "cpu_wait": {"0": {"steal": 1.04, "iowait": 5.0}, "1": {"steal": 2.0, "iowait": 5.01}},
+         "engine_stalls": stalls({"0.01": 189.0, "0.05": 198.0, "0.1": 200.0, "+Inf": 200.0},
+                                 0.1)},
+        {"t_s": 2.0, "client_stall_max_s": 0.001, "client_gc_s": 0.0, "client_gc_max_s": 0.0,
+         "client_runq_s": 1.25, "engines_runq_s": 2.5, "client_cpu_s": 1.2,
+         "cpu_wait": {"0": {"steal": 1.04, "iowait": 5.0}, "1": {"steal": 2.0, "iowait": 5.01}},
+         # An engine's step later than the last bound: the worst is past 1 s.
+         "engine_stalls": stalls({"0.01": 189.0, "0.05": 198.0, "0.1": 200.0, "+Inf": 201.0},
+                                 0.1)},
+    ]
+    first, second = soak_windows(run, samples)
+    # From the actual send (what the verdict judges) and from the intended one (+ the lag).
+    assert first["p99_ms"] == 20.0 and first["p99_intended_ms"] == 50.0
+    assert first["start_lag_max_ms"] == 30.0 and first["lag_p99_ms"] == 30.0
+    assert first["client_stall_max_ms"] == 42.1 and first["client_gc_max_ms"] == 2.0
+    assert first["client_runq_ms"] == 250.0 and first["engines_runq_ms"] == 500.0
+    assert first["client_cores"] == 0.1
+    assert first["steal_ms"] == {"0": 40.0, "1": 0.0}
+    assert first["iowait_ms"] == {"0": 0.0, "1": 10.0}
+    # 100 steps, 1 later than 50 ms, none past 100 ms; 100 ms of the engines' collections.
+    assert first["engine_steps_late_over_50ms"] == 1.0
+    assert first["engine_late_max_le_ms"] == 100.0 and first["engine_gc_ms"] == 100.0
+    assert first["router_loop_late_max_le_ms"] == 100.0
+    assert first["router_loop_late_over_50ms"] == 1.0
+    assert second["router_loop_late_max_le_ms"] is None  # not scraped: not made up
+    assert second["engine_late_max_le_ms"] == float("inf")
+    assert second["engine_steps_late_over_50ms"] == 1.0 and second["engine_gc_ms"] == 0.0
+    assert second["p99_intended_ms"] == 11.0
+
+
+def test_the_arrangement_options_are_checked() -> None:
+    for bad, says in (({"engine_nice": 20}, "engine_nice=20"),
+                      ({"client_gc": "sometimes"}, "client_gc='sometimes'"),
+                      ({"client_loop": "trio"}, "client_loop='trio'")):
+        with pytest.raises(ConfigError, match=says):
+            SoakSpec(**bad).validate()  # type: ignore[arg-type]
