@@ -128,9 +128,11 @@ class EngineDriver:
             None drops them.
         clock: monotonic seconds (``time.monotonic`` in production; injectable for tests).
         sleep_scale: multiplies every modelled step duration (1.0 = real time).
-        on_step_late: called after every step with how long after it was due the loop ran
-            again (due: the step's modelled end, or the end of its computation when that
-            took longer), e.g. ``EngineStalls.step_lateness.observe`` (``sim/stalls.py``).
+        on_step_late: called after every step with how long after its modelled end (its
+            start plus its modelled duration: with the ``zero`` profile, its start) the loop
+            ran again: the simulator's own overrun (computing the step, and whatever held
+            the process meanwhile), e.g. ``EngineStalls.step_lateness.observe``
+            (``sim/stalls.py``).
     """
 
     def __init__(
@@ -254,7 +256,7 @@ class EngineDriver:
             result = engine.step()
             self.num_steps += 1
             duration = result.duration_s * scale
-            due = max(t0 + duration, clock())
+            due = t0 + duration
             if duration > 0.0:
                 self.busy_s += duration
                 await asyncio.sleep(max(0.0, due - clock()))

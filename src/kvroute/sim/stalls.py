@@ -3,11 +3,11 @@ collector stopped it, exported beside vLLM's series on ``/metrics``.
 
 Owns two histograms per server process and their exposition:
 
-* ``kvroute_sim_step_lateness_seconds``: for every step, how long after it was due the
-  stepping task ran again (due: the step's modelled end, or the end of its computation when
-  that took longer; with the ``zero`` profile, the moment the step was computed). A stall of
-  the process (the scheduler giving its core to others, a collection, a long handler) makes
-  every step due meanwhile late by as much;
+* ``kvroute_sim_step_lateness_seconds``: for every step, how long after its modelled end
+  (its start plus its modelled duration; with the ``zero`` profile, its start) the stepping
+  task ran again: the simulator's own overrun, from computing the step (pure Python) to a
+  stall of the process (the scheduler giving its core to others, a collection, a long
+  handler), which makes every step due meanwhile late by as much;
 * ``kvroute_sim_gc_pause_seconds``: every garbage collection of the process (any
   generation), in wall time.
 
