@@ -40,8 +40,14 @@ and its growth over the second half; the p99 of the first and last quarter of th
 issue #26's 3x, the router's own p99 the same way, and the RSS slope over the second half).
 Each window also says what tells the router's own stalls from the machine's: the router's
 CPU (cores), the time its threads waited for a CPU (``router_runq_ms``, from the kernel's
-schedstat), the load average and the client's sending lag. The figures are recorded in
-``docs/benchmarks.md``.
+schedstat), how late its event loop woke (``router_loop_late_*``), the load average; the
+engines' step lateness, collections and run-queue wait; the load generator's sending lag, its
+own loop stalls, collections and run-queue wait; steal and iowait per CPU (``/proc/stat``);
+and the client's p99 from the intended send time beside the one from the actual send, which
+the verdict judges (the generator is open loop, so its lag is its own scheduling, never the
+router's back-pressure). ``soak_verdict`` sets apart, as an explicit category, windows whose
+excess the generator's own stall or steal covers (``machine_stall_ms``). The figures are
+recorded in ``docs/benchmarks.md``.
 
 Bounds: ``rate * seconds`` requests, open loop, at most 512 in flight, each at most
 ``request_timeout_s``; the run is cut at ``seconds + request_timeout_s + 30``. Loopback only;
@@ -484,9 +490,15 @@ def soak_windows(run: ClientRun, samples: Sequence[Mapping[str, Any]], *,
     the cores the engines used meanwhile (they share the machine with the router), how late
     the client sent its requests (a stalled load generator shows there), and the router's
     garbage collections and KV-event gaps, replays and resets since the sample before (full
-    collections in ms, all collections in ms, and how many of any kind took over 50 ms). A
-    window that starts before ``warmup_s`` is marked ``warmup`` (``soak_verdict`` reports it
-    apart)."""
+    collections in ms, all collections in ms, and how many of any kind took over 50 ms).
+    Stall sources (module docstring): ``p99_intended_ms`` (from the intended send time:
+    the lag plus the answer), ``lag_p99_ms``; ``client_*`` (the generator's longest loop stall
+    and its collections, from the sample that closes the window; its run-queue wait and
+    cores); ``steal_ms`` and ``iowait_ms`` per CPU; ``engines_runq_ms`` and the engines'
+    ``engine_*`` histograms, ``router_loop_*`` the router's loop lag (``*_max_le_ms``: the
+    bound of the bucket holding the worst, ``inf`` past the last; ``*_over_50ms``: how many
+    over 50 ms). A figure a sample lacks is None, never made up. A window that starts before
+    ``warmup_s`` is marked ``warmup`` (``soak_verdict`` reports it apart)."""
     ends: list[tuple[float, float | None, str | None, float | None]] = []
     lags: list[tuple[float, float]] = []
     for r in run.results:
