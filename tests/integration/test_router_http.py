@@ -717,6 +717,10 @@ def test_models_health_and_metrics(shared_fleet: Fleet, config_for: ConfigFor) -
         full = rt.metrics.value("kvroute_gc_pause_seconds_count", {"generation": "2"}) or 0
         gc.collect()
         assert rt.metrics.value("kvroute_gc_pause_seconds_count", {"generation": "2"}) == full + 1
+        # And its event loop's wake-ups (a stall of the whole loop shows there, in none of
+        # the requests' own times).
+        await wait_for(lambda: (rt.metrics.value("kvroute_event_loop_lag_seconds_count") or 0)
+                       > 0, what="a loop-lag observation")
 
     callbacks = len(gc.callbacks)
     run(with_router(config_for(shared_fleet), body))

@@ -166,7 +166,8 @@ class SoakSpec:
     engine_nice: int = 0
     """Nice value given to the simulated engines (every thread): above 0, the load generator
     is served first when the two want the same core, as a deployment's load generator would
-    never share the engines' core at all."""
+    never share the engines' core at all. On a machine shared with other jobs it starves the
+    engines behind them too (``docs/benchmarks.md``: their steps up to 250 ms late)."""
     client_gc: str = "freeze"
     """The load generator's collector during the run: ``freeze`` (the default: ``gc.freeze``
     once the stream and its result slots are built, so that a full collection of the
