@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 __all__ = ["CI_ENV", "NATS_URL", "ci_requires_suites", "nats_missing", "require_nats",
-           "skip_unless_required"]
+           "require_redis", "skip_unless_required"]
 
 CI_ENV = "KVROUTE_CI"
 
@@ -64,3 +64,18 @@ def require_nats(url: str = NATS_URL) -> None:
     reason = nats_missing(url)
     if reason is not None:
         skip_unless_required("the NATS suite", reason, env="KVROUTE_REQUIRE_NATS")
+
+
+def require_redis(url: str) -> None:
+    """Skip the calling test without a Redis server at ``url`` (fail under CI or
+    KVROUTE_REQUIRE_REDIS=1)."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        client.ping()
+        client.close()
+    except (redis.RedisError, OSError) as exc:
+        skip_unless_required("the Redis suite", f"Redis is not reachable at {url} "
+                             f"({exc}); start redis-server to run this",
+                             env="KVROUTE_REQUIRE_REDIS")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from required import require_nats, skip_unless_required
+from required import require_nats, require_redis
 
 from kvroute.bench.live_routers import RunningRouter
 from kvroute.bench.several_routers import (
@@ -59,14 +59,7 @@ TOTAL = WORKLOAD.num_requests
 
 def _require_services() -> None:
     require_nats(NATS_URL)
-    try:
-        client = redis.Redis.from_url(REDIS_URL, socket_timeout=0.5, socket_connect_timeout=0.5)
-        client.ping()
-        client.close()
-    except (redis.RedisError, OSError) as exc:
-        skip_unless_required("the Redis suite", f"Redis is not reachable at {REDIS_URL} "
-                             f"({exc}); start redis-server to run this",
-                             env="KVROUTE_REQUIRE_REDIS")
+    require_redis(REDIS_URL)
 
 
 @pytest.fixture(scope="module")
