@@ -106,6 +106,34 @@ def test_a_placement_reaches_the_peer_and_its_end_releases_the_load() -> None:
     run(main())
 
 
+def test_a_first_token_teaches_the_peer_the_rate_the_origin_learned() -> None:
+    async def main() -> None:
+        subject = f"kvroute.test.{secrets.token_hex(4)}"
+        a_core, b_core = make_core(1), make_core(2)
+        a = share(config(subject, "a"), a_core)
+        b = share(config(subject, "b"), b_core)
+        await a.start()
+        await b.start()
+        try:
+            await wait_for(lambda: "a" in b.view.peers() and "b" in a.view.peers(),
+                           "the routers to hear each other")
+            first = a_core.route(request("x", PROMPT))
+            await wait_for(lambda: b.view.in_flight("a") == 1, "the placement at b")
+            await asyncio.sleep(0.05)  # at least 50 ms to the first token: a rate sample
+            a_core.on_first_token(first.replica, RequestId("x"))
+            learned = a_core.load.snapshot(first.replica).prefill_rate_tps
+            assert learned < 10_000.0  # 320 tokens in 50 ms or more, against the configured
+            await wait_for(lambda: b.state()["rate_samples"] == 1, "the sample at b")
+            # exactly the origin's sample: when the news arrived does not enter it
+            assert b_core.load.snapshot(first.replica).prefill_rate_tps == learned
+            assert b.state()["bad_samples"] == 0
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(main())
+
+
 def test_seq_outbox_and_peer_seq_say_when_a_placement_has_reached_a_peer() -> None:
     """The stats ``bench/several_routers.py`` paces sibling requests on: a placement sits in
     the outbox until the publisher's turn, then goes out in batch ``seq``; the peer's

@@ -15,6 +15,9 @@ tokens were ahead of it and how many it had to compute itself; their sum over th
 time to first token is one sample of the replica's prefill rate. An exponentially weighted
 average of those samples (clamped to a sane band around the configured profile rate) makes
 heterogeneous replicas (a slower GPU, a noisy neighbour) cost what they really cost.
+``on_first_token`` returns the sample it learned from (``RateSample``: no id in it), and
+sibling routers fold a peer's sample in with ``learn_rate`` (``core/peers.py``): each router
+then learns from every first token of the fleet, not from its own share of them.
 
 Draining the queue between events: a replica that started a 100k-token prefill four seconds
 ago has far less than 100k tokens left, but nothing tells the router until the first token
@@ -84,6 +87,8 @@ MIN_RATE_SAMPLE_S = 0.01
 """A first token sooner than this after dispatch is mostly HTTP and a step's fixed cost, not
 prefill: it teaches no rate (one such sample would make an idle replica look many times
 faster than its peers and keep them out)."""
+MIN_RATE_SAMPLE_TOKENS = 256
+"""Work (queue ahead plus own prefill) below this is mostly fixed step costs: no rate sample."""
 MIN_ITL_SAMPLE_TOKENS = 8
 """Answers shorter than this say little about the inter-token latency and teach nothing."""
 SESSION_RETURN_S = 300.0
@@ -263,6 +268,32 @@ class AnswerLengths:
         if longer < MIN_LONGER_ANSWERS:
             return 0.0
         return self._suffix[first] / longer - made
+
+
+@dataclass(frozen=True, slots=True)
+class RateSample:
+    """One measurement of a replica's prefill rate, taken where the request was timed:
+    ``work_tokens`` (the drained queue ahead of the request plus its own prefill) computed in
+    ``ttft_s`` (its dispatch to its first token, on the timing router's clock). Holds no id:
+    it goes on the cluster bus as is (``core/peers.FirstToken``)."""
+
+    work_tokens: int
+    ttft_s: float
+
+    def problem(self) -> str | None:
+        """Why this is no measurement (a peer's garbage), or None."""
+        if type(self.work_tokens) is not int or self.work_tokens < 0:
+            return f"work_tokens must be an int >= 0, got {self.work_tokens!r}"
+        if not isinstance(self.ttft_s, (int, float)) or isinstance(self.ttft_s, bool):
+            return f"ttft_s must be a number, got {self.ttft_s!r}"
+        if not (math.isfinite(self.ttft_s) and self.ttft_s > 0.0):
+            return f"ttft_s must be finite and > 0 seconds, got {self.ttft_s!r}"
+        return None
+
+    def teaches(self) -> bool:
+        """Whether the sample says something of the rate: tiny prefills and very quick first
+        tokens are dominated by fixed step costs (``MIN_RATE_SAMPLE_S``, ``_TOKENS``)."""
+        return self.ttft_s >= MIN_RATE_SAMPLE_S and self.work_tokens >= MIN_RATE_SAMPLE_TOKENS
 
 
 @dataclass(slots=True)
@@ -562,13 +593,17 @@ class LoadTracker:
         record.last_chosen_s = now_s
 
     def on_first_token(self, replica: ReplicaId, request_id: RequestId, *, now_s: float,
-                       learn: bool = True) -> None:
-        """The request produced its first token: its prefill is done; learn the rate (unless
-        ``learn`` is False: another router's request, timed by when its news arrived)."""
+                       learn: bool = True) -> RateSample | None:
+        """The request produced its first token: its prefill is done; learn the rate from it
+        (unless ``learn`` is False: its time since dispatch is no sample of the rate).
+
+        Returns the sample learned from (None: none), for sibling routers to learn from too
+        (``core/peers.FirstToken``): they cannot time this request themselves.
+        """
         record = self._replicas.get(replica)
         flight = record.in_flight.get(request_id) if record else None
         if record is None or flight is None or flight.decoding:
-            return
+            return None
         flight.decoding = True
         flight.first_token_s = now_s
         flight.prefill_mark = record.prefill_dispatched_total
@@ -586,16 +621,36 @@ class LoadTracker:
         record.num_decoding += 1
         flight.predicted_step_s = record.timing.step_s(record.num_decoding,
                                                        record.decoding_context_tokens)
-        ttft_s = now_s - flight.dispatched_s
-        work_tokens = flight.queue_ahead_tokens + flight.prefill_tokens
-        # Tiny prefills are dominated by fixed step costs and say little about the rate.
-        if learn and ttft_s >= MIN_RATE_SAMPLE_S and work_tokens >= 256:
-            sample = work_tokens / ttft_s
-            low = record.base_rate_tps / RATE_CLAMP_FACTOR
-            high = record.base_rate_tps * RATE_CLAMP_FACTOR
-            sample = min(max(sample, low), high)
-            record.rate_tps += self._alpha * (sample - record.rate_tps)
-            record.rate_sampled_s = now_s
+        if not learn:
+            return None
+        sample = RateSample(flight.queue_ahead_tokens + flight.prefill_tokens,
+                            now_s - flight.dispatched_s)
+        if not sample.teaches():
+            return None
+        self.learn_rate(replica, sample, now_s=now_s)
+        return sample
+
+    def learn_rate(self, replica: ReplicaId, sample: RateSample, *, now_s: float) -> bool:
+        """Fold one sample of ``replica``'s prefill rate into the learned one (clamped to
+        ``RATE_CLAMP_FACTOR`` around the configured rate, then smoothed); whether it taught
+        anything (not: an unknown replica, or a sample too short to say much).
+
+        Raises:
+            ValueError: ``sample`` is not a measurement (``RateSample.problem``).
+        """
+        problem = sample.problem()
+        if problem is not None:
+            raise ValueError(f"rate sample {sample!r} for replica {replica!r}: {problem}")
+        record = self._replicas.get(replica)
+        if record is None or not sample.teaches():
+            return False
+        rate = sample.work_tokens / sample.ttft_s
+        low = record.base_rate_tps / RATE_CLAMP_FACTOR
+        high = record.base_rate_tps * RATE_CLAMP_FACTOR
+        rate = min(max(rate, low), high)
+        record.rate_tps += self._alpha * (rate - record.rate_tps)
+        record.rate_sampled_s = now_s
+        return True
 
     def on_complete(self, replica: ReplicaId, request_id: RequestId, *,
                     now_s: float | None = None, output_tokens: int | None = None) -> None:

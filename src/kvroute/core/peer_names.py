@@ -32,7 +32,7 @@ def conceal(names: Pseudonyms, item: Announcement) -> Announcement:
         tenant = None if item.tenant is None else TenantName(names.tenant(item.tenant))
         return replace(item, request_id=rid, tenant=tenant)
     if type(item) is FirstToken:
-        return FirstToken(rid, item.replica)
+        return replace(item, request_id=rid)  # its rate sample holds no id
     assert type(item) is Done
     return Done(rid, item.replica, item.output_tokens)
 

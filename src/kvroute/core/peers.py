@@ -17,9 +17,14 @@ the announcements over a bus.
   collide with a local request) and predicted entries in the tenant's scope; ``FirstToken``
   and ``Done`` move it on as they would a local request. Times are the local clock's at
   arrival: routers share no clock, and the bus adds well under a millisecond (docs/
-  benchmarks.md, "Several routers"). A peer's request teaches nothing: neither the prefill
-  rate nor the inter-token factor is learned from announcement arrival times (two of them
-  often share one batch); each router learns those from its own requests.
+  benchmarks.md, "Several routers"). Nothing is learned from announcement arrival times
+  (two of them often share one batch): the prefill rate is learned from the sample the
+  origin router timed itself, which its ``FirstToken`` carries (``rate_sample``: work
+  tokens and time to first token, no id), folded in by ``LoadTracker.learn_rate`` with the
+  clamp and smoothing of a local sample; the inter-token factor only from a router's own
+  requests. A ``FirstToken`` without a sample (a split's decode half, a short prefill, or a
+  peer of a version that sends none) teaches nothing; one whose sample is no measurement
+  (negative, zero or non-finite) is applied without it and counted in ``num_bad_samples``.
 * Expiry: every batch a peer sends (a heartbeat when it has nothing else) refreshes it;
   ``PeerView.expire`` drops a peer silent for ``expiry_s``, completing everything it had in
   flight, so a dead router's load vanishes. Its predicted entries expire on their own TTL.
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Final
 
 from kvroute.core.clock import Clock
 from kvroute.core.index import TenantScope
+from kvroute.core.load import RateSample
 from kvroute.core.types import ReplicaId, RequestId, TenantName, WireHash
 
 if TYPE_CHECKING:
@@ -83,10 +89,12 @@ class Placed:
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
-    """``request_id`` produced its first token on ``replica``."""
+    """``request_id`` produced its first token on ``replica``; ``rate_sample``: the prefill
+    rate sample the origin router learned from it (None: it learned none)."""
 
     request_id: str
     replica: ReplicaId
+    rate_sample: RateSample | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,10 @@ class PeerStats:
     """``FirstToken``/``Done`` for a request never placed (lost, or before our start)."""
     num_unknown_replica: int = 0
     """Announcements naming a replica this router does not have (configs differ)."""
+    num_rate_samples: int = 0
+    """Peers' prefill rate samples folded into the learned rates here."""
+    num_bad_samples: int = 0
+    """Peers' rate samples refused: not a measurement (``RateSample.problem``)."""
     num_expired_peers: int = 0
     num_expired_requests: int = 0
     num_evicted: int = 0
@@ -190,6 +202,12 @@ class PeerView:
                     self.stats.num_unknown += 1
                     continue
                 load.on_first_token(item.replica, rid, now_s=now, learn=False)
+                sample = item.rate_sample
+                if sample is not None:
+                    if sample.problem() is not None:
+                        self.stats.num_bad_samples += 1
+                    elif load.learn_rate(item.replica, sample, now_s=now):
+                        self.stats.num_rate_samples += 1
             else:
                 assert type(item) is Done
                 if record.in_flight.get(rid) != item.replica:

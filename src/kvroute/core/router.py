@@ -753,10 +753,12 @@ class RouterCore:
                        learn: bool = True) -> None:
         """The request's first token on ``replica``; ``learn=False`` when its time since
         dispatch is not a sample of that replica's prefill rate (a split's decode half: it
-        waited for another replica's prefill and the transfer)."""
-        self.load.on_first_token(replica, request_id, now_s=self._clock.now(), learn=learn)
+        waited for another replica's prefill and the transfer). Peers are told the rate
+        sample learned here, to learn it too (``core/peers.py``)."""
+        sample = self.load.on_first_token(replica, request_id, now_s=self._clock.now(),
+                                          learn=learn)
         if self.announce is not None:
-            self.announce(FirstToken(request_id, replica))
+            self.announce(FirstToken(request_id, replica, sample))
 
     def on_complete(self, replica: ReplicaId, request_id: RequestId, *,
                     output_tokens: int | None = None) -> None:

@@ -40,6 +40,12 @@ another secret or tenants, writes no predicted entries and is counted in
 hashes, never who sent what
 (``tests/integration/test_cluster_bus.py::test_the_bus_carries_no_tenant_session_or_request_id``).
 
+Prefill rates: a ``FirstToken`` carries the rate sample its origin timed (work tokens and
+time to first token, ``core/load.RateSample``) and peers fold it into their learned rate
+(``rate_samples``; one that is no measurement is refused and counted in ``bad_samples``), so
+three routers each learn from every first token, not a third of them. A peer that sends no
+sample (an older version) teaches nothing.
+
 Ordering: NATS keeps one publisher's messages in order on one connection, so a request's
 ``Placed``, ``FirstToken`` and ``Done`` arrive in that order. A batch lost in a reconnect is
 counted (``seq`` gaps) and can leave a peer request counted after it ended, until that peer
@@ -164,6 +170,8 @@ class ClusterSharing:
             "applied": stats.num_applied,
             "unknown": stats.num_unknown,
             "unknown_replica": stats.num_unknown_replica,
+            "rate_samples": stats.num_rate_samples,
+            "bad_samples": stats.num_bad_samples,
             "expired_peers": stats.num_expired_peers,
             "expired_requests": stats.num_expired_requests,
             "gaps": self.num_gaps,

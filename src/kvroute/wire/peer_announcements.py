@@ -6,12 +6,16 @@ tagged array so a placement with 100 block hashes costs about 1 KB::
     {"from": "router-a", "seq": 17, "bye": false,
      "items": [["p", id, replica, prefill, prompt, expected_out, predicted_out|nil,
                 session|nil, tenant|nil, [hash, ...], approximate],
-               ["f", id, replica],
+               ["f", id, replica, work_tokens|nil, ttft_s|nil],
                ["d", id, replica, output_tokens|nil]]}
 
 An empty ``items`` is a heartbeat; ``bye`` says the router is stopping (its peers drop its
 load at once instead of at expiry). ``seq`` counts batches per sender, so a receiver can
-count gaps. Decoding rejects anything else with ``PeerMessageError`` naming what was wrong:
+count gaps. A first token's ``work_tokens`` and ``ttft_s`` are the origin's prefill rate
+sample (``core/load.RateSample``), nil or absent when it learned none: a version that sends
+``["f", id, replica]`` is read as sending none, and one that reads only those three ignores
+the rest (msgspec skips trailing array items), so routers of both versions can share a bus
+during an upgrade. Decoding rejects anything else with ``PeerMessageError`` naming what was wrong:
 a bus is shared infrastructure and a foreign publisher on the subject must not crash a router.
 """
 
@@ -21,6 +25,7 @@ from typing import Final
 
 import msgspec
 
+from kvroute.core.load import RateSample
 from kvroute.core.peers import Announcement, Done, FirstToken, Placed
 from kvroute.core.types import ReplicaId, TenantName, WireHash
 
@@ -47,6 +52,8 @@ class _Placed(msgspec.Struct, array_like=True, tag="p"):
 class _FirstToken(msgspec.Struct, array_like=True, tag="f"):
     request_id: str
     replica: str
+    work_tokens: int | None = None
+    ttft_s: float | None = None
 
 
 class _Done(msgspec.Struct, array_like=True, tag="d"):
@@ -74,7 +81,9 @@ class PeerBatch(msgspec.Struct, rename={"sender": "from"}):
                     None if item.tenant is None else TenantName(item.tenant),
                     tuple(WireHash(h) for h in item.hashes), item.approximate))
             elif type(item) is _FirstToken:
-                out.append(FirstToken(item.request_id, ReplicaId(item.replica)))
+                sample = (None if item.work_tokens is None or item.ttft_s is None
+                          else RateSample(item.work_tokens, item.ttft_s))
+                out.append(FirstToken(item.request_id, ReplicaId(item.replica), sample))
             else:
                 assert type(item) is _Done
                 out.append(Done(item.request_id, ReplicaId(item.replica), item.output_tokens))
@@ -91,7 +100,10 @@ def _wire(item: Announcement) -> _Placed | _FirstToken | _Done:
                        item.expected_output_tokens, item.predicted_output_tokens, item.session,
                        item.tenant, list(item.hashes), item.approximate)
     if type(item) is FirstToken:
-        return _FirstToken(item.request_id, item.replica)
+        sample = item.rate_sample
+        if sample is None:
+            return _FirstToken(item.request_id, item.replica)
+        return _FirstToken(item.request_id, item.replica, sample.work_tokens, sample.ttft_s)
     assert type(item) is Done
     return _Done(item.request_id, item.replica, item.output_tokens)
 

@@ -3,6 +3,7 @@ receiver with the same secret and tenants gets the tenant back."""
 
 from __future__ import annotations
 
+from kvroute.core.load import RateSample
 from kvroute.core.peer_names import conceal, reveal
 from kvroute.core.peers import Done, FirstToken, Placed
 from kvroute.core.pseudonyms import Pseudonyms
@@ -20,7 +21,8 @@ def _placed(tenant: str | None) -> Placed:
 def test_conceal_hides_the_request_and_tenant_and_reveal_brings_the_tenant_back() -> None:
     sender = Pseudonyms(SECRET, ["acme", "globex"])
     receiver = Pseudonyms(SECRET, ["globex", "acme"])
-    sent = [conceal(sender, _placed("acme")), conceal(sender, FirstToken("req-1", R0)),
+    sample = RateSample(320, 0.1)
+    sent = [conceal(sender, _placed("acme")), conceal(sender, FirstToken("req-1", R0, sample)),
             conceal(sender, Done("req-1", R0, 7))]
     assert all(item.request_id != "req-1" and item.request_id == sent[0].request_id
                for item in sent)
@@ -31,6 +33,7 @@ def test_conceal_hides_the_request_and_tenant_and_reveal_brings_the_tenant_back(
     assert got[0] == Placed(sent[0].request_id, R0, 100, 120, 30, None, "sess-alias",
                             TenantName("acme"), (WireHash(1), WireHash(2)))
     assert got[1:] == sent[1:]
+    assert got[1] == FirstToken(sent[0].request_id, R0, sample)  # the sample, as timed
     assert reveal(receiver, [conceal(sender, _placed(None))])[0][0].hashes == (WireHash(1),
                                                                                  WireHash(2))
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import msgspec
 import pytest
 
 from kvroute.core.clock import ManualClock
 from kvroute.core.index import TenantScope
+from kvroute.core.load import RateSample
 from kvroute.core.peer_policies import make_policy
 from kvroute.core.peers import Announcement, Done, FirstToken, PeerView, Placed
 from kvroute.core.router import PoolSpec, ReplicaSpec, RouterCore, RouteRequest
@@ -144,3 +147,90 @@ def test_bad_settings_are_refused() -> None:
     clock = ManualClock()
     with pytest.raises(ValueError, match="expiry_s"):
         PeerView(make_core(clock, 0), clock=clock, expiry_s=0)
+
+
+def _rates(core: RouterCore) -> dict[ReplicaId, float]:
+    """The learned prefill rates (without the decay toward the configured rate since)."""
+    return {spec.name: core.load.snapshot(spec.name).prefill_rate_tps for spec in REPLICAS}
+
+
+def test_a_peers_first_token_teaches_the_rate_exactly_as_the_local_one() -> None:
+    clock = ManualClock()
+    a, b, view, sent = linked(clock)
+    d = a.route(request("x", PROMPT))
+    carry(view, sent)
+    clock.advance(0.1)  # 320 tokens in 0.1 s: a sample of 3,200 tokens/s, against 10,000
+    a.on_first_token(d.replica, RequestId("x"))
+    first = sent[0]
+    assert isinstance(first, FirstToken) and first.rate_sample == RateSample(320, 0.1)
+    clock.advance(0.3)  # arrival time is not the origin's: the sample is
+    carry(view, sent, 2)
+    learned = _rates(a)
+    assert learned[d.replica] == pytest.approx(10_000 + 0.2 * (3_200 - 10_000))
+    assert _rates(b) == learned
+    assert view.stats.num_rate_samples == 1 and view.stats.num_bad_samples == 0
+
+
+def test_a_first_token_without_a_sample_teaches_nothing() -> None:
+    # a peer of the version before samples sends ["f", id, replica]; a split's decode half
+    # and a short prefill send no sample either
+    clock = ManualClock()
+    a, b, view, sent = linked(clock)
+    d = a.route(request("x", PROMPT))
+    carry(view, sent)
+    clock.advance(0.1)
+    old = msgspec.msgpack.encode({"from": "a", "seq": 2, "items": [["f", "x", d.replica]]})
+    batch = decode_batch(old)
+    view.apply(batch.sender, batch.announcements())
+    assert batch.announcements() == [FirstToken("x", d.replica)]
+    assert b.load.snapshot(d.replica, clock.now()).num_decoding == 1  # the news still counts
+    assert set(_rates(b).values()) == {10_000.0}
+    assert view.stats.num_rate_samples == view.stats.num_bad_samples == 0
+    e = a.route(request("y", PROMPT + [5]))
+    clock.advance(0.1)
+    a.on_first_token(e.replica, RequestId("y"), learn=False)
+    assert sent[-1] == FirstToken("y", e.replica)
+
+
+class OldFirstToken(msgspec.Struct, array_like=True, tag="f"):
+    """A first token as the version before rate samples reads it."""
+
+    request_id: str
+    replica: str
+
+
+class OldBatch(msgspec.Struct, rename={"sender": "from"}):
+    sender: str
+    seq: int
+    items: list[OldFirstToken] = []
+    bye: bool = False
+
+
+def test_an_older_reader_skips_the_sample() -> None:
+    data = encode_batch("a", 1, [FirstToken("x", ReplicaId("r1"), RateSample(320, 0.1))])
+    assert msgspec.msgpack.decode(data, type=OldBatch).items == [OldFirstToken("x", "r1")]
+
+
+@pytest.mark.parametrize("sample", [RateSample(-320, 0.1), RateSample(320, math.nan),
+                                    RateSample(320, math.inf), RateSample(320, 0.0),
+                                    RateSample(320, -0.1)])
+def test_a_garbage_sample_is_refused_and_counted_not_raised(sample: RateSample) -> None:
+    clock = ManualClock()
+    a, b, view, sent = linked(clock)
+    d = a.route(request("x", PROMPT))
+    carry(view, sent)
+    clock.advance(0.1)
+    batch = decode_batch(encode_batch("a", 2, [FirstToken("x", d.replica, sample)]))
+    view.apply(batch.sender, batch.announcements())
+    assert view.stats.num_bad_samples == 1 and view.stats.num_rate_samples == 0
+    assert set(_rates(b).values()) == {10_000.0}
+    assert b.load.snapshot(d.replica, clock.now()).num_decoding == 1
+    with pytest.raises(ValueError, match="rate sample"):
+        b.load.learn_rate(d.replica, sample, now_s=clock.now())
+
+
+def test_a_sample_of_the_wrong_type_on_the_wire_is_a_clear_error() -> None:
+    bad = msgspec.msgpack.encode({"from": "a", "seq": 1,
+                                  "items": [["f", "x", "r1", 320, "fast"]]})
+    with pytest.raises(PeerMessageError):
+        decode_batch(bad)

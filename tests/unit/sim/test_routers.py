@@ -1,9 +1,10 @@
 """Several routers in front of one simulated fleet (``sim/routers.py``), in virtual time.
 
 The claim of docs/reliability.md's "Several routers" row, asserted where the machine's
-queueing cannot move it: three routers sharing their placements and in-flight load on a bus
-(1 ms) route a loaded shared-prefix workload within 3% of one router's hit rate and mean
-TTFT, and three routers sharing nothing but the engines' events measurably worse. And its
+queueing cannot move it: three routers sharing their placements, in-flight load and prefill
+rate samples on a bus (1 ms) route a loaded shared-prefix workload within 3% of one router's
+hit rate and mean TTFT (the mean over six draws of it), and three routers sharing nothing but
+the engines' events measurably worse. And its
 limit: siblings that reach different routers closer together than the bus delay are placed
 before any of them is announced, as without the bus.
 """
@@ -16,7 +17,12 @@ from kvroute.bench.workloads import generated_shared_prefix, sibling_fanout
 from kvroute.core.errors import ConfigError
 from kvroute.sim.fleet import DigestCache, FleetConfig, FleetResult, simulate
 from kvroute.sim.profiles import get_profile
-from kvroute.sim.routers import RoutersConfig, group_replicas_mean, simulate_routers
+from kvroute.sim.routers import (
+    RoutersConfig,
+    SeveralRoutersSimulation,
+    group_replicas_mean,
+    simulate_routers,
+)
 from kvroute.sim.workload import WorkloadRequest
 
 PROFILE = get_profile("llama-3.1-8b-h100")
@@ -39,45 +45,76 @@ def _run(workload: list[WorkloadRequest], routers: RoutersConfig | None,
     return simulate_routers(workload, _config(), routers, digests=digests)
 
 
+WORKLOAD_SEEDS = range(6)
+"""One draw of 256 requests moves three routers' TTFT mean against one router's by up to
+±10% with the order in which near-simultaneous choices fall (seeds 0-5 with the bus: -4.7 to
++10.5%); the claims are on the mean over six draws (docs/benchmarks.md, "In virtual time")."""
+
+
 @pytest.fixture(scope="module")
-def shared_prefix_runs() -> dict[str, FleetResult]:
+def shared_prefix_runs() -> dict[str, list[FleetResult]]:
     # 16 groups of 16 prompts sharing a 2048-token system prompt, Poisson at 50 req/s on 8
     # engines: a group's next request usually reaches another router before the engine has
-    # stored the first one's blocks.
-    workload = generated_shared_prefix(num_groups=16, prompts_per_group=16, rate=50.0)
+    # stored the first one's blocks. Six draws of it, one router / three with the bus /
+    # three without, about 20 s in all.
     digests = _digests()
-    return {
-        "one": _run(workload, None, digests),
-        "bus": _run(workload, RoutersConfig(count=3, bus=True, bus_delay_s=0.001), digests),
-        "none": _run(workload, RoutersConfig(count=3, bus=False), digests),
-    }
+    runs: dict[str, list[FleetResult]] = {"one": [], "bus": [], "none": []}
+    for seed in WORKLOAD_SEEDS:
+        workload = generated_shared_prefix(num_groups=16, prompts_per_group=16, rate=50.0,
+                                           seed=seed)
+        runs["one"].append(_run(workload, None, digests))
+        runs["bus"].append(_run(workload, RoutersConfig(count=3, bus=True, bus_delay_s=0.001),
+                                digests))
+        runs["none"].append(_run(workload, RoutersConfig(count=3, bus=False), digests))
+    return runs
+
+
+def _mean(results: list[FleetResult], figure: str) -> float:
+    return sum(float(result.summary()[figure]) for result in results) / len(results)
 
 
 def test_three_routers_on_the_bus_route_within_3_percent_of_one(
-        shared_prefix_runs: dict[str, FleetResult]) -> None:
-    one = shared_prefix_runs["one"].summary()
-    bus = shared_prefix_runs["bus"].summary()
-    assert one["completed"] == bus["completed"] == one["requests"]
+        shared_prefix_runs: dict[str, list[FleetResult]]) -> None:
+    one, bus = shared_prefix_runs["one"], shared_prefix_runs["bus"]
     for figure in ("token_hit_rate", "ttft_mean_s"):
-        ratio = float(bus[figure]) / float(one[figure])
-        assert abs(ratio - 1) <= 0.03, f"{figure}: 3 routers {bus[figure]} vs 1 {one[figure]}"
-    counters = shared_prefix_runs["bus"].counters
-    # every announcement reached both other routers and named a request they knew
-    assert counters["peer_applied"] == 2 * counters["bus_announcements"] > 0
-    assert counters["peer_unknown"] == counters["peer_unknown_tenant"] == 0
-    assert {counters[f"routed_by_router_{i}"] for i in range(3)} <= {85, 86}
+        ratio = _mean(bus, figure) / _mean(one, figure)
+        assert abs(ratio - 1) <= 0.03, f"{figure}: 3 routers {ratio:.4f} of 1 router's"
+    for single, shared in zip(one, bus, strict=True):
+        assert single.summary()["completed"] == shared.summary()["completed"] == 256
+        counters = shared.counters
+        # every announcement reached both other routers and named a request they knew
+        assert counters["peer_applied"] == 2 * counters["bus_announcements"] > 0
+        assert counters["peer_unknown"] == counters["peer_unknown_tenant"] == 0
+        # every rate sample a router learned from, its two peers learned from too
+        assert counters["peer_rate_samples"] == 2 * counters["bus_rate_samples"] > 0
+        assert counters["peer_bad_samples"] == 0
+        assert {counters[f"routed_by_router_{i}"] for i in range(3)} <= {85, 86}
+
+
+def test_on_the_bus_every_router_learns_the_prefill_rates_from_every_first_token() -> None:
+    # Each router alone learns from its own third of the first tokens and its rates drift
+    # apart from the others' (up to 8-15% on one replica here); with the samples on the bus
+    # they differ only by the order in which samples 1 ms apart were folded in.
+    workload = generated_shared_prefix(num_groups=16, prompts_per_group=16, rate=50.0)
+    sim = SeveralRoutersSimulation(_config(), workload,
+                                   RoutersConfig(count=3, bus=True, bus_delay_s=0.001),
+                                   digests=_digests())
+    counters = sim.run().counters
+    assert counters["bus_rate_samples"] > 20
+    cores = [walker.core for walker in sim.walkers]
+    for replica in cores[0].load.replicas():
+        rates = [core.load.snapshot(replica).prefill_rate_tps for core in cores]
+        assert max(rates) < 1.01 * min(rates), f"{replica}: {rates}"
 
 
 def test_three_routers_without_the_bus_are_measurably_worse(
-        shared_prefix_runs: dict[str, FleetResult]) -> None:
-    one = shared_prefix_runs["one"].summary()
-    bus = shared_prefix_runs["bus"].summary()
-    none = shared_prefix_runs["none"].summary()
-    assert float(none["token_hit_rate"]) < 0.98 * min(float(one["token_hit_rate"]),
-                                                      float(bus["token_hit_rate"]))
-    assert float(none["ttft_mean_s"]) > 1.1 * max(float(one["ttft_mean_s"]),
-                                                  float(bus["ttft_mean_s"]))
-    assert shared_prefix_runs["none"].counters.get("bus_announcements", 0) == 0
+        shared_prefix_runs: dict[str, list[FleetResult]]) -> None:
+    one, bus, none = (shared_prefix_runs[k] for k in ("one", "bus", "none"))
+    assert _mean(none, "token_hit_rate") < 0.98 * min(_mean(one, "token_hit_rate"),
+                                                      _mean(bus, "token_hit_rate"))
+    assert _mean(none, "ttft_mean_s") > 1.05 * max(_mean(one, "ttft_mean_s"),
+                                                   _mean(bus, "ttft_mean_s"))
+    assert all(result.counters.get("bus_announcements", 0) == 0 for result in none)
 
 
 def test_one_router_behind_the_front_is_the_ordinary_simulation() -> None:
