@@ -106,7 +106,7 @@ def test_a_placement_reaches_the_peer_and_its_end_releases_the_load() -> None:
     run(main())
 
 
-def test_a_first_token_teaches_the_peer_the_rate_the_origin_learned() -> None:
+def test_a_first_token_and_an_end_teach_the_peer_what_the_origin_learned() -> None:
     async def main() -> None:
         subject = f"kvroute.test.{secrets.token_hex(4)}"
         a_core, b_core = make_core(1), make_core(2)
@@ -126,6 +126,13 @@ def test_a_first_token_teaches_the_peer_the_rate_the_origin_learned() -> None:
             await wait_for(lambda: b.state()["rate_samples"] == 1, "the sample at b")
             # exactly the origin's sample: when the news arrived does not enter it
             assert b_core.load.snapshot(first.replica).prefill_rate_tps == learned
+            # and the end's inter-token sample likewise
+            await asyncio.sleep(0.05)
+            a_core.on_complete(first.replica, RequestId("x"), output_tokens=64)
+            itl_scale = a_core.load.snapshot(first.replica).itl_scale
+            assert itl_scale != 1.0
+            await wait_for(lambda: b.state()["itl_samples"] == 1, "the end's sample at b")
+            assert b_core.load.snapshot(first.replica).itl_scale == itl_scale
             assert b.state()["bad_samples"] == 0
         finally:
             await a.stop()

@@ -17,7 +17,9 @@ average of those samples (clamped to a sane band around the configured profile r
 heterogeneous replicas (a slower GPU, a noisy neighbour) cost what they really cost.
 ``on_first_token`` returns the sample it learned from (``RateSample``: no id in it), and
 sibling routers fold a peer's sample in with ``learn_rate`` (``core/peers.py``): each router
-then learns from every first token of the fleet, not from its own share of them.
+then learns from every first token of the fleet, not from its own share of them. The
+inter-token factor below is shared the same way (``on_complete`` returns its sample,
+``learn_itl_scale`` folds in a peer's).
 
 Draining the queue between events: a replica that started a 100k-token prefill four seconds
 ago has far less than 100k tokens left, but nothing tells the router until the first token
@@ -653,17 +655,22 @@ class LoadTracker:
         return True
 
     def on_complete(self, replica: ReplicaId, request_id: RequestId, *,
-                    now_s: float | None = None, output_tokens: int | None = None) -> None:
+                    now_s: float | None = None, output_tokens: int | None = None,
+                    learn_itl: bool = True) -> float | None:
         """The request ended (finished, failed or cancelled): release all it counted.
 
         With ``now_s`` and the answer's ``output_tokens``, a decoded answer also teaches the
-        replica's inter-token factor (module docstring).
+        replica's inter-token factor (module docstring), unless ``learn_itl`` is False
+        (another router's request: its times here are when the news arrived). Returns the
+        inter-token sample learned (observed over predicted step; None: none), for sibling
+        routers to learn too (``learn_itl_scale``).
         """
         record = self._replicas.get(replica)
         flight = record.in_flight.pop(request_id, None) if record else None
         if record is None or flight is None:
             self.num_unknown_completions += 1
-            return
+            return None
+        itl_sample: float | None = None
         if flight.decoding and output_tokens is not None and output_tokens > 0:
             self.answers.add(output_tokens)
         if flight.session is not None and now_s is not None:
@@ -684,7 +691,7 @@ class LoadTracker:
                 flight.context_tokens + flight.predicted_output_tokens // 2))
             record.decode_output_sum = max(0, record.decode_output_sum
                                            - flight.predicted_output_tokens)
-            if (now_s is not None and output_tokens is not None
+            if (learn_itl and now_s is not None and output_tokens is not None
                     and output_tokens >= MIN_ITL_SAMPLE_TOKENS and flight.predicted_step_s > 0):
                 # The prefill sent there while this answer decoded ran in the same steps: its
                 # time is the other requests' doing, not the decode model's error.
@@ -692,9 +699,8 @@ class LoadTracker:
                                   / max(record.rate_tps, 1e-9))
                 observed = max(0.0, now_s - flight.first_token_s - interference_s) / (
                     output_tokens - 1)
-                low, high = ITL_SCALE_BOUNDS
-                sample = min(max(observed / flight.predicted_step_s, low), high)
-                record.itl_scale += self._alpha * (sample - record.itl_scale)
+                itl_sample = observed / flight.predicted_step_s
+                self.learn_itl_scale(replica, itl_sample)
         else:
             record.waiting_context_tokens = max(0, record.waiting_context_tokens - (
                 flight.context_tokens + flight.predicted_output_tokens // 2))
@@ -706,6 +712,26 @@ class LoadTracker:
             record.backlog_tokens = min(record.backlog_tokens,
                                         float(record.outstanding_prefill_tokens))
         record.active_kv_tokens = max(0, record.active_kv_tokens - flight.kv_tokens)
+        return itl_sample
+
+    def learn_itl_scale(self, replica: ReplicaId, sample: float) -> bool:
+        """Fold one sample of ``replica``'s inter-token factor (an answer's observed step over
+        the step predicted at its first token) into the learned one (clamped to
+        ``ITL_SCALE_BOUNDS``, then smoothed); whether it taught anything (not: unknown replica).
+
+        Raises:
+            ValueError: ``sample`` is not a finite number >= 0.
+        """
+        if (not isinstance(sample, (int, float)) or isinstance(sample, bool)
+                or not math.isfinite(sample) or sample < 0.0):
+            raise ValueError(f"inter-token sample for replica {replica!r} must be a finite "
+                             f"number >= 0, got {sample!r}")
+        record = self._replicas.get(replica)
+        if record is None:
+            return False
+        low, high = ITL_SCALE_BOUNDS
+        record.itl_scale += self._alpha * (min(max(sample, low), high) - record.itl_scale)
+        return True
 
     def on_engine_metrics(
         self,

@@ -34,7 +34,7 @@ def conceal(names: Pseudonyms, item: Announcement) -> Announcement:
     if type(item) is FirstToken:
         return replace(item, request_id=rid)  # its rate sample holds no id
     assert type(item) is Done
-    return Done(rid, item.replica, item.output_tokens)
+    return replace(item, request_id=rid)  # its inter-token sample holds no id
 
 
 def reveal(names: Pseudonyms, items: Iterable[Announcement]) -> tuple[list[Announcement], int]:

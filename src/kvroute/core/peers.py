@@ -21,8 +21,10 @@ the announcements over a bus.
   (two of them often share one batch): the prefill rate is learned from the sample the
   origin router timed itself, which its ``FirstToken`` carries (``rate_sample``: work
   tokens and time to first token, no id), folded in by ``LoadTracker.learn_rate`` with the
-  clamp and smoothing of a local sample; the inter-token factor only from a router's own
-  requests. A ``FirstToken`` without a sample (a split's decode half, a short prefill, or a
+  clamp and smoothing of a local sample; the inter-token factor likewise from the sample
+  a ``Done`` carries (``itl_sample``: observed step over predicted, folded in by
+  ``LoadTracker.learn_itl_scale``), and the answer lengths from its output count. A
+  ``FirstToken`` or ``Done`` without a sample (a split's decode half, a short prefill, or a
   peer of a version that sends none) teaches nothing; one whose sample is no measurement
   (negative, zero or non-finite) is applied without it and counted in ``num_bad_samples``.
 * Expiry: every batch a peer sends (a heartbeat when it has nothing else) refreshes it;
@@ -38,6 +40,7 @@ sends ``Done`` cannot grow memory without bound.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -99,11 +102,14 @@ class FirstToken:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """``request_id`` ended on ``replica`` (finished, failed, cancelled or moved away)."""
+    """``request_id`` ended on ``replica`` (finished, failed, cancelled or moved away);
+    ``itl_sample``: the inter-token sample the origin router learned from it (observed step
+    over predicted, ``LoadTracker.on_complete``; None: none)."""
 
     request_id: str
     replica: ReplicaId
     output_tokens: int | None = None
+    itl_sample: float | None = None
 
 
 Announcement = Placed | FirstToken | Done
@@ -120,8 +126,10 @@ class PeerStats:
     """Announcements naming a replica this router does not have (configs differ)."""
     num_rate_samples: int = 0
     """Peers' prefill rate samples folded into the learned rates here."""
+    num_itl_samples: int = 0
+    """Peers' inter-token samples folded into the learned factors here."""
     num_bad_samples: int = 0
-    """Peers' rate samples refused: not a measurement (``RateSample.problem``)."""
+    """Peers' rate or inter-token samples refused: not a measurement."""
     num_expired_peers: int = 0
     num_expired_requests: int = 0
     num_evicted: int = 0
@@ -214,10 +222,17 @@ class PeerView:
                     self.stats.num_unknown += 1
                     continue
                 del record.in_flight[rid]
-                # No output count: it would teach the inter-token factor from the arrival times
-                # of two announcements (often in one batch), not from the engine's pace. The
-                # session rests here with its predicted answer.
-                load.on_complete(item.replica, rid, now_s=now)
+                # The answer's count (the session rests here with it), but no inter-token
+                # factor from the arrival times of two announcements (often in one batch):
+                # the origin's own sample, if any.
+                load.on_complete(item.replica, rid, now_s=now, output_tokens=item.output_tokens,
+                                 learn_itl=False)
+                itl = item.itl_sample
+                if itl is not None:
+                    if not (math.isfinite(itl) and itl >= 0.0):
+                        self.stats.num_bad_samples += 1
+                    elif load.learn_itl_scale(item.replica, itl):
+                        self.stats.num_itl_samples += 1
             self.stats.num_applied += 1
 
     def expire(self) -> list[str]:

@@ -764,10 +764,10 @@ class RouterCore:
                     output_tokens: int | None = None) -> None:
         """The request ended; ``output_tokens`` (the answer's count, when known) teaches the
         replica's inter-token factor."""
-        self.load.on_complete(replica, request_id, now_s=self._clock.now(),
-                              output_tokens=output_tokens)
+        itl_sample = self.load.on_complete(replica, request_id, now_s=self._clock.now(),
+                                           output_tokens=output_tokens)
         if self.announce is not None:
-            self.announce(Done(request_id, replica, output_tokens))
+            self.announce(Done(request_id, replica, output_tokens, itl_sample))
         self._release_adapter(request_id)
 
     def load_beside(self, replica: ReplicaId, request: RouteRequest) -> ReplicaLoad:

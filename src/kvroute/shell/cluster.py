@@ -43,8 +43,9 @@ hashes, never who sent what
 Prefill rates: a ``FirstToken`` carries the rate sample its origin timed (work tokens and
 time to first token, ``core/load.RateSample``) and peers fold it into their learned rate
 (``rate_samples``; one that is no measurement is refused and counted in ``bad_samples``), so
-three routers each learn from every first token, not a third of them. A peer that sends no
-sample (an older version) teaches nothing.
+three routers each learn from every first token, not a third of them; a ``Done`` likewise
+carries the origin's inter-token sample (``itl_samples``). A peer that sends no sample (an
+older version) teaches nothing.
 
 Ordering: NATS keeps one publisher's messages in order on one connection, so a request's
 ``Placed``, ``FirstToken`` and ``Done`` arrive in that order. A batch lost in a reconnect is
@@ -171,6 +172,7 @@ class ClusterSharing:
             "unknown": stats.num_unknown,
             "unknown_replica": stats.num_unknown_replica,
             "rate_samples": stats.num_rate_samples,
+            "itl_samples": stats.num_itl_samples,
             "bad_samples": stats.num_bad_samples,
             "expired_peers": stats.num_expired_peers,
             "expired_requests": stats.num_expired_requests,

@@ -321,7 +321,8 @@ class RouterMetrics:
             "Several routers (cluster.bus): connected (1/0), peers heard within the expiry, "
             "peer_requests (their requests counted as load here), published, dropped (not "
             "connected), received, applied, unknown (an end for a request never placed), "
-            "unknown_replica, rate_samples (peers' prefill rate samples learned from), bad_samples "
+            "unknown_replica, rate_samples and itl_samples (peers' prefill rate and inter-token "
+            "samples learned from), bad_samples "
             "(refused: no measurement), expired_peers, expired_requests, gaps (batches lost), bad "
             "(foreign bytes on the subject), seq (this router's last batch published), "
             "outbox (announcements not yet in a batch); counts since start.",

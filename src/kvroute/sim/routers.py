@@ -26,7 +26,8 @@ What each router is and shares, as live:
   the cluster pseudonyms on the way out and reveals the tenants on the way in,
   ``core/peers.PeerView.apply`` merges the batch into the receiving core. Routers key their
   sessions by the same pseudonyms (``RouterCore.session_names``) as live; a ``FirstToken``
-  carries the prefill rate sample its router learned, and the others learn it too. The
+  carries the prefill rate sample its router learned and a ``Done`` its inter-token
+  sample, and the others learn them too. The
   bus loses nothing and nobody leaves, so peers never expire (heartbeats are not modelled);
 * with ``bus`` off (the control), routers share only what the engines publish and the
   session table: what one router has just placed is invisible to the others until the
@@ -34,9 +35,10 @@ What each router is and shares, as live:
 
 ``SeveralRoutersSimulation.run`` returns the ordinary ``FleetResult``: its figures are the
 engines' and the requests', so one router and several compare column for column. Its
-``counters`` gain ``bus_batches``, ``bus_announcements``, ``bus_rate_samples`` (first tokens
-sent with a rate sample) and ``peer_applied`` / ``peer_unknown`` / ``peer_rate_samples`` /
-``peer_bad_samples`` (summed over routers), and ``routed_by_router_<i>`` per router.
+``counters`` gain ``bus_batches``, ``bus_announcements``, ``bus_rate_samples`` and
+``bus_itl_samples`` (first tokens and ends sent with a sample) and ``peer_applied`` /
+``peer_unknown`` / ``peer_rate_samples`` / ``peer_itl_samples`` / ``peer_bad_samples``
+(summed over routers), and ``routed_by_router_<i>`` per router.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import Final, cast
 
 from kvroute.core.errors import ConfigError
 from kvroute.core.peer_names import conceal, reveal
-from kvroute.core.peers import Announcement, FirstToken, PeerView
+from kvroute.core.peers import Announcement, Done, FirstToken, PeerView
 from kvroute.core.pseudonyms import Pseudonyms
 from kvroute.core.walk import Walker
 from kvroute.sim.fleet import (
@@ -177,6 +179,8 @@ class SeveralRoutersSimulation(FleetSimulation):
             self._push(self.clock.now() + self.routers_config.batch_s, _BUS_SEND, sender)
         if type(item) is FirstToken and item.rate_sample is not None:
             self._counters["bus_rate_samples"] += 1
+        elif type(item) is Done and item.itl_sample is not None:
+            self._counters["bus_itl_samples"] += 1
         outbox.append(conceal(self.pseudonyms, item))
 
     def _on_event(self, kind: int, data: object) -> None:
@@ -204,6 +208,7 @@ class SeveralRoutersSimulation(FleetSimulation):
         counters["peer_applied"] = sum(view.stats.num_applied for view in self.views)
         counters["peer_unknown"] = sum(view.stats.num_unknown for view in self.views)
         counters["peer_rate_samples"] = sum(view.stats.num_rate_samples for view in self.views)
+        counters["peer_itl_samples"] = sum(view.stats.num_itl_samples for view in self.views)
         counters["peer_bad_samples"] = sum(view.stats.num_bad_samples for view in self.views)
         counters["peer_unknown_tenant"] = self._num_unknown_tenant
         return result

@@ -7,12 +7,13 @@ tagged array so a placement with 100 block hashes costs about 1 KB::
      "items": [["p", id, replica, prefill, prompt, expected_out, predicted_out|nil,
                 session|nil, tenant|nil, [hash, ...], approximate],
                ["f", id, replica, work_tokens|nil, ttft_s|nil],
-               ["d", id, replica, output_tokens|nil]]}
+               ["d", id, replica, output_tokens|nil, itl_sample|nil]]}
 
 An empty ``items`` is a heartbeat; ``bye`` says the router is stopping (its peers drop its
 load at once instead of at expiry). ``seq`` counts batches per sender, so a receiver can
 count gaps. A first token's ``work_tokens`` and ``ttft_s`` are the origin's prefill rate
-sample (``core/load.RateSample``), nil or absent when it learned none: a version that sends
+sample (``core/load.RateSample``), and an end's ``itl_sample`` its inter-token sample, nil
+or absent when it learned none: a version that sends
 ``["f", id, replica]`` is read as sending none, and one that reads only those three ignores
 the rest (msgspec skips trailing array items), so routers of both versions can share a bus
 during an upgrade. Decoding rejects anything else with ``PeerMessageError`` naming what was wrong:
@@ -60,6 +61,7 @@ class _Done(msgspec.Struct, array_like=True, tag="d"):
     request_id: str
     replica: str
     output_tokens: int | None
+    itl_sample: float | None = None
 
 
 class PeerBatch(msgspec.Struct, rename={"sender": "from"}):
@@ -86,7 +88,8 @@ class PeerBatch(msgspec.Struct, rename={"sender": "from"}):
                 out.append(FirstToken(item.request_id, ReplicaId(item.replica), sample))
             else:
                 assert type(item) is _Done
-                out.append(Done(item.request_id, ReplicaId(item.replica), item.output_tokens))
+                out.append(Done(item.request_id, ReplicaId(item.replica), item.output_tokens,
+                                item.itl_sample))
         return out
 
 
@@ -105,7 +108,7 @@ def _wire(item: Announcement) -> _Placed | _FirstToken | _Done:
             return _FirstToken(item.request_id, item.replica)
         return _FirstToken(item.request_id, item.replica, sample.work_tokens, sample.ttft_s)
     assert type(item) is Done
-    return _Done(item.request_id, item.replica, item.output_tokens)
+    return _Done(item.request_id, item.replica, item.output_tokens, item.itl_sample)
 
 
 def encode_batch(sender: str, seq: int, items: list[Announcement], *, bye: bool = False) -> bytes:

@@ -23,7 +23,7 @@ def test_conceal_hides_the_request_and_tenant_and_reveal_brings_the_tenant_back(
     receiver = Pseudonyms(SECRET, ["globex", "acme"])
     sample = RateSample(320, 0.1)
     sent = [conceal(sender, _placed("acme")), conceal(sender, FirstToken("req-1", R0, sample)),
-            conceal(sender, Done("req-1", R0, 7))]
+            conceal(sender, Done("req-1", R0, 7, 1.5))]
     assert all(item.request_id != "req-1" and item.request_id == sent[0].request_id
                for item in sent)
     assert isinstance(sent[0], Placed) and sent[0].tenant not in (None, "acme")
@@ -34,6 +34,7 @@ def test_conceal_hides_the_request_and_tenant_and_reveal_brings_the_tenant_back(
                             TenantName("acme"), (WireHash(1), WireHash(2)))
     assert got[1:] == sent[1:]
     assert got[1] == FirstToken(sent[0].request_id, R0, sample)  # the sample, as timed
+    assert got[2] == Done(sent[0].request_id, R0, 7, 1.5)
     assert reveal(receiver, [conceal(sender, _placed(None))])[0][0].hashes == (WireHash(1),
                                                                                  WireHash(2))
 

@@ -234,3 +234,61 @@ def test_a_sample_of_the_wrong_type_on_the_wire_is_a_clear_error() -> None:
                                   "items": [["f", "x", "r1", 320, "fast"]]})
     with pytest.raises(PeerMessageError):
         decode_batch(bad)
+
+
+def _itl_scales(core: RouterCore) -> dict[ReplicaId, float]:
+    return {spec.name: core.load.snapshot(spec.name).itl_scale for spec in REPLICAS}
+
+
+def test_a_peers_end_teaches_the_inter_token_factor_exactly_as_the_local_one() -> None:
+    clock = ManualClock()
+    a, b, view, sent = linked(clock)
+    d = a.route(request("x", PROMPT))
+    clock.advance(0.1)
+    a.on_first_token(d.replica, RequestId("x"))
+    carry(view, sent)
+    clock.advance(2.0)  # 64 tokens in 2 s: far slower than the step model
+    a.on_complete(d.replica, RequestId("x"), output_tokens=64)
+    end = sent[0]
+    assert isinstance(end, Done) and end.itl_sample is not None and end.itl_sample > 1.0
+    clock.advance(0.5)  # when the news arrives does not enter it
+    carry(view, sent, 2)
+    learned = _itl_scales(a)
+    assert learned[d.replica] > 1.0
+    assert _itl_scales(b) == learned
+    assert view.stats.num_itl_samples == 1 and view.stats.num_bad_samples == 0
+
+
+def test_an_end_without_a_sample_teaches_no_inter_token_factor() -> None:
+    clock = ManualClock()
+    a, b, view, sent = linked(clock)
+    d = a.route(request("x", PROMPT))
+    clock.advance(0.1)
+    a.on_first_token(d.replica, RequestId("x"))
+    carry(view, sent)
+    clock.advance(2.0)
+    old = msgspec.msgpack.encode({"from": "a", "seq": 2,
+                                  "items": [["d", "x", d.replica, 64]]})  # the version before
+    batch = decode_batch(old)
+    assert batch.announcements() == [Done("x", d.replica, 64)]
+    view.apply(batch.sender, batch.announcements())
+    assert set(_itl_scales(b).values()) == {1.0}
+    assert b.load.snapshot(d.replica).num_in_flight == 0
+    assert view.stats.num_itl_samples == view.stats.num_bad_samples == 0
+
+
+@pytest.mark.parametrize("sample", [-1.0, math.nan, math.inf])
+def test_a_garbage_inter_token_sample_is_refused_and_counted_not_raised(sample: float) -> None:
+    clock = ManualClock()
+    a, b, view, sent = linked(clock)
+    d = a.route(request("x", PROMPT))
+    clock.advance(0.1)
+    a.on_first_token(d.replica, RequestId("x"))
+    carry(view, sent)
+    batch = decode_batch(encode_batch("a", 2, [Done("x", d.replica, 64, sample)]))
+    view.apply(batch.sender, batch.announcements())
+    assert view.stats.num_bad_samples == 1 and view.stats.num_itl_samples == 0
+    assert set(_itl_scales(b).values()) == {1.0}
+    assert b.load.snapshot(d.replica).num_in_flight == 0
+    with pytest.raises(ValueError, match="inter-token sample"):
+        b.load.learn_itl_scale(d.replica, sample)

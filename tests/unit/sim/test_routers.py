@@ -87,24 +87,28 @@ def test_three_routers_on_the_bus_route_within_3_percent_of_one(
         assert counters["peer_unknown"] == counters["peer_unknown_tenant"] == 0
         # every rate sample a router learned from, its two peers learned from too
         assert counters["peer_rate_samples"] == 2 * counters["bus_rate_samples"] > 0
+        assert counters["peer_itl_samples"] == 2 * counters["bus_itl_samples"] > 0
         assert counters["peer_bad_samples"] == 0
         assert {counters[f"routed_by_router_{i}"] for i in range(3)} <= {85, 86}
 
 
-def test_on_the_bus_every_router_learns_the_prefill_rates_from_every_first_token() -> None:
-    # Each router alone learns from its own third of the first tokens and its rates drift
-    # apart from the others' (up to 8-15% on one replica here); with the samples on the bus
-    # they differ only by the order in which samples 1 ms apart were folded in.
+def test_on_the_bus_every_router_learns_from_every_first_token_and_end() -> None:
+    # Each router alone learns prefill rates and inter-token factors from its own third of
+    # the requests, and drifts apart from the others (rates 8-15%, factors 5-8% on one
+    # replica here); with the samples on the bus they differ only by the order in which
+    # samples 1 ms apart were folded in.
     workload = generated_shared_prefix(num_groups=16, prompts_per_group=16, rate=50.0)
     sim = SeveralRoutersSimulation(_config(), workload,
                                    RoutersConfig(count=3, bus=True, bus_delay_s=0.001),
                                    digests=_digests())
     counters = sim.run().counters
-    assert counters["bus_rate_samples"] > 20
+    assert counters["bus_rate_samples"] > 20 and counters["bus_itl_samples"] > 20
     cores = [walker.core for walker in sim.walkers]
     for replica in cores[0].load.replicas():
         rates = [core.load.snapshot(replica).prefill_rate_tps for core in cores]
-        assert max(rates) < 1.01 * min(rates), f"{replica}: {rates}"
+        assert max(rates) < 1.02 * min(rates), f"{replica}: {rates}"
+        scales = [core.load.snapshot(replica).itl_scale for core in cores]
+        assert max(scales) < 1.01 * min(scales), f"{replica}: {scales}"
 
 
 def test_three_routers_without_the_bus_are_measurably_worse(
